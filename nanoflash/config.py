@@ -223,3 +223,46 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.agg must be sample_mean or token_mean, got {self.agg!r}")
         if self.group_size < 1 or self.n_prompts < 1:
             raise ValueError(f"GRPOConfig: n_prompts={self.n_prompts}, group_size={self.group_size} must be >= 1")
+
+
+@dataclass
+class ParallelConfig:
+    """The training engine's layout and memory knobs (read by `nanoflash.parallel`).
+
+    world = pp * dp * ep; dp=None means "whatever the world size leaves". The reference deployment (Miles,
+    V4-Flash on 16 MI355X) is pp=4, ep=4, dp=1 with recompute and optimizer offload.
+    """
+
+    pp: int = 1                       # pipeline stages
+    ep: int = 1                       # expert-parallel shards (experts split across these ranks)
+    dp: int | None = None             # data-parallel replicas; None = world // (pp * ep)
+    layer_split: tuple | None = None  # backbone layers per stage, e.g. (10, 11, 11, 11); None = even split
+    micro_batch_tokens: int = 8192    # max tokens per micro-batch per GPU (variable-length sequences packed)
+    recompute: bool = False           # per-layer activation recomputation (checkpointing)
+    offload_optimizer: bool = False   # keep fp32 master weights and Adam moments in host memory
+
+    def __post_init__(self):
+        for name in ("pp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ParallelConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.dp is not None and self.dp < 1:
+            raise ValueError(f"ParallelConfig.dp={self.dp} must be >= 1 or None")
+        if self.layer_split is not None:
+            self.layer_split = tuple(int(n) for n in self.layer_split)
+            if len(self.layer_split) != self.pp or min(self.layer_split) < 1:
+                raise ValueError(f"layer_split {self.layer_split} needs pp={self.pp} entries, each >= 1")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"ParallelConfig.micro_batch_tokens={self.micro_batch_tokens} must be >= 1")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with fp32 master weights; defaults are the V4 RL recipe (Miles): lr 1e-6, wd 0.1, betas 0.9/0.98."""
+
+    lr: float = 1e-6                  # learning rate
+    weight_decay: float = 0.1         # decoupled weight decay (matrices only; norms/biases/frozen get none)
+    beta1: float = 0.9                # Adam first-moment decay
+    beta2: float = 0.98               # Adam second-moment decay
+    eps: float = 1e-8                 # Adam denominator eps
+    grad_clip: float = 1.0            # global gradient-norm clip across all ranks (0 = off)
+    train_mtp: bool = False           # also train the MTP block (frozen in the V4 RL recipe)

@@ -1,0 +1,129 @@
+"""The process grid: world = PP x DP x EP (tensor parallelism is 1), with explicit process groups.
+
+Every rank has three coordinates. Ranks are laid out as `grid = arange(world).view(pp, dp, ep)`, so EP is the
+innermost (fastest-varying) axis: the ranks of one EP group are neighbours, i.e. on the same node, which is
+where the all-to-all traffic must stay. PP is the outermost axis.
+
+    pp_group    same (dp, ep), all stages          -> P2P of activations [B,S,M,D] and input ids
+    ep_group    same (pp, dp), all expert shards   -> all_to_all_single of routed tokens
+    dp_group    same (pp, ep), all replicas        -> all-reduce of *expert* gradients
+    data_group  same pp, all (dp, ep)              -> all-reduce of *dense* gradients (dense weights are
+                                                      replicated on every EP and DP rank of a stage)
+
+EP "borrows" its ranks from data parallelism: each EP rank reads its own slice of the batch, so one stage
+consumes `dp * ep` batch shards, numbered `data_rank = dp_rank * ep + ep_rank`.
+
+`ParallelDims` is passed around explicitly; there are no module-level singletons (unlike Megatron's
+`parallel_state` or picotron's process-group manager). With world size 1 every group is `None` and every
+collective in `nanoflash.parallel` short-circuits, so the single-process code path is the same code.
+
+Backend: `nccl` when CUDA is available, else `gloo` (CPU tests). Tests: `pytest tests/test_parallel_dims.py -q`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+INIT_TIMEOUT_S = 120  # collectives that wait longer than this raise instead of hanging a job or a test
+
+
+def default_backend() -> str:
+    """`nccl` on GPU machines, `gloo` on CPU-only machines."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class ParallelDims:
+    """This rank's place in the PP x DP x EP grid and the process groups it belongs to.
+
+    Equation: rank = (pp_rank * dp + dp_rank) * ep + ep_rank.
+    Shapes: grid [pp, dp, ep] of global ranks.
+    """
+
+    def __init__(self, pp: int = 1, ep: int = 1, dp: int | None = None):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if dp is None:
+            assert world % (pp * ep) == 0, f"world size {world} is not divisible by PP {pp} x EP {ep}"
+            dp = world // (pp * ep)
+        assert pp * dp * ep == world, f"world size ({world}) != PP ({pp}) * DP ({dp}) * EP ({ep})"
+        self.pp, self.dp, self.ep, self.world_size, self.rank = pp, dp, ep, world, rank
+        self.grid = torch.arange(world).view(pp, dp, ep)  # [pp, dp, ep]
+        coords = (self.grid == rank).nonzero()[0].tolist()
+        self.pp_rank, self.dp_rank, self.ep_rank = coords
+        # Every rank must create every group, in the same order (a torch.distributed rule).
+        self.pp_group = self._make_groups(self.grid.permute(1, 2, 0).reshape(-1, pp))   # rows: one pipeline
+        self.dp_group = self._make_groups(self.grid.permute(0, 2, 1).reshape(-1, dp))   # rows: one DP ring
+        self.ep_group = self._make_groups(self.grid.reshape(-1, ep))                     # rows: one EP group
+        self.data_group = self._make_groups(self.grid.reshape(pp, dp * ep))              # rows: one stage
+        self.pp_ranks = self.grid[:, self.dp_rank, self.ep_rank].tolist()  # global ranks of my pipeline
+
+    def _make_groups(self, rows: torch.Tensor):
+        """Create one group per row of global ranks; return the one holding this rank (None if trivial)."""
+        if self.world_size == 1 or rows.shape[1] == 1:
+            return None
+        mine = None
+        for row in rows.tolist():
+            group = dist.new_group(row)
+            if self.rank in row:
+                mine = group
+        return mine
+
+    # ------------------------------------------------------------------ coordinates
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def prev_rank(self) -> int | None:
+        """Global rank of the previous pipeline stage (None on the first stage)."""
+        return None if self.is_first_stage else self.pp_ranks[self.pp_rank - 1]
+
+    @property
+    def next_rank(self) -> int | None:
+        """Global rank of the next pipeline stage (None on the last stage)."""
+        return None if self.is_last_stage else self.pp_ranks[self.pp_rank + 1]
+
+    @property
+    def data_rank(self) -> int:
+        """Which of the `data_world` batch shards this rank's pipeline consumes."""
+        return self.dp_rank * self.ep + self.ep_rank
+
+    @property
+    def data_world(self) -> int:
+        return self.dp * self.ep
+
+    @property
+    def device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return (f"ParallelDims(rank={self.rank}/{self.world_size}, pp={self.pp_rank}/{self.pp}, "
+                f"dp={self.dp_rank}/{self.dp}, ep={self.ep_rank}/{self.ep})")
+
+
+def init_distributed(pp: int = 1, ep: int = 1, dp: int | None = None) -> ParallelDims:
+    """Initialise torch.distributed from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT) and build the grid. A plain `python` run (no WORLD_SIZE) is world size 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = default_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+    return ParallelDims(pp=pp, ep=ep, dp=dp)
+
+
+def print0(*args, dims: ParallelDims | None = None, **kwargs) -> None:
+    """print on global rank 0 only."""
+    rank = dims.rank if dims is not None else (dist.get_rank() if dist.is_initialized() else 0)
+    if rank == 0:
+        print(*args, **kwargs, flush=True)

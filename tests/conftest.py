@@ -1,0 +1,103 @@
+"""Shared test fixtures.
+
+`run_ranks(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in `world_size` fresh processes
+(spawn) joined into one gloo process group on a free localhost port, the CPU stand-in for a torchrun job.
+It returns the list of the ranks' return values (passed back through files, so tensors survive the child's
+exit), re-raises a child's exception with its traceback, and kills every rank after a timeout so that a
+deadlocked collective fails a test instead of hanging CI. Other helpers may append fixtures below.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+RUN_RANKS_TIMEOUT_S = 150  # one multi-rank test on the 2-core CI box takes < 30 s; 5x headroom, then kill
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, world_size, port, outdir, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks: threads would only fight
+    path = os.path.join(outdir, f"rank{rank}.pt")
+    try:
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=RUN_RANKS_TIMEOUT_S // 2))
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        raise SystemExit(1)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = RUN_RANKS_TIMEOUT_S, allow_killed: bool = False):
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results.
+
+    `fn` must be a module-level function (spawn pickles it by name). With `allow_killed=True`, ranks that
+    died by a signal (e.g. a test's deliberate SIGKILL) are not an error; their result is None.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as outdir:
+        port = free_port()
+        procs = [ctx.Process(target=_child, args=(r, world_size, port, outdir, fn, args), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            _wait(procs, deadline, allow_killed)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(outdir, f"rank{r}.pt")
+            out = torch.load(path, weights_only=False) if os.path.exists(path) else None
+            if out is not None and not out["ok"]:
+                errors.append(f"--- rank {r} ---\n{out['error']}")
+            results.append(out["result"] if out is not None and out["ok"] else None)
+        if errors:
+            raise RuntimeError("child rank(s) failed:\n" + "\n".join(errors))
+        bad = [(r, p.exitcode) for r, p in enumerate(procs)
+               if p.exitcode != 0 and not (allow_killed and p.exitcode is not None and p.exitcode < 0)]
+        if bad:
+            raise RuntimeError(f"rank(s) exited abnormally (rank, exitcode): {bad}")
+        return results
+
+
+def _wait(procs, deadline, allow_killed):
+    """Wait for all ranks; stop early when one fails (its peers would block forever in a collective)."""
+    while any(p.is_alive() for p in procs):
+        failed = [p for p in procs if p.exitcode not in (None, 0) and not (allow_killed and p.exitcode < 0)]
+        if failed:
+            time.sleep(1.0)  # give the peers a moment to write their own tracebacks
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run_ranks: ranks still running after the timeout; exit codes "
+                               f"{[p.exitcode for p in procs]}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def ranks():
+    """The `run_ranks` helper as a fixture."""
+    return run_ranks
