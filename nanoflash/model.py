@@ -1,0 +1,728 @@
+"""DeepSeek-V4-Flash in pure PyTorch: every block of the published model, in the official names.
+
+    tokens -> embed -> copy into M=4 mHC streams -> 43 x Block -> hc_head -> norm -> head -> logits
+    Block(h) = hc_post( MoE( ffn_norm( hc_pre(h') ) ) ),  h' = hc_post( Attention( attn_norm( hc_pre(h) ) ) )
+
+Reading order, top to bottom: RMSNorm, RoPE/YaRN, Linear, Compressor (token-level KV compression), Indexer
+(lightning indexer, C4 layers), Attention (sliding window 128 + compressed keys, one softmax with a per-head
+sink, inverse RoPE, grouped low-rank output), Gate (sqrt-softplus, hash routing), Expert, LocalDispatcher, MoE,
+mHC (Sinkhorn, hc_pre / hc_post / hc_head), Block, MTPBlock, Transformer. Equations and porting traps are in
+`shared/docs/deepseek_v4_spec.md` (section numbers below refer to it).
+
+How this differs from the official inference code (`inference/model.py`):
+* Training forward for every position; the official forward computes the last position only.
+* No FP8/FP4 storage inside the model: weights are dequantized (bf16 or fp32) at load time
+  (`nanoflash.checkpoint`). The official numerics (FP8 1x128 activation quantization before FP8 GEMMs, FP8 on
+  kv nope dims, Hadamard + FP4 on indexer q/k) are simulated with straight-through gradients when
+  `cfg.qat` is on; off by default, giving a "clean" reference.
+* Attention is a dense masked softmax over [window keys | compressed keys] computed in query chunks; the
+  official code gathers the selected keys in a TileLang kernel. Same set of keys, same single softmax.
+* Decoding: `new_cache()` + `forward(ids, start_pos, cache)` feeds the same functions with the kept window,
+  compressor remainder and compressed entries; there is no second implementation of the math.
+* No distributed code: expert / pipeline parallelism are applied to a built model by `nanoflash.parallel`.
+
+Shape legend: B batch, S sequence, D dim, H heads, Dh head dim, R rope dims, C compressed entries,
+M hc streams, E experts, K top-k, N tokens (B*S), T routed token slots.
+
+Tests: `pytest tests/test_model_blocks.py tests/test_model.py tests/test_hf_parity.py`.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nanoflash.config import ModelConfig
+from nanoflash.quant import fp4_sim, fp8_sim, hadamard
+
+KV_QAT_BLOCK = 64      # official act_quant block on kv nope dims
+ACT_QAT_BLOCK = 128    # official 1x128 activation quantization before FP8 / FP4 GEMMs
+FP4_QAT_BLOCK = 32     # official FP4 simulation block on indexer q / keys
+
+
+# ---------------------------------------------------------------------------------------------- norms, rope
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (spec §2.0).
+
+    Shapes: x [..., D] -> [..., D]
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def rope_inv_freq(rope_dim: int, base: float, factor: float, original_seq_len: int,
+                  beta_fast: int, beta_slow: int) -> torch.Tensor:
+    """inv_freq_i = base^(-2i/R); with YaRN (original_seq_len > 0) the low frequencies are divided by
+    `factor` through a linear ramp between the beta_fast / beta_slow correction dims (spec §2.3.3).
+
+    Shapes: -> [R/2] fp32
+    """
+    inv = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if original_seq_len > 0:
+        def corr_dim(n_rot):
+            return rope_dim * math.log(original_seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+        low = max(math.floor(corr_dim(beta_fast)), 0)
+        high = min(math.ceil(corr_dim(beta_slow)), rope_dim - 1)
+        high = high + 0.001 if low == high else high
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        inv = inv / factor * ramp + inv * (1 - ramp)
+    return inv
+
+
+def rope_angles(cfg: ModelConfig, compressed: bool, positions: torch.Tensor):
+    """cos, sin of the layer's rotary angles at integer `positions`: theta=rope_theta without YaRN on
+    sliding-only layers, compress_rope_theta with YaRN on compressed layers.
+
+    Shapes: positions [S] -> cos, sin [S, R/2] fp32
+    """
+    if compressed:
+        inv = rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor, cfg.original_seq_len,
+                            cfg.beta_fast, cfg.beta_slow)
+    else:
+        inv = rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, 1.0, 0, 0, 0)
+    ang = positions.to(torch.float32)[:, None] * inv.to(positions.device)[None, :]   # [S,R/2]
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of the LAST R dims by the angle of their position
+    (GPT-J style, official `apply_rotary_emb`); `inverse` rotates back. Other dims pass through.
+
+    Shapes: x [B,S,(H,)Dh], cos/sin [S,R/2] -> same as x
+    """
+    r = 2 * cos.shape[-1]
+    nope, rot = x[..., :-r], x[..., -r:].float()
+    if x.dim() == 4:
+        cos, sin = cos[:, None], sin[:, None]                     # [S,1,R/2]
+    x1, x2 = rot[..., 0::2], rot[..., 1::2]                       # [...,R/2]
+    sin = -sin if inverse else sin
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)   # [...,R]
+    return torch.cat([nope, out.to(x.dtype)], dim=-1)
+
+
+class Linear(nn.Linear):
+    """y = x W^T (no bias). With `qat_input` the input is FP8-quantized per 1x128 block first, as the
+    official FP8 / FP4 GEMMs do (straight-through gradient).
+
+    Shapes: x [..., in] -> [..., out]
+    """
+
+    def __init__(self, in_features: int, out_features: int, qat_input: bool = False):
+        super().__init__(in_features, out_features, bias=False)
+        self.qat_input = qat_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.weight.dtype)
+        if self.qat_input:
+            x = fp8_sim(x, ACT_QAT_BLOCK)
+        return F.linear(x, self.weight)
+
+
+# ---------------------------------------------------------------------------------------------- compressor
+@dataclass
+class CompressorState:
+    """Decode-time remainder of a Compressor: projected tokens of the incomplete window (from position
+    `start`, a multiple of m) and, for the overlapping C4 compressor, the last complete window."""
+    kv: torch.Tensor                      # [B,r,coff*d] fp32, r < m
+    score: torch.Tensor                   # [B,r,coff*d] fp32, ape already added
+    start: int = 0
+    prev_kv: Optional[torch.Tensor] = None     # [B,m,2d]
+    prev_score: Optional[torch.Tensor] = None  # [B,m,2d]
+
+
+class Compressor(nn.Module):
+    """Token-level KV compression (spec §2.3.5). Each complete window w of m tokens becomes one entry
+
+        c_w = sum_slots softmax_slots(wgate x + ape[t mod m]) * (wkv x)        (per channel, fp32)
+        c_w = rope(norm(c_w), position w*m)
+
+    C4 (m = 4) overlaps: the first half of the 2d features of window w-1 ("Ca") and the second half of window
+    w ("Cb") are pooled together (8 slots). Other ratios pool the m slots of their window.
+    Only complete windows are emitted; an entry w is visible to query t iff w < (t+1)//m.
+
+    Shapes: x [B,S,D] -> entries [B,S//m,d] (+ the remainder state for decoding)
+    """
+
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, rotate: bool = False):
+        super().__init__()
+        self.cfg, self.ratio, self.head_dim, self.rotate = cfg, ratio, head_dim, rotate
+        self.overlap = ratio == 4
+        coff = 2 if self.overlap else 1
+        self.ape = nn.Parameter(torch.zeros(ratio, coff * head_dim))
+        self.wkv = Linear(cfg.dim, coff * head_dim)
+        self.wgate = Linear(cfg.dim, coff * head_dim)
+        self.norm = RMSNorm(head_dim, cfg.norm_eps)
+
+    def project(self, x: torch.Tensor, start_pos: int):
+        """Per-token kv and gate scores in fp32, the absolute-position bias `ape[t mod m]` added to the score."""
+        xf = x.float()
+        kv = F.linear(xf, self.wkv.weight.float())                                  # [B,S,coff*d]
+        pos = torch.arange(start_pos, start_pos + x.shape[1], device=x.device) % self.ratio
+        score = F.linear(xf, self.wgate.weight.float()) + self.ape.float()[pos]     # [B,S,coff*d]
+        return kv, score
+
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, prev_kv=None, prev_score=None) -> torch.Tensor:
+        """Softmax-pool complete windows. kv/score [B,n*m,coff*d] -> [B,n,d] fp32."""
+        B, m, d = kv.shape[0], self.ratio, self.head_dim
+        kv, score = kv.unflatten(1, (-1, m)), score.unflatten(1, (-1, m))          # [B,n,m,coff*d]
+        if self.overlap:
+            if prev_kv is None:
+                prev_kv = kv.new_zeros(B, m, 2 * d)
+                prev_score = score.new_full((B, m, 2 * d), float("-inf"))
+            ca_kv = torch.cat([prev_kv[:, None], kv[:, :-1]], 1)[..., :d]            # [B,n,m,d] window w-1
+            ca_score = torch.cat([prev_score[:, None], score[:, :-1]], 1)[..., :d]
+            kv = torch.cat([ca_kv, kv[..., d:]], dim=2)                               # [B,n,2m,d]
+            score = torch.cat([ca_score, score[..., d:]], dim=2)                      # [B,n,2m,d]
+        return (kv * score.softmax(dim=2)).sum(dim=2)                                 # [B,n,d]
+
+    def forward(self, x: torch.Tensor, start_pos: int, state: Optional[CompressorState] = None):
+        kv, score = self.project(x, start_pos)
+        start = start_pos
+        prev_kv = prev_score = None
+        if state is not None:
+            kv, score = torch.cat([state.kv, kv], 1), torch.cat([state.score, score], 1)
+            start, prev_kv, prev_score = state.start, state.prev_kv, state.prev_score
+        assert start % self.ratio == 0, f"compressor windows must start at a multiple of {self.ratio}, got {start}"
+        n = kv.shape[1] // self.ratio
+        cut = n * self.ratio
+        c = self.pool(kv[:, :cut], score[:, :cut], prev_kv, prev_score)             # [B,n,d]
+        if n > 0 and self.overlap:
+            prev_kv, prev_score = kv[:, cut - self.ratio:cut], score[:, cut - self.ratio:cut]
+        new_state = CompressorState(kv[:, cut:], score[:, cut:], start + cut, prev_kv, prev_score)
+        return self.finish(c, start // self.ratio, x.dtype), new_state
+
+    def finish(self, c: torch.Tensor, w0: int, dtype: torch.dtype) -> torch.Tensor:
+        """norm, rope at position w*m, then the QAT simulation (FP8 nope dims, or Hadamard + FP4)."""
+        c = self.norm(c.to(dtype))
+        pos = (w0 + torch.arange(c.shape[1], device=c.device)) * self.ratio
+        c = apply_rope(c, *rope_angles(self.cfg, True, pos))
+        if self.cfg.qat and self.rotate:
+            c = fp4_sim(hadamard(c), FP4_QAT_BLOCK)
+        elif self.cfg.qat:
+            r = self.cfg.rope_head_dim
+            c = torch.cat([fp8_sim(c[..., :-r], KV_QAT_BLOCK), c[..., -r:]], -1)
+        return c
+
+
+# ---------------------------------------------------------------------------------------------- indexer
+class Indexer(nn.Module):
+    """Lightning indexer of C4 layers (spec §2.3.6): each query keeps the top-k visible compressed entries
+
+        score[t,u] = sum_h relu(qI[t,h] . KI[u]) * w[t,h],   qI = rope(wq_b(qr)),  w = weights_proj(x)/sqrt(dI*HI)
+        keep top-min(index_topk, C) of score over u < (t+1)//m
+
+    Top-k is not differentiable: the indexer gets no gradient (as in every V4 trainer).
+
+    Shapes: x [B,S,D], qr [B,S,q_lora_rank] -> keep mask [B,S,C] bool (+ keys [B,C,dI] for the cache)
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, qat_input=cfg.qat)
+        self.weights_proj = Linear(cfg.dim, cfg.index_n_heads)
+        self.compressor = Compressor(cfg, 4, cfg.index_head_dim, rotate=True)
+
+    def forward(self, x, qr, start_pos: int, keys_before: Optional[torch.Tensor], state=None):
+        cfg, (B, S, _) = self.cfg, x.shape
+        pos = torch.arange(start_pos, start_pos + S, device=x.device)
+        q = self.wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))    # [B,S,HI,dI]
+        q = apply_rope(q, *rope_angles(cfg, True, pos))
+        if cfg.qat:
+            q = fp4_sim(hadamard(q), FP4_QAT_BLOCK)
+        new_keys, state = self.compressor(x, start_pos, state)
+        keys = new_keys if keys_before is None else torch.cat([keys_before, new_keys], 1)  # [B,C,dI]
+        w = self.weights_proj(x).float() * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+        with torch.no_grad():
+            score = torch.einsum("bshd,bcd->bshc", q.float(), keys.float()).relu()     # [B,S,HI,C]
+            score = (score * w.detach()[..., None]).sum(2)                              # [B,S,C]
+            visible = torch.arange(keys.shape[1], device=x.device)[None, :] < (pos[:, None] + 1) // 4  # [S,C]
+            score = score.masked_fill(~visible, float("-inf"))
+            k = min(cfg.index_topk, keys.shape[1])
+            top = score.topk(k, dim=-1).indices                                        # [B,S,k]
+            keep = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True) & visible
+        return keep, keys, state
+
+
+# ---------------------------------------------------------------------------------------------- attention
+@dataclass
+class LayerCache:
+    """What one attention layer keeps between decode calls: the last W-1 window keys, the compressed
+    entries so far, and the compressors' remainders (all fp32/activation dtype)."""
+    window: Optional[torch.Tensor] = None        # [B,<W,Dh]
+    comp: Optional[torch.Tensor] = None          # [B,C,Dh]
+    comp_state: Optional[CompressorState] = None
+    index_keys: Optional[torch.Tensor] = None    # [B,C,dI]
+    index_state: Optional[CompressorState] = None
+
+
+def sink_attention(q, keys, key_mask, sink, scale):
+    """One softmax over the selected keys plus a per-head sink logit that only adds to the denominator:
+        p_j = exp(l_j) / (sum_j exp(l_j) + exp(sink_h)),   l_j = (q . k_j) * scale,   o = sum_j p_j k_j   (V = K)
+
+    Shapes: q [B,s,H,Dh], keys [B,L,Dh], key_mask [B or 1,s,L] bool, sink [H] -> o [B,s,H,Dh]
+    """
+    logits = torch.einsum("bshd,bld->bhsl", q.float(), keys.float()) * scale           # [B,H,s,L]
+    logits = logits.masked_fill(~key_mask[:, None], float("-inf"))
+    sink_col = sink.float()[None, :, None, None].expand(*logits.shape[:3], 1)         # [B,H,s,1]
+    p = torch.cat([logits, sink_col], -1).softmax(-1)[..., :-1]                        # [B,H,s,L]
+    return torch.einsum("bhsl,bld->bshd", p, keys.float()).to(q.dtype)
+
+
+class Attention(nn.Module):
+    """V4 attention (spec §2.3): low-rank q with per-head unweighted RMS, one shared K=V head, a sliding window
+    of W keys [t-W+1, t], and in compressed layers the entries of a Compressor (C4: the indexer's top-k;
+    C128: every visible entry), all in ONE softmax with a per-head sink; inverse RoPE on the output, then the
+    grouped low-rank output projection  out = wo_b( concat_g( wo_a[g] . o[heads of g] ) ).
+
+    Shapes: x [B,S,D] -> [B,S,D]
+    """
+
+    def __init__(self, layer_id: int, cfg: ModelConfig):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        self.ratio = cfg.compress_ratios[layer_id]
+        H, Dh, q8 = cfg.n_heads, cfg.head_dim, cfg.qat
+        self.attn_sink = nn.Parameter(torch.zeros(H))
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, qat_input=q8)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, H * Dh, qat_input=q8)
+        self.wkv = Linear(cfg.dim, Dh, qat_input=q8)
+        self.kv_norm = RMSNorm(Dh, cfg.norm_eps)
+        self.wo_a = Linear(H * Dh // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, qat_input=q8)
+        if self.ratio:
+            self.compressor = Compressor(cfg, self.ratio, Dh)
+        if self.ratio == 4:
+            self.indexer = Indexer(cfg)
+
+    def forward(self, x: torch.Tensor, start_pos: int = 0, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        cfg, (B, S, _) = self.cfg, x.shape
+        pos = torch.arange(start_pos, start_pos + S, device=x.device)
+        cos, sin = rope_angles(cfg, self.ratio > 0, pos)
+        qr = self.q_norm(self.wq_a(x))                                                  # [B,S,q_lora]
+        q = self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim))                   # [B,S,H,Dh]
+        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + cfg.norm_eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)                            # [B,S,Dh]
+        if cfg.qat:
+            r = cfg.rope_head_dim
+            kv = torch.cat([fp8_sim(kv[..., :-r], KV_QAT_BLOCK), kv[..., -r:]], -1)
+        cache = cache if cache is not None else LayerCache()
+        window = kv if cache.window is None else torch.cat([cache.window, kv], 1)      # [B,Lw,Dh]
+        comp, keep = self.compressed_keys(x, qr, start_pos, cache)
+        o = self.attend(q, start_pos, window, comp, keep)                               # [B,S,H,Dh]
+        cache.window = window[:, -(cfg.window_size - 1):] if cfg.window_size > 1 else window[:, :0]
+        o = apply_rope(o, cos, sin, inverse=True)
+        o = o.flatten(2).unflatten(-1, (cfg.o_groups, -1))                              # [B,S,G,H*Dh/G]
+        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)                 # [G,r_o,H*Dh/G]
+        z = torch.einsum("bsgd,grd->bsgr", o.to(wo_a.dtype), wo_a)                     # [B,S,G,r_o]
+        return self.wo_b(z.flatten(2))
+
+    def compressed_keys(self, x, qr, start_pos, cache: LayerCache):
+        """Compressed entries (cached + new) and which of them each query keeps. -> [B,C,Dh], [B|1,S,C]"""
+        if not self.ratio:
+            return None, None
+        new, cache.comp_state = self.compressor(x, start_pos, cache.comp_state)
+        comp = new if cache.comp is None else torch.cat([cache.comp, new], 1)           # [B,C,Dh]
+        cache.comp = comp
+        if self.ratio == 4:
+            keep, cache.index_keys, cache.index_state = self.indexer(
+                x, qr, start_pos, cache.index_keys, cache.index_state)
+        else:
+            pos = torch.arange(start_pos, start_pos + x.shape[1], device=x.device)
+            keep = (torch.arange(comp.shape[1], device=x.device)[None] < (pos[:, None] + 1) // self.ratio)[None]
+        return comp, keep
+
+    def attend(self, q, start_pos: int, window, comp, keep):
+        """Chunk the queries; each chunk sees its window slice and the compressed entries it keeps."""
+        W, S, out = self.cfg.window_size, q.shape[1], []
+        first = start_pos + S - window.shape[1]                       # position of window[:, 0]
+        for a in range(0, S, self.cfg.attn_chunk):
+            b = min(a + self.cfg.attn_chunk, S)
+            lo = max(start_pos + a - W + 1 - first, 0)
+            hi = start_pos + b - first
+            kpos = torch.arange(first + lo, first + hi, device=q.device)              # [L]
+            qpos = torch.arange(start_pos + a, start_pos + b, device=q.device)        # [s]
+            dist = qpos[:, None] - kpos[None, :]                                      # [s,L]
+            mask = ((dist >= 0) & (dist < W))[None]                                   # [1,s,L]
+            keys = window[:, lo:hi]
+            if comp is not None:
+                keys = torch.cat([keys, comp], 1)
+                mask = torch.cat([mask.expand(keep.shape[0], -1, -1), keep[:, a:b]], -1)
+            out.append(sink_attention(q[:, a:b], keys, mask, self.attn_sink, self.cfg.head_dim ** -0.5))
+        return torch.cat(out, 1)
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+class Gate(nn.Module):
+    """Router (spec §2.4.1): s = sqrt(softplus(x W^T)) in fp32; experts = tid2eid[token id] on hash layers,
+    else top-k of (s + bias) (bias for selection only); weights = route_scale * s[idx] / sum s[idx].
+
+    Shapes: x [N,D], ids [N] -> weights [N,K] fp32, indices [N,K] int64
+    """
+
+    def __init__(self, layer_id: int, cfg: ModelConfig):
+        super().__init__()
+        self.cfg, self.hash = cfg, cfg.is_hash_layer(layer_id)
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim))
+        if self.hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.int64))
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+        self.replay: Optional[torch.Tensor] = None   # routing replay (R3): [N,K] experts chosen by the rollout
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor):
+        logits = F.linear(x.float(), self.weight.float())                              # [N,E]
+        if self.cfg.score_func == "softmax":
+            s = logits.softmax(-1)
+        elif self.cfg.score_func == "sigmoid":
+            s = logits.sigmoid()
+        else:
+            s = F.softplus(logits).sqrt()
+        if self.hash:
+            idx = self.tid2eid[ids]
+        elif self.replay is not None:
+            idx = self.replay.to(x.device)
+        else:
+            idx = (s + self.bias.float()).topk(self.cfg.n_activated_experts, dim=-1).indices
+        w = s.gather(1, idx)                                                            # [N,K]
+        if self.cfg.score_func != "softmax":
+            w = w / w.sum(-1, keepdim=True)
+        return w * self.cfg.route_scale, idx
+
+
+class Expert(nn.Module):
+    """SwiGLU expert: y = w2( rw * silu(min(w1 x, L)) * clamp(w3 x, -L, L) ) with the routing weight rw applied
+    before w2 in fp32 (spec §2.4.2). The shared expert has no clamp (L = 0) and no rw.
+
+    Shapes: x [T,D], rw [T,1] or None -> [T,D]
+    """
+
+    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float = 0.0, qat: bool = False):
+        super().__init__()
+        self.w1 = Linear(dim, inter_dim, qat_input=qat)
+        self.w2 = Linear(inter_dim, dim, qat_input=qat)
+        self.w3 = Linear(dim, inter_dim, qat_input=qat)
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor, rw: Optional[torch.Tensor] = None) -> torch.Tensor:
+        g, u = self.w1(x).float(), self.w3(x).float()
+        if self.swiglu_limit > 0:
+            g = g.clamp(max=self.swiglu_limit)
+            u = u.clamp(-self.swiglu_limit, self.swiglu_limit)
+        a = F.silu(g) * u
+        if rw is not None:
+            a = a * rw
+        return self.w2(a.to(x.dtype))
+
+
+class LocalDispatcher:
+    """Token dispatcher for EP = 1: sort the N*K (token, expert) slots by expert; combine sums them back.
+
+    Shapes: dispatch x [N,D], indices/weights [N,K] -> x_sorted [T,D], w_sorted [T,1], counts [E_local];
+            combine y_sorted [T,D] -> [N,D] fp32
+    """
+
+    def __init__(self, local_experts: list):
+        self.local_experts = list(local_experts)
+
+    def dispatch(self, x, indices, weights):
+        K = indices.shape[1]
+        order = indices.flatten().argsort(stable=True)                                  # [T]
+        counts = torch.bincount(indices.flatten(), minlength=max(self.local_experts) + 1)
+        token = order // K
+        return x[token], weights.flatten()[order, None], counts[self.local_experts].tolist(), (token, x.shape[0])
+
+    def combine(self, y, ctx):
+        token, n = ctx
+        return y.new_zeros(n, y.shape[1], dtype=torch.float32).index_add_(0, token, y.float())
+
+
+class MoE(nn.Module):
+    """y = sum_{e in top-k} w_e * Expert_e(x) + SharedExpert(x), summed in fp32 (spec §2.4).
+
+    Shapes: x [B,S,D], ids [B,S] -> [B,S,D]
+    """
+
+    def __init__(self, layer_id: int, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Gate(layer_id, cfg)
+        self.experts = nn.ModuleDict({str(e): Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, cfg.qat)
+                                      for e in range(cfg.n_routed_experts)})
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, 0.0, cfg.qat)
+        self.local_experts = list(range(cfg.n_routed_experts))
+        self.dispatcher = LocalDispatcher(self.local_experts)
+        self.last_indices: Optional[torch.Tensor] = None   # [N,K] experts of the last forward (routing replay)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        xf = x.flatten(0, 1)                                                            # [N,D]
+        weights, indices = self.gate(xf, ids.flatten())
+        self.last_indices = indices.detach()
+        xs, ws, counts, ctx = self.dispatcher.dispatch(xf, indices, weights)
+        ys, off = [], 0
+        for e, n in zip(self.local_experts, counts):
+            if n:
+                ys.append(self.experts[str(e)](xs[off:off + n], ws[off:off + n]))
+            off += n
+        y = self.dispatcher.combine(torch.cat(ys) if ys else xs[:0], ctx)              # [N,D] fp32
+        y = y + self.shared_experts(xf).float()
+        return y.to(x.dtype).view_as(x)
+
+
+# ---------------------------------------------------------------------------------------------- mHC
+def hc_split_sinkhorn(mixes, scale, base, M: int, iters: int, eps: float):
+    """mixes [..., (2+M)*M] -> pre [...,M] = sigmoid(.)+eps, post [...,M] = 2 sigmoid(.),
+    comb [...,M,M] = Sinkhorn(softmax(.)+eps): column-normalize, then (iters-1) x (rows, columns)  (spec §2.2.1)."""
+    pre = torch.sigmoid(mixes[..., :M] * scale[0] + base[:M]) + eps
+    post = 2 * torch.sigmoid(mixes[..., M:2 * M] * scale[1] + base[M:2 * M])
+    c = (mixes[..., 2 * M:] * scale[2] + base[2 * M:]).unflatten(-1, (M, M))            # [...,M,M] row-major
+    comb = c.softmax(-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def hc_mixes(h: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """(flatten(h) . fn^T) * rsqrt(mean(flatten(h)^2) + eps) in fp32.  h [B,S,M,D] -> [B,S,rows(fn)]"""
+    hf = h.flatten(2).float()                                                          # [B,S,M*D]
+    return F.linear(hf, fn.float()) * torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)
+
+
+def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """y = sum_j pre_j h_j in fp32, cast back.  h [B,S,M,D], pre [B,S,M] -> [B,S,D]"""
+    return (pre.unsqueeze(-1) * h.float()).sum(2).to(h.dtype)
+
+
+def hc_post(x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out_k = post_k x + sum_j comb[j,k] res_j  -- comb applied TRANSPOSED (spec §2.2.2), fp32 then cast.
+
+    Shapes: x [B,S,D], res [B,S,M,D], post [B,S,M], comb [B,S,M,M] -> [B,S,M,D]
+    """
+    mixed = torch.einsum("bsjk,bsjd->bskd", comb, res.float())                         # [B,S,M,D]
+    return (post.unsqueeze(-1) * x.float().unsqueeze(-2) + mixed).to(x.dtype)
+
+
+def hc_head(h, fn, scale, base, cfg: ModelConfig) -> torch.Tensor:
+    """Final collapse of the streams: pre = sigmoid(mixes*scale + base) + hc_eps (no Sinkhorn, no post).
+    h [B,S,M,D] -> [B,S,D]"""
+    pre = torch.sigmoid(hc_mixes(h, fn, cfg.norm_eps) * scale.float() + base.float()) + cfg.hc_eps
+    return hc_collapse(h, pre)
+
+
+# ---------------------------------------------------------------------------------------------- blocks
+class Block(nn.Module):
+    """One V4 layer with manifold-constrained hyper-connections (spec §2.1-2.2):
+
+        x1, post, comb = hc_pre(h);   h = hc_post(Attention(attn_norm(x1)), h, post, comb)
+        x2, post, comb = hc_pre(h);   h = hc_post(MoE(ffn_norm(x2)),        h, post, comb)
+
+    Shapes: h [B,S,M,D], ids [B,S] -> [B,S,M,D]
+    """
+
+    def __init__(self, layer_id: int, cfg: ModelConfig):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        M, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
+        self.attn = Attention(layer_id, cfg)
+        self.ffn = MoE(layer_id, cfg)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hc_attn_fn = nn.Parameter(torch.empty(mix, M * cfg.dim))
+        self.hc_ffn_fn = nn.Parameter(torch.empty(mix, M * cfg.dim))
+        self.hc_attn_base = nn.Parameter(torch.zeros(mix))
+        self.hc_ffn_base = nn.Parameter(torch.zeros(mix))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3))
+
+    def hc_pre(self, h, fn, scale, base):
+        """Collapse the M streams into one sublayer input; return the post / comb coefficients."""
+        cfg = self.cfg
+        pre, post, comb = hc_split_sinkhorn(hc_mixes(h, fn, cfg.norm_eps), scale.float(), base.float(),
+                                            cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        return hc_collapse(h, pre), post, comb
+
+    def forward(self, h, ids, start_pos: int = 0, cache: Optional[LayerCache] = None):
+        x, post, comb = self.hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        h = hc_post(self.attn(self.attn_norm(x), start_pos, cache), h, post, comb)
+        x, post, comb = self.hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        return hc_post(self.ffn(self.ffn_norm(x), ids), h, post, comb)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction (spec §2.7): predicts token s+2 from the main streams at s and token s+1.
+
+        x = e_proj(enorm(embed[next_ids])) + h_proj(hnorm(h))   (per stream);  x = Block_43(x)
+        logits = head(norm(hc_head(x)))       (embed and head shared with the main model)
+
+    Shapes: h [B,S,M,D], next_ids [B,S] -> streams [B,S,M,D]
+    """
+
+    def __init__(self, layer_id: int, cfg: ModelConfig):
+        super().__init__(layer_id, cfg)
+        self.e_proj = Linear(cfg.dim, cfg.dim, qat_input=cfg.qat)
+        self.h_proj = Linear(cfg.dim, cfg.dim, qat_input=cfg.qat)
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.dim))
+        self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, h, next_ids, embed: nn.Embedding):
+        e = self.enorm(embed(next_ids))                                                 # [B,S,D]
+        x = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(h))                    # [B,S,M,D]
+        return super().forward(x, next_ids)
+
+
+# ---------------------------------------------------------------------------------------------- transformer
+class Transformer(nn.Module):
+    """DeepSeek-V4: embed -> M copies -> blocks -> hc_head -> norm -> head (fp32 logits), plus MTP.
+
+    Stage seams (pipeline parallelism keeps a subset of `layers`, and embed / head only where needed):
+    embed_streams -> run_layers -> logits | token_logprobs.
+
+    Shapes: input_ids [B,S] -> logits [B,S,V] fp32
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.recompute = False     # per-layer activation recomputation (torch.utils.checkpoint)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(i, cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = Linear(cfg.dim, cfg.vocab_size)
+        self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.dim))
+        self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self.mtp = nn.ModuleDict({str(i): MTPBlock(cfg.n_layers + i, cfg) for i in range(cfg.n_mtp_layers)})
+
+    # ------------------------------------------------------------------ stage seams
+    def embed_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B,S] -> [B,S,M,D]: the M streams start as copies of the embedding."""
+        e = self.embed(input_ids)
+        return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+
+    def run_layers(self, h, input_ids, start_pos: int = 0, cache: Optional[dict] = None):
+        """Run the layers this module holds, in id order. [B,S,M,D] -> [B,S,M,D]"""
+        for key in sorted(self.layers, key=int):
+            layer = self.layers[key]
+            c = None if cache is None else cache.setdefault(key, LayerCache())
+            if self.recompute and self.training and torch.is_grad_enabled():
+                h = checkpoint(layer, h, input_ids, start_pos, c, use_reentrant=False)
+            else:
+                h = layer(h, input_ids, start_pos, c)
+        return h
+
+    def hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """Final streams -> normed hidden state. [B,S,M,D] -> [B,S,D]"""
+        return self.norm(hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[B,S,M,D] -> [B,S,V] fp32"""
+        return F.linear(self.hidden(h).float(), self.head.weight.float())
+
+    def forward(self, input_ids, start_pos: int = 0, cache: Optional[dict] = None) -> torch.Tensor:
+        return self.logits(self.run_layers(self.embed_streams(input_ids), input_ids, start_pos, cache))
+
+    def new_cache(self) -> dict:
+        """An empty decode cache; pass it to `forward` for a prefill, then for one-token steps."""
+        return {}
+
+    # ------------------------------------------------------------------ RL / MTP heads
+    def token_logprobs(self, input_ids, targets, temperature: float = 1.0, chunk: int = 1024):
+        """log softmax(logits / T)[target] per position, in sequence chunks whose logits are recomputed in
+        backward, so full-vocabulary logits never exist for the whole sequence. [B,S] -> [B,S] fp32"""
+        y = self.hidden(self.run_layers(self.embed_streams(input_ids), input_ids))
+        return chunked_logprobs(y, self.head.weight, targets, temperature, chunk)
+
+    def mtp_logits(self, h: torch.Tensor, next_ids: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """MTP logits from the main streams h (before hc_head) and the next tokens. -> [B,S,V] fp32"""
+        blk = self.mtp[str(depth)]
+        x = blk(h, next_ids, self.embed)
+        y = blk.norm(hc_head(x, blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, self.cfg))
+        return F.linear(y.float(), self.head.weight.float())
+
+    # ------------------------------------------------------------------ init / dtype
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02):
+        """Deterministic random init (for tests and from-scratch demos; real runs load a checkpoint)."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
+            if name.endswith(("norm.weight", "_scale")):
+                p.fill_(1.0)
+            elif name.endswith(("_base", "attn_sink", "ape", "gate.bias")):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        for name, b in self.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(round_robin_tid2eid(*b.shape, self.cfg.n_routed_experts))
+        return self
+
+    def cast_(self, dtype: torch.dtype):
+        """Cast matmul weights to `dtype`; keep fp32 what the official model keeps fp32 (mHC, sinks, ape,
+        gate bias, norms, compressor projections, head)."""
+        for name, p in self.named_parameters():
+            if not any(k in name for k in FP32_KEYS):
+                p.data = p.data.to(dtype)
+        return self
+
+
+FP32_KEYS = ("hc_", "attn_sink", "ape", "gate.bias", "norm.weight", "compressor.wkv", "compressor.wgate",
+             "head.weight")
+
+
+def round_robin_tid2eid(vocab: int, k: int, n_experts: int) -> torch.Tensor:
+    """Placeholder hash table (Megatron's round-robin) for models not loaded from a checkpoint:
+    token t -> experts (t*k + j) mod E, j < k. [V,K] int64"""
+    return (torch.arange(vocab)[:, None] * k + torch.arange(k)[None]) % n_experts
+
+
+class _ChunkLogprob(torch.autograd.Function):
+    """log softmax(y W^T / T)[target] for one chunk, recomputing the logits in backward."""
+
+    @staticmethod
+    def forward(ctx, y, w, tgt, temperature):
+        logits = F.linear(y.float(), w.float()) / temperature                          # [n,V]
+        lse = logits.logsumexp(-1)
+        ctx.save_for_backward(y, w, tgt, lse)
+        ctx.temperature = temperature
+        return logits.gather(-1, tgt[:, None])[:, 0] - lse
+
+    @staticmethod
+    def backward(ctx, g):
+        y, w, tgt, lse = ctx.saved_tensors
+        logits = F.linear(y.float(), w.float()) / ctx.temperature
+        dlogits = -(logits - lse[:, None]).exp()                                        # -softmax
+        dlogits.scatter_add_(-1, tgt[:, None], torch.ones_like(lse)[:, None])
+        dlogits = dlogits * (g[:, None] / ctx.temperature)                               # [n,V]
+        return (dlogits @ w.float()).to(y.dtype), (dlogits.t() @ y.float()).to(w.dtype), None, None
+
+
+def chunked_logprobs(y, weight, targets, temperature=1.0, chunk=1024):
+    """Per-token log-probs of `targets` under head `weight`, chunk by chunk. y [B,S,D] -> [B,S] fp32"""
+    yf, tf = y.flatten(0, 1), targets.flatten()                                        # [N,D], [N]
+    out = [_ChunkLogprob.apply(yf[a:a + chunk], weight, tf[a:a + chunk], temperature)
+           for a in range(0, yf.shape[0], chunk)]
+    return torch.cat(out).view(targets.shape)
