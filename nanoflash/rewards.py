@@ -1,0 +1,290 @@
+"""Verifiable rewards: answer extraction, math equivalence in a killable process pool, exact integer match.
+
+Reward of one response y to a problem with reference answer a (Miles' DeepSeek-V4 recipe, `--rm-type math`):
+
+    r(y, a) = REWARD_CORRECT (1)  if extract(y) is equivalent to a
+              REWARD_WRONG   (0)  otherwise (no answer found, wrong, or the checker timed out / crashed)
+
+`extract(y)`: look at the text after the last `</think>` when there is one (else the whole response), then take
+whichever comes *last* of (a) the last complete `\\boxed{...}` (nested braces and `\\{ \\}` handled) and (b) the
+last `Answer: ...` line (`**Answer:**`, `$...$` and a trailing period stripped; a `\\boxed{}` inside is unwrapped).
+Reading both removes the `\\boxed{}` vs `Answer:` trap of `rl_and_sglang.md` §6.2: the DAPO prompt asks for an
+`Answer:` line, the AIME / MATH-500 prompts ask for `\\boxed{}`.
+
+Equivalence: when the reference and the prediction are both plain integers (all of DAPO and AIME) they are
+compared as Python ints in this process, exactly (so float-artifact answers such as `105263157894736848` are
+taken literally). Anything else goes to `math-verify` (`parse` + `verify`: LaTeX -> sympy, `\\frac{1}{2}` == `0.5`,
+tuples, intervals). math-verify uses `signal.alarm`, which only works in a main thread, so it runs in
+`VerifierPool`: a few worker *processes*, each fed one item at a time over a pipe; an item that exceeds
+`timeout_s` gets its worker killed and respawned, and scores 0; a worker that dies scores 0 too. Both are
+counted, nothing hangs.
+
+The synthetic arithmetic task uses `integer_match` on the whole decoded response.
+
+Differs from production: Miles grades with the deepscaler/verl sympy grader (`grade_answer_mathd` or
+`grade_answer_sympy`) on the last `\\boxed{}` only, without a process pool; DAPO's own reward reads the
+`Answer:` line and pays +1/-1. We pay 1/0 like Miles' V4 recipe.
+
+Tests: `pytest tests/test_rewards.py -q`.
+"""
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import re
+import time
+from multiprocessing.connection import wait as mp_wait
+from typing import Any, Callable, Sequence
+
+REWARD_CORRECT = 1.0   # Miles `--rm-type math`: 1 if correct
+REWARD_WRONG = 0.0     # ... else 0 (DAPO's own `compute_score` would use -1)
+DEFAULT_TIMEOUT_S = 10.0  # per item; math-verify's own parse/verify alarms are 5 s each, so 10 s is their sum
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
+_ANSWER_RE = re.compile(r"(?i)answer[ \t]*\**[ \t]*[:：][ \t]*\**(.*)$", re.MULTILINE)
+_INT_RE = re.compile(r"^[+-]?\d+$")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Extraction
+# ---------------------------------------------------------------------------------------------------------------
+
+def _braced(text: str, start: int) -> int | None:
+    """Index just past the `}` matching the `{` at `start`, skipping escaped `\\{` `\\}`; None if unbalanced."""
+    depth, i = 0, start
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def _box_at(text: str, m: re.Match) -> str | None:
+    j = m.end()
+    while j < len(text) and text[j] == " ":
+        j += 1
+    if j < len(text) and text[j] == "{":
+        end = _braced(text, j)
+        return None if end is None else text[j + 1:end - 1].strip()
+    token = re.match(r"[^\s$]+", text[j:]) if j > m.end() else None  # `\boxed 5` form
+    return token.group(0) if token else None
+
+
+def last_boxed(text: str) -> tuple[str, int] | None:
+    """(content, start offset) of the last complete `\\boxed{...}` / `\\fbox{...}`, or None."""
+    for m in reversed(list(_BOX_RE.finditer(text))):
+        content = _box_at(text, m)
+        if content is not None:
+            return content, m.start()
+    return None
+
+
+def _strip_answer(s: str) -> str:
+    s = s.strip().strip("*").strip().rstrip(".").strip()
+    inner = last_boxed(s)
+    if inner is not None:
+        return inner[0]
+    if len(s) >= 2 and s[0] == "$" and s[-1] == "$":
+        s = s.strip("$").strip()
+    return s.rstrip(".").strip()
+
+
+def answer_line(text: str) -> tuple[str, int] | None:
+    """(content, start offset) of the last non-empty `Answer: ...` line, or None."""
+    for m in reversed(list(_ANSWER_RE.finditer(text))):
+        content = _strip_answer(m.group(1))
+        if content:
+            return content, m.start()
+    return None
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer of a response: the later of the last `\\boxed{}` and the last `Answer:` line."""
+    cut = response.rfind("</think>")
+    text = response[cut + len("</think>"):] if cut >= 0 else response
+    found = [c for c in (last_boxed(text), answer_line(text)) if c is not None]
+    if not found:
+        return None
+    return max(found, key=lambda c: c[1])[0]
+
+
+def integer_match(pred: str | None, gold: str) -> bool:
+    """Exact integer equality of two integer strings (`+7` == `7`, `07` == `7`); False if either is not one."""
+    if pred is None:
+        return False
+    pred, gold = pred.strip().replace(",", ""), gold.strip()
+    return bool(_INT_RE.match(pred) and _INT_RE.match(gold)) and int(pred) == int(gold)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process pool with per-item timeout
+# ---------------------------------------------------------------------------------------------------------------
+
+def _worker_loop(conn, warm_imports: tuple[str, ...]) -> None:
+    """Worker main: import once, then answer (job, fn, args) messages until a None arrives."""
+    for name in warm_imports:
+        __import__(name)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        job, fn, args = msg
+        try:
+            conn.send((job, True, fn(*args)))
+        except Exception as e:  # reported to the parent, counted as an error, scored 0
+            conn.send((job, False, f"{type(e).__name__}: {e}"))
+
+
+class VerifierPool:
+    """`n_workers` processes running `fn(*args)` one item each; an item past `timeout_s` kills its worker.
+
+    Shapes: map(fn, [args_0, ..., args_{N-1}]) -> N outcomes `(status, value)`, status in ok|error|timeout|crash.
+    """
+
+    def __init__(self, n_workers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "spawn",
+                 warm_imports: tuple[str, ...] = ("math_verify",)):
+        if n_workers < 1 or timeout_s <= 0:
+            raise ValueError(f"need n_workers >= 1 and timeout_s > 0, got {n_workers}, {timeout_s}")
+        self.timeout_s, self.warm_imports = timeout_s, warm_imports
+        self._ctx = mp.get_context(start_method)
+        self.counts = collections.Counter()
+        self._workers = [self._spawn() for _ in range(n_workers)]
+
+    def _spawn(self):
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker_loop, args=(child, self.warm_imports), daemon=True)
+        proc.start()
+        child.close()
+        return proc, parent
+
+    def _replace(self, w: int) -> None:
+        proc, conn = self._workers[w]
+        proc.kill()
+        proc.join(5)
+        conn.close()
+        self._workers[w] = self._spawn()
+
+    def map(self, fn: Callable, arg_list: Sequence[tuple]) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = [("pending", None)] * len(arg_list)
+        todo = collections.deque(range(len(arg_list)))
+        busy: dict[int, tuple[int, float]] = {}  # worker -> (job, deadline)
+        while todo or busy:
+            for w in range(len(self._workers)):
+                if w not in busy and todo:
+                    job = todo.popleft()
+                    try:
+                        self._workers[w][1].send((job, fn, tuple(arg_list[job])))
+                    except (BrokenPipeError, OSError):  # died while idle: replace it and retry this job once
+                        self._replace(w)
+                        self._workers[w][1].send((job, fn, tuple(arg_list[job])))
+                    busy[w] = (job, time.monotonic() + self.timeout_s)
+            next_deadline = min(d for _, d in busy.values())
+            conns = {self._workers[w][1]: w for w in busy}
+            for conn in mp_wait(list(conns), timeout=max(0.0, next_deadline - time.monotonic())):
+                w = conns[conn]
+                job = busy.pop(w)[0]
+                try:
+                    _, ok, value = conn.recv()
+                    out[job] = ("ok", value) if ok else ("error", value)
+                except (EOFError, OSError):
+                    out[job] = ("crash", None)
+                    self._replace(w)
+                self.counts[out[job][0]] += 1
+            now = time.monotonic()
+            for w, (job, deadline) in list(busy.items()):
+                if now >= deadline:
+                    busy.pop(w)
+                    out[job] = ("timeout", None)
+                    self.counts["timeout"] += 1
+                    self._replace(w)
+        return out
+
+    def close(self) -> None:
+        for proc, conn in self._workers:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc, conn in self._workers:
+            proc.join(2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2)
+            conn.close()
+        self._workers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rewards
+# ---------------------------------------------------------------------------------------------------------------
+
+def math_verify_equal(pred: str, gold: str) -> bool:
+    """math-verify equivalence of two answer strings (each parsed as the content of a `\\boxed{}`)."""
+    from math_verify import parse, verify
+    g, p = parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}")
+    return bool(g and p and verify(g, p))
+
+
+class MathReward:
+    """r = 1 if extract_answer(response) is equivalent to the reference, else 0; see the module docstring.
+
+    Shapes: __call__(responses [N] str, answers [N] str) -> [N] float. `counts` tallies how each was decided.
+    """
+
+    def __init__(self, pool: VerifierPool | None = None, n_workers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 verify_fn: Callable[[str, str], bool] = None):
+        self.verify_fn = verify_fn or math_verify_equal  # a top-level function (it is pickled to the workers)
+        self._own_pool = pool is None
+        self.pool = pool or VerifierPool(n_workers=n_workers, timeout_s=timeout_s)
+        self.counts = collections.Counter()
+
+    def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
+        if len(responses) != len(answers):
+            raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+        preds = [extract_answer(r) for r in responses]
+        correct = [False] * len(preds)
+        slow = []
+        for i, (p, g) in enumerate(zip(preds, answers)):
+            if p is None:
+                self.counts["no_answer"] += 1
+            elif _INT_RE.match(g.strip()) and _INT_RE.match(p.strip().replace(",", "")):
+                correct[i] = integer_match(p, g)
+                self.counts["integer"] += 1
+            else:
+                slow.append(i)
+        for i, (status, value) in zip(slow, self.pool.map(self.verify_fn, [(preds[i], answers[i]) for i in slow])):
+            self.counts["verify_" + status] += 1
+            correct[i] = status == "ok" and bool(value)
+        return [REWARD_CORRECT if c else REWARD_WRONG for c in correct]
+
+    def close(self) -> None:
+        if self._own_pool:
+            self.pool.close()
+
+
+def arith_reward(responses: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """Synthetic task: 1 if the whole (stripped) response is the reference integer, else 0."""
+    if len(responses) != len(answers):
+        raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+    return [REWARD_CORRECT if integer_match(r, a) else REWARD_WRONG for r, a in zip(responses, answers)]
+
+
+def token_reward_fn(decode: Callable[[Sequence[int]], str], text_reward: Callable) -> Callable:
+    """Adapt a text reward `(responses, answers) -> rewards` to `(problems, token-id lists) -> rewards`."""
+    def reward_fn(problems, responses_ids):
+        return text_reward([decode(ids) for ids in responses_ids], [p.answer for p in problems])
+    return reward_fn
