@@ -309,3 +309,12 @@ def test_hadamard_orthogonal_self_inverse_differentiable():
     assert torch.autograd.gradcheck(Q.hadamard, (xd,))
     with pytest.raises(ValueError, match="power-of-2"):
         Q.hadamard(torch.randn(3, 96))
+
+
+def test_hadamard_cache_built_under_inference_mode_still_trains():
+    n = 32  # a size no other test uses, so the cached matrix is first built here, under inference_mode
+    with torch.inference_mode():
+        Q.hadamard(torch.randn(2, n))
+    x = torch.randn(2, n, requires_grad=True)
+    Q.hadamard(x).sum().backward()
+    torch.testing.assert_close(x.grad, Q.hadamard(torch.ones(2, n)), rtol=0, atol=HADAMARD_FP32_TOL)
