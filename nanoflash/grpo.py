@@ -1,0 +1,400 @@
+"""GRPO as Miles runs it: pure functions over two small dataclasses.
+
+The algorithm, one rollout step (rl_and_sglang.md §2):
+1. Sample `n` responses for each of `G` prompts (a *group* per prompt) and score each with a verifiable reward
+   `r_i`. Dynamic sampling drops groups whose rewards are all equal (they carry no signal) and over-samples
+   prompts until `G` informative groups are kept (`filter_groups`, `prompts_to_request`).
+2. Group-normalised advantage, broadcast to every response token (`group_advantages`):
+       A_i = (r_i - mean_g(r)) / (std_g(r) + eps),   std unbiased (n-1), as `torch.Tensor.std`
+3. Clipped surrogate with asymmetric "clip-higher" bounds (DAPO), per response token t (`policy_loss`):
+       rho_t = exp(logp_t - old_logp_t)
+       l_t   = max(-rho_t A, -clip(rho_t, 1 - eps_low, 1 + eps_high) A)          eps_low 0.2, eps_high 0.28
+   optionally times a truncated importance weight for the train/rollout engine mismatch (TIS)
+       w_t = clip(exp(old_logp_t - rollout_logp_t), 0, C)                         C = 2
+   plus `kl_coef * k3(logp || ref_logp)` and `- entropy_coef * H_t`.
+4. Aggregate: Miles' default is the mean over samples of each sample's token mean ("sample_mean", every
+   sequence weighs the same); `agg="token_mean"` is DAPO's global token mean. Both are written as
+   `sum / denom` with `denom` passed in, so a trainer splitting a global batch into micro-batches passes the
+   global denominator (`loss_denominator` summed over micro-batches and ranks) and gets the full-batch gradient.
+
+Layout: `pack` right-pads episodes into `[B,S]` tensors where position `t` predicts token `t+1` (inputs are
+`tokens[:-1]`, targets `tokens[1:]`); `mask` marks the positions whose target is a response token. Every
+log-prob tensor below is `[B,S]` in that layout; `cu_seqlens` describes the same batch without padding.
+
+vs Miles on Megatron: no context-parallel gathers, no GSPO/OPSM/IcePop/MIS, one rollout = one sample (no
+`rollout_mask_sums`), advantages in fp64. No `torch.distributed`, no rollout imports: all of it runs on a CPU.
+
+Tests: `pytest tests/test_grpo.py -q`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_CLAMP = 20.0  # |log ratio| cap before exp (Miles `_safe_clamp_log_ratio`): e^20 ~ 5e8 stays finite in fp32
+LOW_VAR_KL_CLAMP = 10.0  # per-token cap of the `low_var_kl` estimator (Miles `compute_approx_kl`)
+FILTER_MIN_STD = 1e-8  # a group is kept iff std(rewards) > this (Miles `check_reward_nonzero_std`)
+ESS_MIN_SUM_SQ = 1e-8  # floor of sum(w^2) in the ESS ratio, as Miles, so an all-masked sample gives 0 not NaN
+AGGREGATIONS = ("sample_mean", "token_mean")
+FINISH_REASONS = ("stop", "length", "abort")  # SGLang `meta_info.finish_reason.type`; "length" = truncated
+
+
+# ---------------------------------------------------------------------------------------------- data
+@dataclass
+class Episode:
+    """One sampled response to one prompt, as the rollout engine returns it.
+
+    rollout_logprobs[j] = log pi_rollout(response_ids[j] | prompt_ids, response_ids[:j]) at the sampling
+    temperature (SGLang `output_token_logprobs`). Episodes of one prompt share `group_id`.
+
+    Shapes: prompt_ids [P], response_ids [R], rollout_logprobs [R] (python lists);
+    routed_experts [P+R-1, n_moe_layers, topk] int (optional, R3 routing replay: the experts the engine picked
+    at every input position of the trainer's forward).
+    """
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    reward: float
+    group_id: int
+    finish_reason: str = "stop"
+    routed_experts: Tensor | None = None
+
+    def __post_init__(self):
+        P, R = len(self.prompt_ids), len(self.response_ids)
+        rx = self.routed_experts
+        problems = {
+            f"need >= 1 prompt and response token, got P={P} R={R}": P < 1 or R < 1,
+            f"{len(self.rollout_logprobs)} rollout logprobs for {R} response tokens": len(self.rollout_logprobs) != R,
+            f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}": self.finish_reason not in FINISH_REASONS,
+            f"routed_experts shape {None if rx is None else tuple(rx.shape)}, expected [{P + R - 1}, n_moe_layers, "
+            f"topk]": rx is not None and (rx.ndim != 3 or len(rx) != P + R - 1),
+        }
+        bad = [msg for msg, failed in problems.items() if failed]
+        if bad:
+            raise ValueError(f"episode of group {self.group_id}: " + "; ".join(bad))
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class RolloutBatch:
+    """Episodes packed for training; position t of row b predicts targets[b, t] = tokens_b[t+1].
+
+    mask[b, t] = 1 iff targets[b, t] is a response token; advantages and log-probs are 0 off the mask.
+    old_logprobs is None until the trainer's forward-only pass fills it (None: use rollout_logprobs, Miles'
+    `--use-rollout-logprobs`). cu_seqlens[b] = sum_{c<b} (P_c + R_c - 1): the pad-free (varlen) view.
+
+    Shapes: input_ids, targets [B,S] int64; mask, rollout_logprobs, advantages, old_logprobs [B,S] fp32;
+    prompt_lens, response_lens [B] int64; cu_seqlens [B+1] int32; routed_experts [B,S,n_moe_layers,topk] or None.
+    """
+    input_ids: Tensor
+    targets: Tensor
+    mask: Tensor
+    rollout_logprobs: Tensor
+    advantages: Tensor
+    prompt_lens: Tensor
+    response_lens: Tensor
+    cu_seqlens: Tensor
+    old_logprobs: Tensor | None = None
+    routed_experts: Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, start: int, stop: int) -> RolloutBatch:
+        """Samples start..stop-1 as their own batch (same S; cu_seqlens rebased to 0)."""
+        cut = {k: v[start:stop] for k, v in vars(self).items() if isinstance(v, Tensor) and k != "cu_seqlens"}
+        cu = self.cu_seqlens[start:stop + 1]
+        return replace(self, **cut, cu_seqlens=cu - cu[0])
+
+    def split(self, micro_batch_size: int) -> list[RolloutBatch]:
+        """Consecutive micro-batches of `micro_batch_size` samples (the last may be smaller)."""
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        return [self.rows(i, min(i + micro_batch_size, len(self))) for i in range(0, len(self), micro_batch_size)]
+
+
+def pack(episodes: list[Episode], advantages, pad_id: int = 0) -> RolloutBatch:
+    """Right-pad episodes into a RolloutBatch, broadcasting each sample's scalar advantage to its tokens.
+
+    With tokens x_b = prompt + response (length L_b = P_b + R_b) and S = max_b (L_b - 1):
+        input_ids[b, :L_b-1] = x_b[:-1],   targets[b, :L_b-1] = x_b[1:]
+        mask[b, t] = 1  iff  P_b - 1 <= t < L_b - 1,   advantages[b, t] = A_b mask[b, t]
+        rollout_logprobs[b, P_b-1+j] = episode.rollout_logprobs[j]
+    Shapes: advantages [B] -> RolloutBatch of [B,S] tensors.
+    """
+    adv = torch.as_tensor(advantages, dtype=torch.float32)
+    if not episodes or adv.shape != (len(episodes),):
+        raise ValueError(f"pack: need >= 1 episode and one advantage each, got {len(episodes)} episodes, "
+                         f"advantages of shape {tuple(adv.shape)}")
+    P = torch.tensor([len(e.prompt_ids) for e in episodes])  # [B]
+    R = torch.tensor([len(e.response_ids) for e in episodes])  # [B]
+    B, S = len(episodes), int((P + R).max()) - 1
+    input_ids = torch.full((B, S + 1), pad_id, dtype=torch.long)  # [B,S+1] the full token rows
+    rollout_lp = torch.zeros(B, S)
+    for b, e in enumerate(episodes):
+        input_ids[b, :P[b] + R[b]] = torch.tensor(e.prompt_ids + e.response_ids)
+        rollout_lp[b, P[b] - 1:P[b] + R[b] - 1] = torch.tensor(e.rollout_logprobs)
+    t = torch.arange(S)[None, :]  # [1,S]
+    mask = ((t >= P[:, None] - 1) & (t < (P + R)[:, None] - 1)).float()  # [B,S]
+    targets = torch.where(t < (P + R)[:, None] - 1, input_ids[:, 1:], pad_id)  # [B,S]
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(P + R - 1, 0)
+    return RolloutBatch(input_ids[:, :S], targets, mask, rollout_lp, adv[:, None] * mask, P, R, cu,
+                        routed_experts=_pack_routed_experts(episodes, S))
+
+
+def _pack_routed_experts(episodes: list[Episode], S: int) -> Tensor | None:
+    """Stack R3 routing records into [B,S,n_moe_layers,topk], zero-padded; None if no episode has one."""
+    have = [e.routed_experts is not None for e in episodes]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"pack: routed_experts missing for episodes {[i for i, h in enumerate(have) if not h]}")
+    L, K = episodes[0].routed_experts.shape[1:]
+    out = torch.zeros(len(episodes), S, L, K, dtype=episodes[0].routed_experts.dtype)  # [B,S,L,K]
+    for b, e in enumerate(episodes):
+        out[b, :len(e.routed_experts)] = e.routed_experts
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+def group_advantages(rewards, group_size: int, eps: float = 1e-6, std_normalize: bool = True) -> Tensor:
+    """A_i = (r_i - mean_g r) / (std_g r + eps) over consecutive groups of `group_size` rewards.
+
+    Variant (Miles `train_data_conversion.py`): std is the unbiased (n-1) estimator (`torch.Tensor.std`); the
+    division happens only where std > 0, so an all-equal group gets A = 0; `std_normalize=False` is Dr.GRPO
+    (A_i = r_i - mean). The KL term is not folded into the reward for GRPO.
+    Shapes: rewards [G*n] -> advantages [G*n] fp32.
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float64)  # fp64: keeps near-equal groups at zero mean
+    if r.ndim != 1 or group_size < 1 or r.numel() % group_size:
+        raise ValueError(f"group_advantages: rewards shape {tuple(r.shape)} do not split into groups of {group_size}")
+    g = r.view(-1, group_size)  # [G,n]
+    centered = g - g.mean(dim=1, keepdim=True)  # [G,n]
+    if std_normalize and group_size > 1:
+        std = g.std(dim=1, keepdim=True)  # [G,1] unbiased
+        centered = torch.where(std > 0, centered / (std + eps), centered)
+    return centered.reshape(-1).float()  # [G*n]
+
+
+def episode_advantages(episodes: list[Episode], group_size: int, **kwargs) -> Tensor:
+    """`group_advantages` of the episodes' rewards, checking each run of `group_size` is one group. [B] -> [B]."""
+    ids = [e.group_id for e in episodes]
+    if len(ids) % group_size:
+        raise ValueError(f"{len(ids)} episodes do not split into groups of {group_size}")
+    for i in range(0, len(ids), group_size):
+        run = ids[i:i + group_size]
+        if len(set(run)) != 1 or run[0] in ids[:i]:
+            raise ValueError(f"episodes {i}..{i + group_size - 1} have group ids {run}: groups must be "
+                             f"contiguous runs of {group_size}")
+    return group_advantages([e.reward for e in episodes], group_size, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- reduction
+def loss_denominator(mask: Tensor, agg: str = "sample_mean") -> float:
+    """The normaliser of `masked_reduce` for this (micro-)batch: B samples (sample_mean) or sum(mask) tokens.
+    Sum it over every micro-batch and data-parallel rank of the global batch and pass the sum as `denom` to
+    each `policy_loss` call: the micro-batch losses then add up to the global-batch loss, and so do the
+    gradients (Miles' `num_microbatches / global_batch_size` scaling). Shapes: mask [B,S].
+    """
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
+    return float(mask.shape[0]) if agg == "sample_mean" else float((mask > 0).sum())
+
+
+def masked_reduce(x: Tensor, mask: Tensor, agg: str = "sample_mean", denom: float | None = None) -> Tensor:
+    """Reduce per-token values over the mask.
+        sample_mean:  (1/denom) sum_b [ sum_t m_bt x_bt / max(sum_t m_bt, 1) ]     (Miles `sum_of_sample_mean`)
+        token_mean:   (1/denom) sum_bt m_bt x_bt                                   (`--calculate-per-token-loss`)
+    denom defaults to `loss_denominator(mask, agg)` (clamped to >= 1): the plain mean over this batch.
+    Off-mask values never reach the result, even if NaN. Shapes: x, mask [B,S] -> scalar.
+    """
+    d = loss_denominator(mask, agg) if denom is None else float(denom)
+    on = mask > 0
+    xm = torch.where(on, x, torch.zeros((), dtype=x.dtype, device=x.device))  # [B,S]
+    if agg == "sample_mean":
+        per_sample = xm.sum(1) / on.sum(1).clamp(min=1)  # [B]
+        return per_sample.sum() / max(d, 1.0)
+    return xm.sum() / max(d, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- loss
+def approx_kl(logp: Tensor, base_logp: Tensor, kind: str = "low_var_kl") -> Tensor:
+    """Per-token estimators of KL(pi || pi_base) at tokens drawn from pi, with d = logp - base_logp (Schulman):
+        k1 = d,   k2 = d^2 / 2,   k3 = exp(-d) - 1 + d,
+        low_var_kl = k3 with d clamped to +-20 and the result to +-10          (Miles `compute_approx_kl`)
+    Shapes: logp, base_logp [B,S] -> [B,S] fp32.
+    """
+    d = logp.float() - base_logp.float()
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return d * d / 2
+    if kind not in ("k3", "low_var_kl"):
+        raise ValueError(f"unknown KL estimator {kind!r}; choose k1, k2, k3, low_var_kl")
+    if kind == "low_var_kl":
+        d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    kl = torch.exp(-d) - 1 + d
+    return kl.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP) if kind == "low_var_kl" else kl
+
+
+def clipped_surrogate(log_ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float,
+                      clip_c: float | None = None) -> tuple[Tensor, Tensor]:
+    """Per-token PPO loss with asymmetric clipping, and where the clipped branch wins.
+        rho = exp(clamp(log_ratio, +-20)),   l = max(-rho A, -clip(rho, 1 - clip_low, 1 + clip_high) A)
+        dual clip (clip_c > 1): l = min(l, -clip_c A) where A < 0;   clipped = [clip branch > rho branch]
+    Shapes: log_ratio, adv [B,S] -> (l [B,S], clipped [B,S] float).
+    """
+    rho = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B,S]
+    unclipped = -rho * adv
+    clipped_branch = -rho.clamp(1 - clip_low, 1 + clip_high) * adv
+    loss = torch.maximum(unclipped, clipped_branch)
+    if clip_c is not None:
+        if clip_c <= 1.0:
+            raise ValueError(f"dual-clip clip_c must be > 1, got {clip_c}")
+        loss = torch.where(adv < 0, torch.minimum(loss, -clip_c * adv), loss)
+    return loss, (clipped_branch > unclipped).float()
+
+
+def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, tis_clip: float | None) -> tuple[Tensor, dict]:
+    """Truncated importance weight for the train/rollout engine mismatch, and its per-token stats.
+        tis = exp(old_logp - rollout_logp),   w = clip(tis, 0, tis_clip)   (w = 1 when tis_clip is None)
+    Stats use the pre-clamp ratio: tis, tis_clipfrac = [w != tis], tis_abs = |tis - 1| (Miles `vanilla_tis`).
+    Shapes: [B,S] -> (w [B,S] without grad, {name: [B,S]}).
+    """
+    tis = torch.exp(old_logprobs.detach().float() - rollout_logprobs.float())  # [B,S]
+    w = torch.ones_like(tis) if tis_clip is None else tis.clamp(0.0, tis_clip)
+    return w, {"tis": tis, "tis_clipfrac": (w != tis).float() if tis_clip is not None else torch.zeros_like(tis),
+               "tis_abs": (tis - 1).abs()}
+
+
+def ess_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """Effective-sample-size ratio of the per-token weights w = exp(log_ratio) within each sample:
+        ess_b = (sum_t w)^2 / (n_b sum_t w^2)     (1 = on-policy, -> 0 = weight piled on few tokens)
+    Shapes: log_ratio, mask [B,S] -> [B,S] (ess_b broadcast over the row, so `masked_reduce` can average it).
+    """
+    on = mask > 0
+    w = torch.where(on, torch.exp(log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), 0.0)  # [B,S]
+    n = on.sum(1).clamp(min=1)  # [B]
+    ess = w.sum(1) ** 2 / (n * (w * w).sum(1).clamp(min=ESS_MIN_SUM_SQ))  # [B]
+    return ess[:, None].expand_as(w)
+
+
+def logprob_mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
+                             agg: str = "sample_mean", denom: float | None = None) -> dict[str, Tensor]:
+    """How far the trainer's log-probs are from the rollout engine's at the sampled tokens (Miles §3 metrics).
+        train_rollout_logprob_abs_diff = reduce |t - r|               (Miles CI gate; 0 when "true on-policy")
+        train_rollout_kl    = reduce low_var_kl(r || t) = reduce [exp(t - r) - 1 - (t - r)]   ~ KL(rollout||train)
+        train_rollout_kl_k1 = reduce (r - t)                          (unbiased, high-variance estimator of the same)
+    with t = train log-prob, r = rollout log-prob, reduce = `masked_reduce(., mask, agg, denom)`.
+    Shapes: [B,S] -> {name: scalar (detached)}.
+    """
+    t, r = train_logprobs.detach().float(), rollout_logprobs.detach().float()
+    return {
+        "train_rollout_logprob_abs_diff": masked_reduce((t - r).abs(), mask, agg, denom),
+        "train_rollout_kl": masked_reduce(approx_kl(r, t, "low_var_kl"), mask, agg, denom),
+        "train_rollout_kl_k1": masked_reduce(r - t, mask, agg, denom),
+    }
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+                clip_low: float = 0.2, clip_high: float = 0.28, clip_c: float | None = None,
+                rollout_logprobs: Tensor | None = None, tis_clip: float | None = 2.0,
+                ref_logprobs: Tensor | None = None, kl_coef: float = 0.0, kl_type: str = "low_var_kl",
+                entropy: Tensor | None = None, entropy_coef: float = 0.0,
+                agg: str = "sample_mean", denom: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO/PPO policy loss (Miles `policy_loss_function`), reduced by `masked_reduce(., mask, agg, denom)`:
+        L = reduce[w_t * clipped_surrogate(logp - old_logp, A)] + kl_coef reduce[KL(logp||ref)] - entropy_coef reduce[H]
+    w_t = TIS weight from (old_logp, rollout_logp) when rollout_logprobs is given and tis_clip is not None; with
+    tis_clip=None the rollout log-probs only feed the mismatch metrics. Off-mask tokens get ratio 1 and A = 0.
+    Metrics (detached scalars, reduced like the loss, so they sum over micro-batches when `denom` is global):
+    loss, pg_loss, pg_clipfrac, ppo_kl (= reduce[old - logp]), ess_ratio, ois, tis, tis_clipfrac, tis_abs,
+    train_rollout_*, kl_loss, entropy. Shapes: every tensor [B,S] -> (scalar loss, metrics).
+    """
+    on = mask > 0
+    log_ratio = torch.where(on, logprobs.float() - old_logprobs.float(), 0.0)  # [B,S] = -ppo_kl
+    adv = torch.where(on, advantages.float(), 0.0)  # [B,S]
+    pg, clipped = clipped_surrogate(log_ratio, adv, clip_low, clip_high, clip_c)
+    red = lambda x: masked_reduce(x, mask, agg, denom)  # noqa: E731
+    m = {"pg_clipfrac": red(clipped), "ppo_kl": red(-log_ratio.detach()), "ess_ratio": red(ess_ratio(log_ratio, mask))}
+    if rollout_logprobs is not None:
+        w, tis_stats = tis_weights(old_logprobs, rollout_logprobs, tis_clip)
+        pg = pg * w
+        m["ois"] = red(torch.exp(log_ratio.detach()))
+        m.update({k: red(v) for k, v in tis_stats.items()})
+        m.update(logprob_mismatch_metrics(old_logprobs, rollout_logprobs, mask, agg, denom))
+    loss = red(pg)
+    m["pg_loss"] = loss
+    if entropy is not None:
+        m["entropy"] = red(entropy.float())
+        loss = loss - entropy_coef * m["entropy"]
+    if ref_logprobs is not None:
+        m["kl_loss"] = red(approx_kl(logprobs, ref_logprobs, kl_type))
+        loss = loss + kl_coef * m["kl_loss"]
+    m["loss"] = loss
+    return loss, {k: v.detach() for k, v in m.items()}
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def filter_groups(episodes: list[Episode], group_size: int, min_std: float = FILTER_MIN_STD) -> list[Episode]:
+    """Dynamic sampling: keep the groups whose rewards are not all equal, i.e. std_g(r) > min_std.
+    All-correct and all-wrong groups have A = 0 for every token and only dilute the batch (DAPO; Miles
+    `check_reward_nonzero_std`). Groups are keyed by `group_id` and kept in first-seen order; every group must
+    hold exactly `group_size` episodes. Shapes: list of G*n episodes -> list of G'*n episodes.
+    """
+    groups: dict[int, list[Episode]] = {}
+    for e in episodes:
+        groups.setdefault(e.group_id, []).append(e)
+    bad = {gid: len(g) for gid, g in groups.items() if len(g) != group_size}
+    if bad:
+        raise ValueError(f"filter_groups: groups {bad} (id: size) do not have group_size={group_size} episodes")
+    kept = []
+    for g in groups.values():
+        r = torch.tensor([e.reward for e in g], dtype=torch.float64)
+        if group_size > 1 and float(r.std()) > min_std:
+            kept.extend(g)
+    return kept
+
+
+def prompts_to_request(n_kept: int, n_target: int, n_pending: int, over_sampling_batch_size: int) -> int:
+    """How many more prompts (groups) to submit now, as Miles' dynamic-sampling loop does.
+    Miles submits chunks of `over_sampling_batch_size` prompts while pending groups < groups still needed
+    (`n_target - n_kept`), so it asks for k chunks with k = ceil((n_target - n_kept - n_pending) / chunk), or 0.
+    When n_kept reaches n_target the caller aborts what is still pending.
+    """
+    if over_sampling_batch_size < 1 or min(n_kept, n_target, n_pending) < 0:
+        raise ValueError(f"prompts_to_request: bad counts kept={n_kept} target={n_target} pending={n_pending} "
+                         f"chunk={over_sampling_batch_size}")
+    missing = n_target - n_kept - n_pending
+    return 0 if missing <= 0 else over_sampling_batch_size * math.ceil(missing / over_sampling_batch_size)
+
+
+def step_metrics(episodes: list[Episode], group_size: int | None = None) -> dict[str, float]:
+    """Rollout-side numbers to log each step (means over episodes; response length in tokens).
+        reward_mean, reward_std (population), response_len_mean / _max, prompt_len_mean, truncated_frac
+        (finish_reason "length"), aborted_frac, rollout_logprob_mean (per token), n_episodes, and with
+        group_size: zero_std_group_frac, the share of groups that dynamic sampling would drop.
+    """
+    if not episodes:
+        raise ValueError("step_metrics: no episodes")
+    r = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
+    R = torch.tensor([len(e.response_ids) for e in episodes], dtype=torch.float64)
+    out = {
+        "reward_mean": float(r.mean()), "reward_std": float(r.std(unbiased=False)),
+        "response_len_mean": float(R.mean()), "response_len_max": float(R.max()),
+        "prompt_len_mean": sum(len(e.prompt_ids) for e in episodes) / len(episodes),
+        "truncated_frac": sum(e.truncated for e in episodes) / len(episodes),
+        "aborted_frac": sum(e.finish_reason == "abort" for e in episodes) / len(episodes),
+        "rollout_logprob_mean": sum(sum(e.rollout_logprobs) for e in episodes) / float(R.sum()),
+        "n_episodes": float(len(episodes)),
+    }
+    if group_size is not None:
+        n_groups = len({e.group_id for e in episodes})
+        out["zero_std_group_frac"] = 1.0 - len(filter_groups(episodes, group_size)) / group_size / n_groups
+    return out
