@@ -1,0 +1,323 @@
+"""HTTP client for SGLang's rollout protocol (real SGLang or nanoflash's embedded server, it cannot tell).
+
+What it speaks (request/response shapes of SGLang 0.5.16, `docs/rl_and_sglang.md` §4 and
+`docs/sglang_on_h200.md`):
+
+    POST /generate {"input_ids": [...], "sampling_params": {"n", "temperature", "top_p", "max_new_tokens",
+                    "stop_token_ids"}, "return_logprob": true}
+      -> {"output_ids": [...], "meta_info": {"output_token_logprobs": [[logprob, token_id, null], ...],
+          "finish_reason": {"type": "stop"|"length"|"abort", ...}, "weight_version": "7", ...}}
+         (a list of such dicts when n > 1 or the input is a batch)
+    GET  /health                       200 once the engine can serve
+    POST /pause_generation {"mode"}    POST /continue_generation {}    GET /flush_cache
+    POST /abort_request {"abort_all": true}
+    POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend}
+    POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, weight_version}
+    POST /update_weights_from_tensor {serialized_named_tensors: [one per TP rank], load_format, ...}
+    POST /update_weights_from_disk {model_path, load_format, weight_version}
+    POST /weights_checker {"action": "checksum"} -> {"success", "message", "ranks": [{"checksums": {...}}]}
+
+Protocol generations (how weight updates are bracketed), detected without side effects from the route list
+(`GET /openapi.json`, which FastAPI serves) or else from the version (`GET /get_server_info`):
+
+    "stock"        SGLang 0.5.16: no bracket calls (begin/end/post_process all 404)
+    "post_process" sglang-miles before 2026-06: POST /post_process_weights before (restore) and after (quantize)
+    "session"      PR #28001 and sglang >= 0.5.23: POST /begin_weight_update ... POST /end_weight_update
+
+Robustness: connection errors are retried with exponential backoff (`retry_s` in total); a server that stays
+unreachable raises `ServerGoneError` naming it; HTTP 4xx raises `RequestRejected` at once (never retried).
+`generate_many` spreads requests over all servers (least in-flight first) and fails over when one is gone.
+
+Differences from production (Miles' `SGLangEngine`): synchronous threads instead of asyncio; no router;
+`update_weights_from_tensor` to real SGLang needs SGLang installed (its pickled CUDA-IPC payload), while the
+embedded server takes a safetensors payload instead (it never unpickles network bytes).
+
+Tests: `pytest tests/test_rollout_client.py tests/test_rollout_server.py -q`.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import re
+import socket
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+PROTOCOLS = ("stock", "post_process", "session")
+# The first SGLang release with /begin_weight_update and /end_weight_update (rl_and_sglang.md §4.7).
+SESSION_MIN_VERSION = (0, 5, 23)
+
+
+class ServerGoneError(ConnectionError):
+    """A server stayed unreachable through every retry."""
+
+
+class RequestRejected(RuntimeError):
+    """The server answered 4xx/5xx: the request itself is wrong (or the server refused it)."""
+
+    def __init__(self, url: str, status: int, message: str):
+        super().__init__(f"{url} answered HTTP {status}: {message}")
+        self.url, self.status, self.message = url, status, message
+
+
+@dataclass
+class Generation:
+    """One sampled completion: ids, per-token log-probs of the sampled tokens, why it stopped."""
+
+    prompt_ids: list
+    output_ids: list
+    logprobs: list                  # float per output token (log p of the sampled token, temperature-scaled)
+    finish_reason: str              # "stop" | "length" | "abort"
+    weight_version: str | None = None
+    server: str = ""
+    meta_info: dict = field(default_factory=dict)
+
+
+def parse_generation(item: dict, prompt_ids: list, server: str) -> Generation:
+    """Turn one SGLang `/generate` result dict into a `Generation`, with errors naming the bad field."""
+    meta = item.get("meta_info")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{server}: /generate result has no meta_info dict: {str(item)[:200]}")
+    lps = meta.get("output_token_logprobs")
+    ids = item.get("output_ids")
+    if ids is None and lps is not None:
+        ids = [int(t[1]) for t in lps]
+    if ids is None:
+        raise ValueError(f"{server}: /generate result has neither output_ids nor output_token_logprobs")
+    if lps is not None and len(lps) != len(ids):
+        raise ValueError(f"{server}: {len(lps)} log-probs for {len(ids)} output ids")
+    if lps is not None and [int(t[1]) for t in lps] != [int(t) for t in ids]:
+        raise ValueError(f"{server}: output_token_logprobs token ids disagree with output_ids")
+    fr = meta.get("finish_reason") or {}
+    reason = fr.get("type", "") if isinstance(fr, dict) else str(fr)
+    return Generation(prompt_ids=list(prompt_ids), output_ids=[int(t) for t in ids],
+                      logprobs=[float(t[0]) for t in lps] if lps is not None else [],
+                      finish_reason=reason, weight_version=meta.get("weight_version"), server=server,
+                      meta_info=meta)
+
+
+def parse_version(v: str) -> tuple:
+    """'0.5.16.post1' -> (0, 5, 16); unparsable -> ()."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)\.(\d+)", str(v))
+    return tuple(int(x) for x in m.groups()) if m else ()
+
+
+def protocol_from_routes(paths) -> str:
+    """The weight-update generation a server speaks, from its route list."""
+    paths = set(paths)
+    if "/begin_weight_update" in paths and "/end_weight_update" in paths:
+        return "session"
+    if "/post_process_weights" in paths:
+        return "post_process"
+    return "stock"
+
+
+class SGLangClient:
+    """Talks to one or more SGLang-protocol servers (`urls`), with retries, spreading and fail-over."""
+
+    def __init__(self, urls, api_key: str | None = None, timeout: float = 600.0, retry_s: float = 30.0,
+                 backoff_s: float = 0.1, max_backoff_s: float = 4.0):
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ValueError("SGLangClient needs at least one server url")
+        self.api_key, self.timeout, self.retry_s = api_key, timeout, retry_s
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self._inflight = {u: 0 for u in self.urls}
+        self._lock = threading.Lock()
+        self._protocols: dict = {}
+
+    # ------------------------------------------------------------------ transport
+    def request(self, url: str, method: str, path: str, body=None, timeout: float | None = None,
+                retry_s: float | None = None):
+        """One HTTP call with JSON in and out; connection errors retried with backoff until `retry_s`."""
+        deadline = time.monotonic() + (self.retry_s if retry_s is None else retry_s)
+        delay, attempt = self.backoff_s, 0
+        while True:
+            attempt += 1
+            try:
+                return self._once(url, method, path, body, timeout or self.timeout)
+            except (ConnectionError, socket.timeout, OSError, http.client.HTTPException) as e:
+                if isinstance(e, ServerGoneError) or time.monotonic() + delay > deadline:
+                    raise ServerGoneError(f"{url}{path}: server unreachable after {attempt} attempt(s) "
+                                          f"over {self.retry_s if retry_s is None else retry_s:.1f}s: "
+                                          f"{type(e).__name__}: {e}") from e
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(2 * delay, self.max_backoff_s)
+
+    def _once(self, url: str, method: str, path: str, body, timeout: float):
+        u = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = None if body is None else json.dumps(body).encode()
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        text = raw.decode(errors="replace")
+        if resp.status >= 400:
+            try:
+                msg = json.loads(text)
+                msg = msg.get("error", msg.get("message", msg)) if isinstance(msg, dict) else msg
+                msg = msg.get("message", msg) if isinstance(msg, dict) else msg
+            except json.JSONDecodeError:
+                msg = text[:500]
+            raise RequestRejected(url + path, resp.status, str(msg))
+        if not text:
+            return {}
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return {"text": text}
+
+    def post(self, url: str, path: str, body=None, **kw):
+        return self.request(url, "POST", path, body if body is not None else {}, **kw)
+
+    def get(self, url: str, path: str, **kw):
+        return self.request(url, "GET", path, **kw)
+
+    def broadcast(self, path: str, body=None, method: str = "POST") -> list:
+        """The same call on every server, in order; returns the answers."""
+        return [self.request(u, method, path, body if method == "POST" else None) for u in self.urls]
+
+    # ------------------------------------------------------------------ health / control
+    def health(self, url: str) -> bool:
+        try:
+            self.get(url, "/health", timeout=5.0, retry_s=0.0)
+            return True
+        except (ServerGoneError, RequestRejected):
+            return False
+
+    def wait_healthy(self, timeout: float = 120.0):
+        """Block until every server answers /health, or raise naming the ones that do not."""
+        deadline = time.monotonic() + timeout
+        pending = list(self.urls)
+        while pending and time.monotonic() < deadline:
+            pending = [u for u in pending if not self.health(u)]
+            if pending:
+                time.sleep(0.1)
+        if pending:
+            raise ServerGoneError(f"servers not healthy after {timeout}s: {pending}")
+
+    def pause_generation(self, mode: str = "retract"):
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode {mode!r} not in abort|retract|in_place")
+        return self.broadcast("/pause_generation", {"mode": mode})
+
+    def continue_generation(self):
+        return self.broadcast("/continue_generation", {})
+
+    def flush_cache(self):
+        return self.broadcast("/flush_cache", method="GET")
+
+    def abort_all(self):
+        """Abort every in-flight request (dynamic sampling's over-sampling tail)."""
+        return self.broadcast("/abort_request", {"abort_all": True})
+
+    # ------------------------------------------------------------------ protocol detection
+    def protocol(self, url: str) -> str:
+        """'stock' | 'post_process' | 'session', from routes (GET /openapi.json) or version; never a POST."""
+        if url not in self._protocols:
+            try:
+                spec = self.get(url, "/openapi.json")
+                self._protocols[url] = protocol_from_routes(spec.get("paths", {}))
+            except RequestRejected:
+                info = self.get(url, "/get_server_info")
+                ver = parse_version(info.get("version", ""))
+                if not ver:
+                    raise ValueError(f"{url}: no route list and no parsable version in /get_server_info "
+                                     f"(got {info.get('version')!r}); cannot tell the weight-update protocol")
+                self._protocols[url] = "session" if ver >= SESSION_MIN_VERSION else "stock"
+        return self._protocols[url]
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, input_ids: list, sampling_params: dict, return_logprob: bool = True,
+                 url: str | None = None, retry_s: float | None = None) -> list:
+        """Sample `sampling_params['n']` (default 1) completions of one prompt; a list of `Generation`."""
+        if not input_ids or not all(isinstance(t, int) for t in input_ids):
+            raise ValueError(f"input_ids must be a non-empty list of ints, got {str(input_ids)[:80]}")
+        url = url or self._pick()
+        body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                "return_logprob": return_logprob}
+        with self._lock:
+            self._inflight[url] += 1
+        try:
+            out = self.post(url, "/generate", body, retry_s=retry_s)
+        finally:
+            with self._lock:
+                self._inflight[url] -= 1
+        items = out if isinstance(out, list) else [out]
+        return [parse_generation(it, input_ids, url) for it in items]
+
+    def _pick(self, exclude=()) -> str:
+        with self._lock:
+            live = [u for u in self.urls if u not in exclude] or list(self.urls)
+            return min(live, key=lambda u: self._inflight[u])
+
+    def generate_many(self, prompts: list, sampling_params: dict, max_workers: int = 8) -> list:
+        """Generate for many prompts at once, spread over the servers; a server that is gone is skipped."""
+        def one(ids):
+            tried = []
+            while True:
+                url = self._pick(exclude=tried)
+                try:
+                    return self.generate(ids, sampling_params, url=url,
+                                         retry_s=self.retry_s if len(tried) + 1 >= len(self.urls) else 0.0)
+                except ServerGoneError:
+                    tried.append(url)
+                    if len(set(tried)) >= len(self.urls):
+                        raise
+        with ThreadPoolExecutor(max_workers=max_workers) as pool:
+            return list(pool.map(one, prompts))
+
+    # ------------------------------------------------------------------ weight updates
+    def begin_update(self, url: str):
+        """Open a weight update the way this server's generation wants it."""
+        proto = self.protocol(url)
+        if proto == "session":
+            self.post(url, "/begin_weight_update", {"selector": "all"})
+        elif proto == "post_process":
+            self.post(url, "/post_process_weights", {"restore_weights_before_load": True})
+
+    def end_update(self, url: str):
+        """Close it: re-derive quantization state (`end_weight_update` / `post_process_weights`)."""
+        proto = self.protocol(url)
+        if proto == "session":
+            self.post(url, "/end_weight_update", {})
+        elif proto == "post_process":
+            self.post(url, "/post_process_weights", {"post_process_quantization": True})
+
+    def update_weight_version(self, version: str):
+        return self.broadcast("/update_weight_version", {"new_version": str(version),
+                                                         "abort_all_requests": False})
+
+    def weights_checksums(self, url: str) -> dict:
+        """`/weights_checker {"action": "checksum"}` -> {internal name: sha256 hex}."""
+        out = self.post(url, "/weights_checker", {"action": "checksum"})
+        ranks = out.get("ranks") or []
+        if not out.get("success", False) or not ranks:
+            raise RuntimeError(f"{url}/weights_checker gave no checksums: {str(out)[:300]}")
+        merged = {}
+        for r in ranks:
+            merged.update(r.get("checksums", {}))
+        return merged
+
+    def init_weights_update_group(self, url: str, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str):
+        return self.post(url, "/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend})
+
+    def update_weights_from_disk(self, url: str, model_path: str, weight_version: str,
+                                 load_format: str | None = None):
+        body = {"model_path": model_path, "weight_version": str(weight_version)}
+        if load_format:
+            body["load_format"] = load_format
+        return self.post(url, "/update_weights_from_disk", body)

@@ -1,0 +1,267 @@
+"""The embedded rollout engine: nanoflash's own inference behind the SGLang-protocol server (`server.py`).
+
+Generation, per request (one prompt, n samples decoded together as a batch of n):
+
+    prefill the prompt, then repeat: logits_t -> sample -> append, until a stop id or max_new_tokens
+    sample:  p = softmax(logits / T), keep the top-k, keep the smallest set with cumulative p >= top_p,
+             renormalise, draw (T = 0: argmax)
+    score:   logprob_t = log_softmax(logits / T)[token_t]  -- recomputed at the end by the trainer's own
+             `model.token_logprobs` on each finished sequence (batch of one), so the log-probs equal the
+             trainer's bit for bit ("true on-policy"; T = 0 is scored at T = 1). Cost: one extra forward of
+             the whole sequence per sample, on top of decoding.
+
+Decoding uses the model's incremental cache (`model.new_cache()`, `model(ids, start_pos, cache)`) when a
+start-up self-check finds it agrees with the full forward, else re-runs the full forward every step
+(`decode="auto"|"cache"|"full"`). Requests wait at step boundaries while generation is paused
+(`in_place`/`retract`; `abort` ends them); a weight update bumps `epoch`, and a cached request re-prefills
+(SGLang's "retract": recompute from scratch rather than keep stale KV).
+
+Weights: the engine keeps what was pushed in SGLang's loader layout (`layout.LoaderState`) and derives the
+model's parameters from it in `post_process()` -- unfuse pairs, un-permute `ape`, dequantize FP8 blocks,
+int32 `tid2eid` -> int64. Modes: "fp32"/"bf16" run the model in that dtype; "fp8" runs on the dequantized
+e4m3 weights (what an FP8 engine computes with, minus its activation quantization). `post_process` runs
+after every update call (stock protocol) or at `end_weight_update` / `post_process_weights`; until then the
+model still runs the old derived weights, which the checksum of the derived state (`derived_checksum`) shows.
+
+Tests: `pytest tests/test_rollout_server.py -q`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import torch
+
+from nanoflash.quant import dequantize_fp8_block
+from nanoflash.rollout.layout import LoaderState, from_sglang, tensor_sha256, unpermute_ape
+from nanoflash.rollout.weight_sync import iter_sglang_buckets
+
+CACHE_CHECK_ATOL = 1e-4   # cache vs full-forward logits at start-up (fp32 tiny model: reductions reorder)
+MAX_N = 64                # samples per request
+SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed",
+                 "min_new_tokens", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens",
+                 "ignore_eos", "stop"}
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32}
+
+
+class BadRequest(ValueError):
+    """A request the engine refuses (HTTP 400)."""
+
+
+def parse_sampling(sp: dict, vocab: int) -> dict:
+    """Validate SGLang sampling params; unknown keys and bad values raise BadRequest naming them."""
+    if not isinstance(sp, dict):
+        raise BadRequest(f"sampling_params must be an object, got {type(sp).__name__}")
+    unknown = sorted(set(sp) - SAMPLING_KEYS)
+    if unknown:
+        raise BadRequest(f"unknown sampling_params {unknown}; supported: {sorted(SAMPLING_KEYS)}")
+    if sp.get("stop"):
+        raise BadRequest("sampling_params.stop (strings) needs a tokenizer; use stop_token_ids")
+    out = {"n": sp.get("n", 1), "temperature": sp.get("temperature", 1.0), "top_p": sp.get("top_p", 1.0),
+           "top_k": sp.get("top_k", -1), "max_new_tokens": sp.get("max_new_tokens", 128),
+           "stop_token_ids": sp.get("stop_token_ids") or [], "seed": sp.get("sampling_seed")}
+    checks = [("n", isinstance(out["n"], int) and 1 <= out["n"] <= MAX_N, f"an int in [1, {MAX_N}]"),
+              ("temperature", isinstance(out["temperature"], (int, float)) and out["temperature"] >= 0, ">= 0"),
+              ("top_p", isinstance(out["top_p"], (int, float)) and 0 < out["top_p"] <= 1, "in (0, 1]"),
+              ("top_k", isinstance(out["top_k"], int) and (out["top_k"] == -1 or out["top_k"] >= 1), "-1 or >= 1"),
+              ("max_new_tokens", isinstance(out["max_new_tokens"], int) and out["max_new_tokens"] >= 0, "an int >= 0"),
+              ("stop_token_ids", isinstance(out["stop_token_ids"], list)
+               and all(isinstance(t, int) and 0 <= t < vocab for t in out["stop_token_ids"]), f"ids in [0, {vocab})"),
+              ("sampling_seed", out["seed"] is None or isinstance(out["seed"], int), "an int")]
+    for key, ok, want in checks:
+        if not ok:
+            raise BadRequest(f"sampling_params.{key}={sp.get(key)!r} is invalid: want {want}")
+    return out
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen: torch.Generator):
+    """Draw one token per row. logits [B,V] fp32 -> ids [B]"""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)                 # [B,V]
+    if top_k > 0:
+        kth = probs.topk(min(top_k, probs.shape[-1]), dim=-1).values[:, -1:]      # [B,1]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if top_p < 1.0:
+        sp, idx = probs.sort(dim=-1, descending=True)                             # [B,V]
+        drop = sp.cumsum(-1) - sp > top_p                                         # mass before this token
+        probs = probs.scatter(-1, idx, sp.masked_fill(drop, 0.0))
+    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=gen)[:, 0]
+
+
+class RolloutEngine:
+    """nanoflash inference + SGLang-layout weight store. Thread-safe: one forward at a time (`lock`)."""
+
+    def __init__(self, model, weights: str = "fp32", decode: str = "auto", seed: int = 0):
+        if weights not in WEIGHT_DTYPES:
+            raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {weights!r}")
+        self.model, self.cfg, self.weights = model.eval(), model.cfg, weights
+        self.lock = threading.RLock()
+        self.resume = threading.Condition(self.lock)
+        self.paused, self.epoch, self.weight_version = False, 0, "0"
+        self.aborted: set = set()
+        self.abort_all_before = 0.0
+        self.seed_gen = torch.Generator().manual_seed(seed)
+        self.store = LoaderState()
+        fp8 = weights == "fp8"
+        for bucket in iter_sglang_buckets(model, fp8=fp8, bucket_bytes=1 << 62):
+            self.store.load(bucket)
+        self.post_process()
+        self.use_cache = decode == "cache" or (decode == "auto" and self._cache_agrees())
+
+    # ------------------------------------------------------------------ weights
+    def load(self, named_tensors) -> list:
+        with self.lock:
+            return self.store.load(named_tensors)
+
+    @torch.no_grad()
+    def post_process(self):
+        """Re-derive the model's parameters from the stored SGLang layout (the post-load quantization step)."""
+        with self.lock:
+            target = dict(self.model.state_dict(keep_vars=True))
+            for name, t in self._unfused():
+                if name not in target:
+                    raise ValueError(f"pushed tensor {name} has no place in this model")
+                dst = target[name]
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise ValueError(f"pushed {name} has shape {tuple(t.shape)}, model wants {tuple(dst.shape)}")
+                dst.data.copy_(t.to(dst.dtype))
+            self.epoch += 1
+
+    def _unfused(self):
+        """Stored layout -> (official name, dense tensor), dequantizing FP8 pairs."""
+        p = self.store.params
+        for name, t in p.items():
+            if name.endswith("_scale_inv"):
+                continue
+            scale = p.get(name + "_scale_inv")
+            if t.dtype == torch.float8_e4m3fn:
+                if scale is None:
+                    raise ValueError(f"FP8 tensor {name} arrived without its weight_scale_inv")
+                t = dequantize_fp8_block(t, scale, torch.float32)
+            yield from self._split(name, t)
+
+    def _split(self, name: str, t: torch.Tensor):
+        splits = {"self_attn.wqkv_a.weight": ("self_attn.wq_a.weight", "self_attn.wkv.weight",
+                                              self.cfg.q_lora_rank),
+                  "compressor.wkv_gate.weight": ("compressor.wkv.weight", "compressor.wgate.weight", None),
+                  "gate_up_proj.weight": ("gate_proj.weight", "up_proj.weight", None),
+                  "w13_weight": ("gate_proj.weight", "up_proj.weight", None)}
+        for fused, (a, b, rows) in splits.items():
+            if name.endswith(fused):
+                stem = name[: -len(fused)]
+                rows = rows or t.shape[0] // 2
+                yield from_sglang(stem + a), t[:rows]
+                yield from_sglang(stem + b), t[rows:]
+                return
+        if name.endswith("w2_weight"):
+            yield from_sglang(name[: -len("w2_weight")] + "down_proj.weight"), t
+        elif name.endswith("compressor.ape") and t.shape[0] == 4:
+            yield from_sglang(name), unpermute_ape(t)
+        elif name.endswith("mlp.topk.tid2eid"):
+            yield from_sglang(name), t.to(torch.int64)
+        else:
+            yield from_sglang(name), t
+
+    def derived_checksum(self) -> str:
+        """One hash over the parameters the model actually runs with (catches a skipped post_process)."""
+        with self.lock:
+            return tensor_sha256(torch.cat([t.detach().float().reshape(-1)
+                                            for _, t in sorted(self.model.state_dict().items())]))
+
+    # ------------------------------------------------------------------ pause / abort
+    def pause(self, mode: str):
+        with self.lock:
+            self.paused = True
+            if mode == "abort":
+                self.abort_all_before = time.monotonic()
+
+    def unpause(self):
+        with self.lock:
+            self.paused = False
+            self.resume.notify_all()
+
+    def abort(self, rid: str | None = None, abort_all: bool = False):
+        with self.lock:
+            if abort_all:
+                self.abort_all_before = time.monotonic()
+            elif rid:
+                self.aborted.add(rid)
+
+    # ------------------------------------------------------------------ generation
+    def _cache_agrees(self) -> bool:
+        ids = torch.arange(1, 10)[None] % self.cfg.vocab_size                       # [1,9]
+        try:
+            with torch.no_grad(), self.lock:
+                full = self.model(ids)[0, -1]
+                cache = self.model.new_cache()
+                self.model(ids[:, :-1], 0, cache)
+                step = self.model(ids[:, -1:], ids.shape[1] - 1, cache)[0, -1]
+        except Exception:  # an incomplete cache implementation: fall back to full forwards
+            return False
+        return bool((full - step).abs().max() <= CACHE_CHECK_ATOL)
+
+    def _next_logits(self, seqs: torch.Tensor, state: dict) -> torch.Tensor:
+        """Logits of the next token for every row. seqs [n,L] -> [n,V] fp32"""
+        if not self.use_cache:
+            return self.model(seqs)[:, -1]
+        if state.get("epoch") != self.epoch or "cache" not in state:   # first step or weights changed
+            state.update(cache=self.model.new_cache(), epoch=self.epoch)
+            return self.model(seqs, 0, state["cache"])[:, -1]
+        return self.model(seqs[:, -1:], seqs.shape[1] - 1, state["cache"])[:, -1]
+
+    def _wait(self, rid: str, t0: float) -> bool:
+        """Block while paused; False if this request was aborted."""
+        while self.paused and t0 >= self.abort_all_before and rid not in self.aborted:
+            self.resume.wait(timeout=0.5)
+        return t0 >= self.abort_all_before and rid not in self.aborted
+
+    @torch.no_grad()
+    def generate(self, input_ids: list, sp: dict, rid: str | None = None) -> list:
+        """One prompt, `sp['n']` samples -> SGLang-shaped result dicts."""
+        rid, t0 = rid or uuid.uuid4().hex, time.monotonic()
+        max_len = self.cfg.max_seq_len
+        if len(input_ids) + sp["max_new_tokens"] > max_len:
+            raise BadRequest(f"prompt ({len(input_ids)}) + max_new_tokens ({sp['max_new_tokens']}) exceeds the "
+                             f"model's max_seq_len {max_len}")
+        n, stops = sp["n"], set(sp["stop_token_ids"])
+        with self.lock:
+            seed = sp["seed"] if sp["seed"] is not None else int(torch.randint(0, 2**62, (1,), generator=self.seed_gen))
+        gen = torch.Generator().manual_seed(seed)
+        seqs = torch.tensor([input_ids] * n, dtype=torch.long)                         # [n,P]
+        done, reason, state = [None] * n, "length", {}
+        for _ in range(sp["max_new_tokens"]):
+            with self.lock:
+                if not self._wait(rid, t0):
+                    reason = "abort"
+                    break
+                logits = self._next_logits(seqs, state)
+            nxt = sample(logits, sp["temperature"], sp["top_p"], sp["top_k"], gen)
+            seqs = torch.cat([seqs, nxt[:, None]], 1)                                  # [n,L+1]
+            for i in range(n):
+                if done[i] is None and int(nxt[i]) in stops:
+                    done[i] = (seqs.shape[1] - len(input_ids), int(nxt[i]))
+            if all(d is not None for d in done):
+                break
+        return [self._finish(input_ids, seqs[i], done[i], reason, sp, rid, t0) for i in range(n)]
+
+    def _finish(self, prompt, seq, stopped, reason, sp, rid, t0) -> dict:
+        out = seq[len(prompt):stopped[0] + len(prompt)] if stopped else seq[len(prompt):]
+        full = torch.cat([torch.tensor(prompt, dtype=torch.long), out])
+        lps = self.score(full, len(prompt), sp["temperature"]) if len(out) else []
+        fr = ({"type": "stop", "matched": stopped[1]} if stopped else
+              {"type": "abort", "message": "aborted"} if reason == "abort" else
+              {"type": "length", "length": sp["max_new_tokens"]})
+        ids = out.tolist()
+        return {"output_ids": ids, "meta_info": {
+            "id": rid, "finish_reason": fr, "prompt_tokens": len(prompt), "completion_tokens": len(ids),
+            "cached_tokens": 0, "weight_version": self.weight_version, "e2e_latency": time.monotonic() - t0,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
+
+    @torch.no_grad()
+    def score(self, full: torch.Tensor, prompt_len: int, temperature: float) -> list:
+        """The trainer's log-probs of full[prompt_len:], batch of one. full [L] -> list of L - prompt_len"""
+        with self.lock:
+            lp = self.model.token_logprobs(full[None, :-1], full[None, 1:], temperature=temperature or 1.0)
+        return lp[0, prompt_len - 1:].tolist()

@@ -1,0 +1,260 @@
+"""What SGLang's DeepSeek-V4 loader does with a pushed weight stream, written once for both sides.
+
+Two jobs:
+
+1. **Names.** nanoflash parameter names are the official DeepSeek names (`layers.3.attn.wq_a.weight`); the
+   weight push uses the HF-style names of Miles' `convert_deepseekv4_to_hf` (rl_and_sglang.md §4.4), which
+   SGLang's `DeepseekV4ForCausalLM.load_weights` accepts:
+
+       embed.weight -> model.embed_tokens.weight      head.weight -> lm_head.weight
+       layers.L.attn.X -> model.layers.L.self_attn.X  layers.L.attn_norm -> model.layers.L.input_layernorm
+       layers.L.ffn.gate.bias -> ...mlp.gate.e_score_correction_bias   ffn.gate.tid2eid -> mlp.topk.tid2eid
+       layers.L.ffn.experts.E.w1|w3|w2 -> ...mlp.experts.E.gate_proj|up_proj|down_proj
+       FP8 scale of X.weight -> X.weight_scale_inv (fp32, the dequant multiplier)
+
+   `SGLANG_BLOCK` / `SGLANG_TOP` are the explicit table (official suffix -> SGLang suffix); its rows are
+   checked against `checkpoint_names.BLOCK_TABLE` so a new tensor cannot be forgotten. MTP (`mtp.*`) is not
+   pushed: SGLang's main model skips those names silently (sglang_loader_check.md).
+
+2. **The loader's internal layout** (`LoaderState.load`, one call = one `load_weights` call = one bucket):
+
+       wq_a + wkv            -> self_attn.wqkv_a.weight = cat([wq_a, wkv], 0)   (scales: an independent pair)
+       compressor.wkv + wgate -> compressor.wkv_gate.weight = cat([wkv, wgate], 0)  (indexer compressor too)
+       compressor.ape (C4)   -> cat(chunk(ape, 2, -1), 0).view(4, -1)             ("ape hotfix" permutation)
+       wo_a                  -> must be BF16 (an e4m3 wo_a is refused: SGLang would mis-scale it)
+       experts E w1 + w3     -> mlp.experts.E.w13_weight = cat([w1, w3], 0); w2 -> mlp.experts.E.w2_weight
+       shared w1 + w3        -> mlp.shared_experts.gate_up_proj.weight
+       tid2eid int64         -> int32
+
+   Pair halves are cached inside one call; a half left over at the end of the call raises, exactly where
+   SGLang's loader asserts (so a bucket that splits an atomic pair fails here too). Expert halves are written
+   into a persistent tensor, as SGLang's FusedMoE loader does, so they need no pairing. The embedded server
+   keeps its weights in this layout, and `/weights_checker` hashes it (sha256 of the raw bytes); the trainer
+   derives the same layout from what it sent (`expected_checksums`) and compares.
+
+Differences from SGLang: routed experts are kept per expert (`mlp.experts.E.w13_weight`) instead of stacked
+`[E, 2I, D]`, so a mismatch names the expert; SGLang 0.5.16's own `/weights_checker` hashes its real
+parameters, whose names we do not reproduce for every tensor; a live comparison against SGLang therefore needs
+`sglang_loader_check.md`'s opt-in environment.
+
+Tests: `pytest tests/test_weight_sync.py -q`.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from nanoflash.checkpoint_names import BLOCK_TABLE, storage_kind
+
+# official block suffix -> SGLang HF-style suffix (Miles `convert_deepseekv4_to_hf`), prefix layers.L.
+SGLANG_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "hc_attn_fn": "hc_attn_fn", "hc_attn_base": "hc_attn_base", "hc_attn_scale": "hc_attn_scale",
+    "hc_ffn_fn": "hc_ffn_fn", "hc_ffn_base": "hc_ffn_base", "hc_ffn_scale": "hc_ffn_scale",
+    "attn.attn_sink": "self_attn.attn_sink",
+    "attn.wq_a.weight": "self_attn.wq_a.weight", "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.wq_b.weight": "self_attn.wq_b.weight", "attn.wkv.weight": "self_attn.wkv.weight",
+    "attn.kv_norm.weight": "self_attn.kv_norm.weight", "attn.wo_a.weight": "self_attn.wo_a.weight",
+    "attn.wo_b.weight": "self_attn.wo_b.weight",
+    "attn.compressor.wkv.weight": "self_attn.compressor.wkv.weight",
+    "attn.compressor.wgate.weight": "self_attn.compressor.wgate.weight",
+    "attn.compressor.ape": "self_attn.compressor.ape",
+    "attn.compressor.norm.weight": "self_attn.compressor.norm.weight",
+    "attn.indexer.wq_b.weight": "self_attn.indexer.wq_b.weight",
+    "attn.indexer.weights_proj.weight": "self_attn.indexer.weights_proj.weight",
+    "attn.indexer.compressor.wkv.weight": "self_attn.indexer.compressor.wkv.weight",
+    "attn.indexer.compressor.wgate.weight": "self_attn.indexer.compressor.wgate.weight",
+    "attn.indexer.compressor.ape": "self_attn.indexer.compressor.ape",
+    "attn.indexer.compressor.norm.weight": "self_attn.indexer.compressor.norm.weight",
+    "ffn.gate.weight": "mlp.gate.weight",
+    "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
+    "ffn.gate.tid2eid": "mlp.topk.tid2eid",
+    "ffn.experts.#.w1.weight": "mlp.experts.#.gate_proj.weight",
+    "ffn.experts.#.w3.weight": "mlp.experts.#.up_proj.weight",
+    "ffn.experts.#.w2.weight": "mlp.experts.#.down_proj.weight",
+    "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+}
+SGLANG_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
+              "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head_fn",
+              "hc_head_base": "model.hc_head_base", "hc_head_scale": "model.hc_head_scale"}
+assert set(SGLANG_BLOCK) == {o for o, _, _ in BLOCK_TABLE}, "SGLANG_BLOCK must cover checkpoint_names.BLOCK_TABLE"
+_FROM_BLOCK = {v: k for k, v in SGLANG_BLOCK.items()}
+_FROM_TOP = {v: k for k, v in SGLANG_TOP.items()}
+# SGLang keeps these BF16/F32 even in an FP8 deployment (rl_and_sglang.md §4.5): only wo_a differs from the
+# release's storage kinds (the release has it FP8; SGLang with SGLANG_OPT_FP8_WO_A_GEMM=0 builds it BF16).
+KEEP_BF16_IN_FP8 = ("attn.wo_a.weight",)
+# (first half, second half, fused name) of SGLang's atomic pairs, as HF-style suffixes
+PAIRS = [("self_attn.wq_a.weight", "self_attn.wkv.weight", "self_attn.wqkv_a.weight"),
+         ("self_attn.wq_a.weight_scale_inv", "self_attn.wkv.weight_scale_inv", "self_attn.wqkv_a.weight_scale_inv"),
+         ("self_attn.compressor.wkv.weight", "self_attn.compressor.wgate.weight", "self_attn.compressor.wkv_gate.weight"),
+         ("self_attn.indexer.compressor.wkv.weight", "self_attn.indexer.compressor.wgate.weight",
+          "self_attn.indexer.compressor.wkv_gate.weight")]
+_PAIR_OF = {}
+for _a, _b, _f in PAIRS:
+    _PAIR_OF[_a], _PAIR_OF[_b] = (_f, 0, _b), (_f, 1, _a)
+# expert/shared halves written into a persistent fused tensor: suffix -> (fused suffix, half)
+_STACKED = {"gate_proj.weight": ("w13_weight", 0), "up_proj.weight": ("w13_weight", 1),
+            "down_proj.weight": ("w2_weight", None), "gate_proj.weight_scale_inv": ("w13_weight_scale_inv", 0),
+            "up_proj.weight_scale_inv": ("w13_weight_scale_inv", 1),
+            "down_proj.weight_scale_inv": ("w2_weight_scale_inv", None)}
+
+
+def _split(name: str):
+    """`layers.3.attn.wq_a.weight` -> ("layers.3.", "attn.wq_a.weight") with expert ids turned into `#`."""
+    parts = name.split(".")
+    if parts[0] == "layers" or parts[:2] == ["model", "layers"]:
+        k = 2 if parts[0] == "layers" else 3
+        rest = parts[k:]
+        nums = [p for p in rest if p.isdigit()]
+        return ".".join(parts[:k]) + ".", ".".join("#" if p.isdigit() else p for p in rest), nums
+    return "", name, []
+
+
+def _fill(pattern: str, nums: list) -> str:
+    nums = list(nums)
+    return ".".join(nums.pop(0) if p == "#" else p for p in pattern.split("."))
+
+
+def to_sglang(name: str) -> str:
+    """Official/nanoflash name -> SGLang HF-style name (a `weight_scale_inv` sibling stays one)."""
+    scale = name.endswith(".weight_scale_inv")
+    base = name[: -len("_scale_inv")] if scale else name
+    if base in SGLANG_TOP:
+        out = SGLANG_TOP[base]
+    else:
+        prefix, pat, nums = _split(base)
+        if not prefix.startswith("layers.") or pat not in SGLANG_BLOCK:
+            raise KeyError(f"{name!r} has no SGLang name (not a backbone tensor; MTP is not pushed)")
+        out = "model." + prefix + _fill(SGLANG_BLOCK[pat], nums)
+    return out + ("_scale_inv" if scale else "")
+
+
+def from_sglang(name: str) -> str:
+    """SGLang HF-style name -> official/nanoflash name (inverse of `to_sglang`)."""
+    scale = name.endswith(".weight_scale_inv")
+    base = name[: -len("_scale_inv")] if scale else name
+    if base in _FROM_TOP:
+        out = _FROM_TOP[base]
+    else:
+        prefix, pat, nums = _split(base)
+        if not prefix.startswith("model.layers.") or pat not in _FROM_BLOCK:
+            raise KeyError(f"{name!r} is not a DeepSeek-V4 SGLang weight name")
+        out = prefix[len("model."):] + _fill(_FROM_BLOCK[pat], nums)
+    return out + ("_scale_inv" if scale else "")
+
+
+def sglang_fp8(name: str, cfg) -> bool:
+    """Does SGLang serve this (official-named) weight as FP8 128x128 in an FP8 deployment?"""
+    _, pat, _ = _split(name)
+    if pat in KEEP_BF16_IN_FP8:
+        return False
+    return storage_kind(name, cfg) in ("fp8", "fp4")  # FP4 experts are served FP8 (SGLANG_DSV4_FP4_EXPERTS=0)
+
+
+def permute_ape(ape: torch.Tensor) -> torch.Tensor:
+    """SGLang's load-time ape hotfix for the overlapping C4 compressor: [4, 2d] -> [4, 2d] permuted."""
+    m = ape.shape[0]
+    return torch.cat(torch.chunk(ape, 2, dim=-1), 0).reshape(m, -1)            # [2m,d] -> [m,2d]
+
+
+def unpermute_ape(p: torch.Tensor) -> torch.Tensor:
+    """Inverse of `permute_ape`."""
+    m = p.shape[0]
+    a, b = p.reshape(2 * m, -1).chunk(2, dim=0)                                  # [m,d] each
+    return torch.cat([a, b], dim=-1)                                             # [m,2d]
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of the tensor's raw bytes (dtype and layout sensitive, like SGLang's weight checker)."""
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class LoaderState:
+    """SGLang-like weight store: `load(bucket)` applies one `load_weights` call; `params` is the internal
+    layout (name -> tensor). Shapes: whatever was sent; fused tensors concatenate along dim 0."""
+
+    def __init__(self):
+        self.params: dict[str, torch.Tensor] = {}
+
+    def load(self, named_tensors) -> list[str]:
+        """One loader call. Returns the internal names written; raises if an atomic pair is left half-sent."""
+        pending, written = {}, []
+        for name, t in named_tensors:
+            if not name.startswith(("model.", "lm_head.")):
+                name = to_sglang(name.replace(".scale", ".weight_scale_inv") if name.endswith(".scale") else name)
+            from_sglang(name)  # unknown names are an error here (SGLang only warns, then keeps stale values)
+            prefix, pat, nums = _split(name)
+            if pat in _PAIR_OF:
+                fused, half, other = _PAIR_OF[pat]
+                if other in pending.get(prefix, {}):
+                    first = pending[prefix].pop(other)
+                    parts = (t, first) if half == 0 else (first, t)
+                    written.append(self._put(prefix + fused, torch.cat(parts, 0)))
+                else:
+                    pending.setdefault(prefix, {})[pat] = t
+            elif pat.startswith("mlp.experts.#.") or pat.startswith("mlp.shared_experts."):
+                written.append(self._stacked(prefix, pat, nums, t))
+            elif "wo_a." in pat and (t.dtype == torch.float8_e4m3fn or pat.endswith("scale_inv")):
+                raise ValueError(f"{name}: wo_a must be sent BF16; an FP8 wo_a with an HF-named scale is "
+                                 "silently loaded as raw e4m3 by SGLang (sglang_loader_check.md)")
+            elif pat.endswith("compressor.ape") and t.shape[0] == 4:
+                written.append(self._put(name, permute_ape(t)))
+            elif pat == "mlp.topk.tid2eid":
+                written.append(self._put(name, t.to(torch.int32)))
+            else:
+                written.append(self._put(name, t))
+        left = sorted(prefix + k for prefix, d in pending.items() for k in d)
+        if left:
+            raise ValueError(f"atomic pair split across load calls: {left} arrived without their partner "
+                             f"in the same bucket (SGLang's loader asserts the same)")
+        return written
+
+    def _put(self, name: str, t: torch.Tensor) -> str:
+        self.params[name] = t.detach().clone()
+        return name
+
+    def _stacked(self, prefix: str, pat: str, nums: list, t: torch.Tensor) -> str:
+        owner = "mlp.experts." + nums[0] + "." if pat.startswith("mlp.experts.#.") else "mlp.shared_experts."
+        leaf = pat[len("mlp.experts.#."):] if nums else pat[len("mlp.shared_experts."):]
+        fused, half = _STACKED[leaf]
+        if owner == "mlp.shared_experts.":
+            fused = {"w13_weight": "gate_up_proj.weight", "w2_weight": "down_proj.weight",
+                     "w13_weight_scale_inv": "gate_up_proj.weight_scale_inv",
+                     "w2_weight_scale_inv": "down_proj.weight_scale_inv"}[fused]
+        key = prefix + owner + fused
+        if half is None:
+            return self._put(key, t)
+        rows = t.shape[0]
+        cur = self.params.get(key)
+        if cur is None or cur.shape != (2 * rows, *t.shape[1:]) or cur.dtype != t.dtype:
+            cur = torch.zeros((2 * rows, *t.shape[1:]), dtype=t.dtype)
+            self.params[key] = cur
+        cur[half * rows:(half + 1) * rows].copy_(t)
+        return key
+
+    def checksums(self) -> dict:
+        return {n: tensor_sha256(t) for n, t in sorted(self.params.items())}
+
+
+def expected_checksums(buckets, base: LoaderState | None = None) -> dict:
+    """What `/weights_checker` must answer after `buckets` landed (on top of `base`, if given)."""
+    st = LoaderState()
+    if base is not None:
+        st.params = {k: v.clone() for k, v in base.params.items()}
+    for bucket in buckets:
+        st.load(bucket)
+    return st.checksums()
+
+
+def compare_checksums(expected: dict, actual: dict, server: str = "server") -> None:
+    """Raise naming every tensor that is missing, extra or different on `server`."""
+    missing = sorted(set(expected) - set(actual))
+    differ = sorted(n for n in set(expected) & set(actual) if expected[n] != actual[n])
+    if missing or differ:
+        raise RuntimeError(f"weight push did not land on {server}: {len(differ)} tensor(s) differ "
+                           f"{differ[:8]}, {len(missing)} missing {missing[:8]} "
+                           f"(of {len(expected)} expected)")

@@ -1,0 +1,367 @@
+"""nanoflash's embedded rollout server: the subset of SGLang's HTTP API that RL needs, same shapes.
+
+    python -m nanoflash.rollout.server --preset tiny --port 30000 [--weights fp32|bf16|fp8]
+        [--protocol stock|post_process|session] [--api-key KEY] [--checkpoint DIR] [--host 127.0.0.1]
+
+Routes (JSON in, JSON out; see `client.py` for the request/response shapes):
+
+    GET  /health /health_generate /get_server_info /get_model_info /get_weight_version /openapi.json
+    POST /generate /abort_request
+    POST /pause_generation /continue_generation, GET|POST /flush_cache                 (admin)
+    POST /update_weights_from_tensor /update_weights_from_disk /init_weights_update_group
+         /destroy_weights_update_group /update_weights_from_distributed /update_weight_version
+         /weights_checker                                                              (admin)
+    POST /begin_weight_update /end_weight_update        (protocol "session" only)
+    POST /post_process_weights                           (protocol "post_process" only)
+
+`--protocol` picks which weight-update generation the server emulates; `/openapi.json` lists exactly the routes
+it serves, which is how the client tells the generations apart. Under "session" an update outside
+begin/end is refused (SGLang >= PR #28001 asserts the same). Post-load processing (`engine.post_process`)
+runs after each update under "stock", at `post_process_weights(post_process_quantization)` under
+"post_process", and at `end_weight_update` under "session".
+
+Safety: binds 127.0.0.1 by default; with `--api-key` the admin and update routes need
+`Authorization: Bearer KEY` (401 otherwise); `/update_weights_from_tensor` accepts only
+`load_format="nanoflash_safetensors"` (base64 safetensors) -- SGLang's own payload is a pickle of CUDA-IPC
+handles, and this server never unpickles network bytes (400). Any malformed request gets 400 with a message
+naming the problem; an unexpected failure gets 500; the server keeps serving either way.
+
+Differences from SGLang: stdlib `ThreadingHTTPServer` instead of FastAPI/uvicorn (no new dependencies);
+one forward at a time; no radix cache (`flush_cache` is a no-op that succeeds); no tokenizer (token ids only).
+
+Tests: `pytest tests/test_rollout_server.py -q`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+import torch.distributed as dist
+
+from nanoflash.rollout.engine import BadRequest, RolloutEngine, parse_sampling
+from nanoflash.rollout.weight_sync import SAFE_FORMAT, decode_blob, decode_tensors
+
+MAX_BODY = 4 << 30   # refuse request bodies above 4 GiB
+VERSION = "0.5.16"   # the SGLang release whose request/response shapes this server follows
+COMMON = {"/health": "GET", "/health_generate": "GET", "/get_server_info": "GET", "/get_model_info": "GET",
+          "/get_weight_version": "GET", "/openapi.json": "GET", "/generate": "POST", "/abort_request": "POST",
+          "/pause_generation": "POST", "/continue_generation": "POST", "/flush_cache": "GET,POST",
+          "/update_weights_from_tensor": "POST", "/update_weights_from_disk": "POST",
+          "/init_weights_update_group": "POST", "/destroy_weights_update_group": "POST",
+          "/update_weights_from_distributed": "POST", "/update_weight_version": "POST",
+          "/weights_checker": "POST"}
+EXTRA = {"stock": {}, "post_process": {"/post_process_weights": "POST"},
+         "session": {"/begin_weight_update": "POST", "/end_weight_update": "POST"}}
+PUBLIC = {"/health", "/health_generate", "/get_server_info", "/get_model_info", "/get_weight_version",
+          "/openapi.json", "/generate"}
+UPDATES = {"/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed"}
+
+
+class Unauthorized(Exception):
+    """Missing or wrong API key (HTTP 401)."""
+
+
+class RolloutServer:
+    """Route handlers over one `RolloutEngine`; `handle(method, path, body) -> (status, json)`."""
+
+    def __init__(self, engine: RolloutEngine, protocol: str = "stock", api_key: str | None = None):
+        if protocol not in EXTRA:
+            raise ValueError(f"protocol must be one of {sorted(EXTRA)}, got {protocol!r}")
+        self.engine, self.protocol, self.api_key = engine, protocol, api_key
+        self.routes = {**COMMON, **EXTRA[protocol]}
+        self.session_open = False
+        self.groups: dict = {}
+        self.snapshot = None
+
+    def handle(self, method: str, path: str, body, auth: str | None):
+        if path not in self.routes:
+            return 404, {"error": {"message": f"no route {path} (protocol {self.protocol})"}}
+        if method not in self.routes[path].split(","):
+            return 405, {"error": {"message": f"{path} takes {self.routes[path]}, not {method}"}}
+        if self.api_key and path not in PUBLIC and auth != f"Bearer {self.api_key}":
+            return 401, {"error": {"message": f"{path} needs 'Authorization: Bearer <api key>'"}}
+        if method == "POST" and not isinstance(body, (dict, list)):
+            raise BadRequest(f"{path}: the request body must be a JSON object")
+        fn = getattr(self, "r_" + path.strip("/").replace(".", "_"))
+        out = fn(body if isinstance(body, dict) else {})
+        return 200, out
+
+    # ------------------------------------------------------------------ info
+    def r_health(self, _):
+        return {}
+
+    r_health_generate = r_health
+
+    def r_get_server_info(self, _):
+        return {"version": VERSION, "engine": "nanoflash", "protocol": self.protocol, "tp_size": 1,
+                "weights": self.engine.weights, "weight_version": self.engine.weight_version}
+
+    def r_get_model_info(self, _):
+        return {"model_path": "nanoflash", "is_generation": True, "weight_version": self.engine.weight_version}
+
+    def r_get_weight_version(self, _):
+        return {"weight_version": self.engine.weight_version}
+
+    def r_openapi_json(self, _):
+        return {"openapi": "3.1.0", "info": {"title": "nanoflash rollout server", "version": VERSION},
+                "paths": {p: {m.lower(): {} for m in ms.split(",")} for p, ms in self.routes.items()}}
+
+    # ------------------------------------------------------------------ generation
+    def r_generate(self, body):
+        ids = body.get("input_ids")
+        if body.get("text") is not None:
+            raise BadRequest("/generate: this server has no tokenizer; send input_ids, not text")
+        batch = isinstance(ids, list) and ids and isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        V = self.engine.cfg.vocab_size
+        for p in prompts:
+            if not isinstance(p, list) or not p or not all(isinstance(t, int) and 0 <= t < V for t in p):
+                raise BadRequest(f"/generate: input_ids must be a non-empty list of ints in [0, {V}), "
+                                 f"got {str(p)[:80]}")
+        sp = parse_sampling(body.get("sampling_params", {}), V)
+        rid = body.get("rid")
+        out = [r for i, p in enumerate(prompts)
+               for r in self.engine.generate(p, sp, rid=f"{rid}-{i}" if rid and batch else rid)]
+        return out if batch or sp["n"] > 1 else out[0]
+
+    def r_abort_request(self, body):
+        self.engine.abort(rid=body.get("rid"), abort_all=bool(body.get("abort_all")))
+        return {"success": True}
+
+    def r_pause_generation(self, body):
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"pause_generation mode {mode!r} not in abort|retract|in_place")
+        self.engine.pause(mode)
+        return {"success": True, "message": f"paused ({mode})"}
+
+    def r_continue_generation(self, _):
+        self.engine.unpause()
+        return {"success": True}
+
+    def r_flush_cache(self, _):
+        return {"success": True, "message": "no prefix cache to flush"}
+
+    # ------------------------------------------------------------------ weight updates
+    def _update(self, named, body, path):
+        if self.protocol == "session" and not self.session_open:
+            raise BadRequest(f"{path} outside a weight-update session: call /begin_weight_update first")
+        written = self.engine.load(named)
+        if body.get("weight_version") is not None:
+            self.engine.weight_version = str(body["weight_version"])
+        if self.protocol == "stock" or path == "/update_weights_from_disk":
+            self.engine.post_process()
+        return {"success": True, "message": f"loaded {len(written)} tensor(s)"}
+
+    def r_update_weights_from_tensor(self, body):
+        fmt = body.get("load_format")
+        if fmt != SAFE_FORMAT:
+            raise BadRequest(f"/update_weights_from_tensor: load_format {fmt!r} is a pickled payload, which this "
+                             f"server never unpickles; send load_format={SAFE_FORMAT!r} (base64 safetensors)")
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or len(payloads) != 1 or not isinstance(payloads[0], str):
+            raise BadRequest("serialized_named_tensors must be a list with one string (this server has TP=1)")
+        return self._update(decode_tensors(payloads[0]), body, "/update_weights_from_tensor")
+
+    def r_update_weights_from_disk(self, body):
+        path = body.get("model_path")
+        files = sorted(glob.glob(os.path.join(str(path), "*.safetensors"))) if path else []
+        if not files:
+            raise BadRequest(f"/update_weights_from_disk: no *.safetensors under model_path={path!r}")
+        named = []
+        for f in files:
+            with open(f, "rb") as fh:
+                named += decode_blob(fh.read())
+        return self._update(named, body, "/update_weights_from_disk")
+
+    def r_init_weights_update_group(self, body):
+        need = ["master_address", "master_port", "rank_offset", "world_size", "group_name"]
+        missing = [k for k in need if k not in body]
+        if missing:
+            raise BadRequest(f"/init_weights_update_group lacks {missing}")
+        if body.get("backend", "gloo") != "gloo":
+            raise BadRequest(f"backend {body.get('backend')!r}: the embedded server joins gloo groups only")
+        timeout = datetime.timedelta(seconds=float(body.get("timeout_s", 120)))
+        store = dist.TCPStore(body["master_address"], int(body["master_port"]), int(body["world_size"]),
+                              is_master=False, timeout=timeout)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(body["group_name"], store), int(body["rank_offset"]),
+                                   int(body["world_size"]), timeout)
+        self.groups[body["group_name"]] = (pg, store)
+        return {"success": True, "message": f"joined {body['group_name']} as rank {body['rank_offset']}"}
+
+    def r_destroy_weights_update_group(self, body):
+        self.groups.pop(body.get("group_name"), None)
+        return {"success": True}
+
+    def r_update_weights_from_distributed(self, body):
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        group = self.groups.get(body.get("group_name"))
+        if group is None:
+            raise BadRequest(f"unknown group_name {body.get('group_name')!r}; call /init_weights_update_group")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)):
+            raise BadRequest("names, dtypes and shapes must be lists of equal length")
+        specs = []
+        for n, d, s in zip(names, dtypes, shapes):
+            dt = getattr(torch, str(d), None)
+            if not isinstance(dt, torch.dtype) or not isinstance(s, list):
+                raise BadRequest(f"tensor {n}: bad dtype {d!r} or shape {s!r}")
+            specs.append((n, dt, s))
+        if self.protocol == "session" and not self.session_open:
+            raise BadRequest("/update_weights_from_distributed outside a weight-update session")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        named = []
+        for n, dt, s in specs:
+            numel = 1
+            for x in s:
+                numel *= int(x)
+            buf = torch.empty(numel * torch.empty((), dtype=dt).element_size(), dtype=torch.uint8)
+            group[0].broadcast([buf], opts).wait()
+            named.append((n, buf.view(dt).reshape(s)))
+        return self._update(named, body, "/update_weights_from_distributed")
+
+    def r_update_weight_version(self, body):
+        if "new_version" not in body:
+            raise BadRequest("/update_weight_version needs new_version")
+        self.engine.weight_version = str(body["new_version"])
+        if body.get("abort_all_requests"):
+            self.engine.abort(abort_all=True)
+        return {"success": True}
+
+    def r_begin_weight_update(self, _):
+        if self.session_open:
+            raise BadRequest("a weight-update session is already open")
+        self.session_open = True
+        return {"success": True}
+
+    def r_end_weight_update(self, _):
+        if not self.session_open:
+            raise BadRequest("/end_weight_update without /begin_weight_update")
+        self.engine.post_process()
+        self.session_open = False
+        return {"success": True}
+
+    def r_post_process_weights(self, body):
+        if body.get("post_process_quantization"):
+            self.engine.post_process()
+        return {"success": True}
+
+    def r_weights_checker(self, body):
+        action = body.get("action")
+        if action == "checksum":
+            info = {"checksums": self.engine.store.checksums(), "derived_checksum": self.engine.derived_checksum(),
+                    "parallelism_info": {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                                         "pp_size": 1, "rank": 0, "size": 1}}
+            return {"success": True, "message": f"{len(info['checksums'])} tensors", "ranks": [info]}
+        if action == "snapshot":
+            self.snapshot = self.engine.store.checksums()
+            return {"success": True, "message": "snapshot taken"}
+        if action == "compare":
+            if self.snapshot is None:
+                raise BadRequest("weights_checker compare before snapshot")
+            now = self.engine.store.checksums()
+            bad = sorted(n for n in now if self.snapshot.get(n) != now[n])
+            if bad:
+                raise BadRequest(f"check tensor equality failed: {bad[:8]}")
+            return {"success": True, "message": "equal"}
+        raise BadRequest(f"weights_checker action {action!r} not in checksum|snapshot|compare")
+
+
+def make_handler(server: RolloutServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # keep test output quiet
+            pass
+
+        def _reply(self, status: int, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _serve(self, method: str):
+            path = self.path.split("?", 1)[0]
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+                if n > MAX_BODY:
+                    raise BadRequest(f"request body of {n} bytes exceeds {MAX_BODY}")
+                raw = self.rfile.read(n) if n else b""
+                try:
+                    body = json.loads(raw) if raw else None
+                except json.JSONDecodeError as e:
+                    raise BadRequest(f"{path}: body is not valid JSON: {e}") from e
+                status, out = server.handle(method, path, body, self.headers.get("Authorization"))
+            except (BadRequest, ValueError, KeyError, TypeError) as e:
+                status, out = 400, {"success": False, "message": str(e), "error": {"message": str(e)}}
+            except Exception as e:  # the server must survive anything a request triggers
+                status, out = 500, {"success": False, "message": f"{type(e).__name__}: {e}",
+                                    "error": {"message": f"{type(e).__name__}: {e}"}}
+            self._reply(status, out)
+
+        def do_GET(self):
+            self._serve("GET")
+
+        def do_POST(self):
+            self._serve("POST")
+    return Handler
+
+
+def serve(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, protocol: str = "stock",
+          api_key: str | None = None):
+    """Start serving in a background thread; returns (httpd, url). `port=0` picks a free port."""
+    httpd = ThreadingHTTPServer((host, port), make_handler(RolloutServer(engine, protocol, api_key)))
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://{host}:{httpd.server_address[1]}"
+
+
+def build_engine(args) -> RolloutEngine:
+    from nanoflash.config import ModelConfig, preset
+    from nanoflash.model import Transformer
+    torch.manual_seed(args.seed)
+    cfg = ModelConfig.from_hf_config(args.checkpoint) if args.checkpoint else preset(args.preset)
+    model = Transformer(cfg).init_weights(args.seed)
+    if args.weights == "bf16":
+        model.cast_(torch.bfloat16)
+    engine = RolloutEngine(model, weights=args.weights, decode=args.decode, seed=args.seed)
+    if args.checkpoint:
+        RolloutServer(engine, "stock").r_update_weights_from_disk({"model_path": args.checkpoint})
+    return engine
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="tiny", help="model preset (ignored with --checkpoint)")
+    ap.add_argument("--checkpoint", default=None, help="directory with config.json + *.safetensors")
+    ap.add_argument("--seed", type=int, default=0, help="weight init and sampling seed")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on admin routes")
+    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "fp8"])
+    ap.add_argument("--protocol", default="stock", choices=sorted(EXTRA))
+    ap.add_argument("--decode", default="auto", choices=["auto", "cache", "full"])
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = build_engine(args)
+    httpd = ThreadingHTTPServer((args.host, args.port),
+                                make_handler(RolloutServer(engine, args.protocol, args.api_key)))
+    httpd.daemon_threads = True
+    print(f"nanoflash rollout server on http://{args.host}:{httpd.server_address[1]} "
+          f"(protocol {args.protocol}, weights {args.weights}, cache decode {engine.use_cache})", flush=True)
+    httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
