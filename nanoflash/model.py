@@ -179,6 +179,8 @@ class Compressor(nn.Module):
     def pool(self, kv: torch.Tensor, score: torch.Tensor, prev_kv=None, prev_score=None) -> torch.Tensor:
         """Softmax-pool complete windows. kv/score [B,n*m,coff*d] -> [B,n,d] fp32."""
         B, m, d = kv.shape[0], self.ratio, self.head_dim
+        if kv.shape[1] == 0:
+            return kv.new_zeros(B, 0, d)
         kv, score = kv.unflatten(1, (-1, m)), score.unflatten(1, (-1, m))          # [B,n,m,coff*d]
         if self.overlap:
             if prev_kv is None:
