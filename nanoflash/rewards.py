@@ -30,9 +30,12 @@ Tests: `pytest tests/test_rewards.py -q`.
 from __future__ import annotations
 
 import collections
-import multiprocessing as mp
+import os
 import re
+import subprocess
+import sys
 import time
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Sequence
 
@@ -128,48 +131,57 @@ def integer_match(pred: str | None, gold: str) -> bool:
 # Process pool with per-item timeout
 # ---------------------------------------------------------------------------------------------------------------
 
-def _worker_loop(conn, warm_imports: tuple[str, ...]) -> None:
-    """Worker main: import once, then answer (job, fn, args) messages until a None arrives."""
-    for name in warm_imports:
+def _worker_main(read_fd: int, write_fd: int, warm_imports: str) -> None:
+    """Worker process main: import once, then answer (job, fn, args) messages until a None arrives."""
+    for name in filter(None, warm_imports.split(",")):
         __import__(name)
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     while True:
-        msg = conn.recv()
+        msg = inbox.recv()
         if msg is None:
             return
         job, fn, args = msg
         try:
-            conn.send((job, True, fn(*args)))
+            outbox.send((job, True, fn(*args)))
         except Exception as e:  # reported to the parent, counted as an error, scored 0
-            conn.send((job, False, f"{type(e).__name__}: {e}"))
+            outbox.send((job, False, f"{type(e).__name__}: {e}"))
 
 
 class VerifierPool:
     """`n_workers` processes running `fn(*args)` one item each; an item past `timeout_s` kills its worker.
 
+    Workers are fresh interpreters (`python -c`, talking over two pipes), not fork/spawn children: they import
+    only this module and math-verify, never re-run the caller's `__main__` (spawn would) and never inherit the
+    trainer's threads or CUDA state (fork would). `fn` must be a module-level function (it is pickled by name).
+
     Shapes: map(fn, [args_0, ..., args_{N-1}]) -> N outcomes `(status, value)`, status in ok|error|timeout|crash.
     """
 
-    def __init__(self, n_workers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "spawn",
+    def __init__(self, n_workers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
                  warm_imports: tuple[str, ...] = ("math_verify",)):
         if n_workers < 1 or timeout_s <= 0:
             raise ValueError(f"need n_workers >= 1 and timeout_s > 0, got {n_workers}, {timeout_s}")
-        self.timeout_s, self.warm_imports = timeout_s, warm_imports
-        self._ctx = mp.get_context(start_method)
+        self.timeout_s, self.warm_imports = timeout_s, ",".join(warm_imports)
         self.counts = collections.Counter()
-        self._workers = [self._spawn() for _ in range(n_workers)]
+        self._workers = [self._spawn() for _ in range(n_workers)]  # (process, inbox, outbox) per worker
 
     def _spawn(self):
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_loop, args=(child, self.warm_imports), daemon=True)
-        proc.start()
-        child.close()
-        return proc, parent
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        code = (f"from nanoflash.rewards import _worker_main; "
+                f"_worker_main({to_child_r}, {to_parent_w}, {self.warm_imports!r})")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(to_child_r, to_parent_w), env=env)
+        os.close(to_child_r)
+        os.close(to_parent_w)
+        return proc, Connection(to_parent_r, writable=False), Connection(to_child_w, readable=False)
 
     def _replace(self, w: int) -> None:
-        proc, conn = self._workers[w]
+        proc, inbox, outbox = self._workers[w]
         proc.kill()
-        proc.join(5)
-        conn.close()
+        proc.wait(5)
+        inbox.close()
+        outbox.close()
         self._workers[w] = self._spawn()
 
     def map(self, fn: Callable, arg_list: Sequence[tuple]) -> list[tuple[str, Any]]:
@@ -181,10 +193,10 @@ class VerifierPool:
                 if w not in busy and todo:
                     job = todo.popleft()
                     try:
-                        self._workers[w][1].send((job, fn, tuple(arg_list[job])))
+                        self._workers[w][2].send((job, fn, tuple(arg_list[job])))
                     except (BrokenPipeError, OSError):  # died while idle: replace it and retry this job once
                         self._replace(w)
-                        self._workers[w][1].send((job, fn, tuple(arg_list[job])))
+                        self._workers[w][2].send((job, fn, tuple(arg_list[job])))
                     busy[w] = (job, time.monotonic() + self.timeout_s)
             next_deadline = min(d for _, d in busy.values())
             conns = {self._workers[w][1]: w for w in busy}
@@ -208,17 +220,19 @@ class VerifierPool:
         return out
 
     def close(self) -> None:
-        for proc, conn in self._workers:
+        for _, _, outbox in self._workers:
             try:
-                conn.send(None)
+                outbox.send(None)
             except (BrokenPipeError, OSError):
                 pass
-        for proc, conn in self._workers:
-            proc.join(2)
-            if proc.is_alive():
+        for proc, inbox, outbox in self._workers:
+            try:
+                proc.wait(2)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(2)
-            conn.close()
+                proc.wait(2)
+            inbox.close()
+            outbox.close()
         self._workers = []
 
     def __enter__(self):

@@ -3,6 +3,8 @@
 Run: pytest tests/test_rewards.py -q
 """
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -93,11 +95,11 @@ def test_math_reward_equivalences(math_reward):
 
 def test_pool_timeout_kills_worker_and_continues():
     with VerifierPool(n_workers=2, timeout_s=HANG_TIMEOUT_S, warm_imports=()) as pool:
-        first_pids = [p.pid for p, _ in pool._workers]
+        first_pids = [w[0].pid for w in pool._workers]
         out = pool.map(time.sleep, [(0,), (3600,), (0,), (0,)])
         assert [s for s, _ in out] == ["ok", "timeout", "ok", "ok"]
         assert pool.counts["timeout"] == 1
-        assert sorted(p.pid for p, _ in pool._workers) != sorted(first_pids)  # the hung worker was replaced
+        assert sorted(w[0].pid for w in pool._workers) != sorted(first_pids)  # the hung worker was replaced
         assert [s for s, _ in pool.map(abs, [(-2,), (3,)])] == ["ok", "ok"]  # and the pool still works
 
 
@@ -128,3 +130,12 @@ def test_arith_reward_and_token_adapter():
     assert token_reward_fn(tok.decode, arith_reward)(problems, responses) == [1.0, 1.0, 0.0]
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         arith_reward(["1", "2"], ["1"])
+
+
+def test_pool_works_from_a_main_that_cannot_be_reimported():
+    """spawn-based pools crash when `__main__` is stdin (or re-run an unguarded script); ours must not."""
+    script = ("from nanoflash.rewards import VerifierPool\n"
+              "with VerifierPool(n_workers=1, warm_imports=()) as pool:\n"
+              "    print(pool.map(abs, [(-3,)]))\n")
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "[('ok', 3)]", done.stderr[-2000:]
