@@ -137,7 +137,10 @@ def _worker_main(read_fd: int, write_fd: int, warm_imports: str) -> None:
         __import__(name)
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     while True:
-        msg = inbox.recv()
+        try:
+            msg = inbox.recv()
+        except EOFError:  # the parent exited without close(): leave quietly
+            return
         if msg is None:
             return
         job, fn, args = msg
