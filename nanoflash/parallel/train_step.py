@@ -1,0 +1,108 @@
+"""One optimizer step of the engine: pipeline forward/backward -> gradient reduction -> global clip -> AdamW.
+
+Loss scaling. The objective of a step is L = (1/Z) * sum over the global batch of per-token (or per-sample)
+losses l_i, where Z is the *global* normaliser (number of loss tokens, or of samples). Every rank backprops
+`loss_sum(micro-batch) / Z`; gradients are then SUMMED (not averaged) over the ranks that hold different data.
+Since d/dtheta of a sum is the sum of the d/dtheta, the result is the same for any split of the same global
+batch into micro-batches, DP replicas or EP shards (up to the floating-point summation order).
+
+Gradient reduction (after the pipeline has accumulated every micro-batch):
+    dense parameter   replicated on all (dp, ep) ranks of a stage -> all-reduce SUM over `data_group`
+    routed expert     one EP shard, replicated over DP           -> all-reduce SUM over `dp_group`
+A trainable parameter that got no gradient on some rank (an expert no token chose) joins with zeros.
+
+Global norm for clipping: ||g||^2 = sum over *distinct* parameters. After the reduction every replica holds the
+same gradient, so a dense gradient is counted only on (dp=0, ep=0) of its stage and an expert gradient only on
+dp=0; the partial sums are then all-reduced over the world. g <- g * min(1, clip / (||g|| + 1e-6)).
+
+How this differs from production: no overlap of the gradient all-reduce with backward (Megatron / FSDP bucket
+and overlap), no reduce-scatter of optimizer state (ZeRO-1). Tests: `pytest tests/test_parallel_train.py -q`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanoflash.model import chunked_logprobs
+from nanoflash.parallel.comm import all_reduce_
+from nanoflash.parallel.dims import ParallelDims
+from nanoflash.parallel.expert import is_expert_param
+from nanoflash.parallel.pipeline import forward_backward
+
+CLIP_EPS = 1e-6  # added to the norm in the clip factor (as torch.nn.utils.clip_grad_norm_)
+
+
+def token_nll_loss(model: nn.Module, h: torch.Tensor, mb: dict) -> torch.Tensor:
+    """Sum over tokens of -log p(targets) * loss_mask on the last stage (the pretraining / SFT loss).
+
+    Shapes: h [B,S,M,D], mb["targets"] [B,S] int64, mb["loss_mask"] [B,S] (optional) -> scalar
+    """
+    logp = chunked_logprobs(model.hidden(h), model.head.weight, mb["targets"])  # [B,S] fp32
+    mask = mb.get("loss_mask")
+    return -(logp if mask is None else logp * mask.float()).sum()
+
+
+def global_count(x: torch.Tensor, dims: ParallelDims) -> float:
+    """Sum of a per-rank count over the data shards of one pipeline (e.g. loss tokens in the global batch).
+    Every stage of a pipeline must pass the same value; only the data group (DP x EP) is summed."""
+    t = torch.as_tensor(x, dtype=torch.float64, device=dims.device).clone()
+    if dims.data_group is not None:
+        dist.all_reduce(t, group=dims.data_group)
+    return float(t)
+
+
+def reduce_gradients(model: nn.Module, dims: ParallelDims) -> None:
+    """SUM dense grads over DP x EP and expert grads over DP (see module docstring)."""
+    dense, expert = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        (expert if is_expert_param(name) else dense).append(p.grad)
+    all_reduce_(dense, dims.data_group)
+    all_reduce_(expert, dims.dp_group)
+
+
+def grad_norm(model: nn.Module, dims: ParallelDims) -> torch.Tensor:
+    """Global L2 norm of all distinct gradients over all ranks (fp32)."""
+    sq = torch.zeros((), dtype=torch.float32, device=dims.device)
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        owner = dims.dp_rank == 0 and (is_expert_param(name) or dims.ep_rank == 0)
+        if owner:
+            sq += p.grad.float().square().sum()
+    if dims.world_size > 1:
+        dist.all_reduce(sq)
+    return sq.sqrt()
+
+
+def clip_gradients_(model: nn.Module, dims: ParallelDims, max_norm: float) -> torch.Tensor:
+    """Scale every gradient by min(1, max_norm / (||g|| + eps)); returns ||g|| before clipping."""
+    norm = grad_norm(model, dims)
+    if max_norm > 0:
+        factor = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor.to(p.grad.dtype))
+    return norm
+
+
+def train_step(model, dims: ParallelDims, microbatches, optimizer, loss_scale: float,
+               loss_fn=token_nll_loss, grad_clip: float = 1.0) -> dict:
+    """forward_backward -> reduce -> clip -> optimizer.step. Returns {"loss", "grad_norm"} (global values).
+
+    `loss_scale` = 1 / global normaliser (e.g. 1 / global_count(loss tokens)). The returned loss is the
+    global objective sum(loss_fn) * loss_scale, identical on every rank.
+    """
+    optimizer.zero_grad()
+    loss_sum = forward_backward(model, dims, microbatches, loss_fn, loss_scale)
+    reduce_gradients(model, dims)
+    norm = clip_gradients_(model, dims, grad_clip)
+    optimizer.step()
+    loss = loss_sum.double() * loss_scale
+    if dims.world_size > 1:  # only last stages hold a loss; summing over the world adds all data shards
+        dist.all_reduce(loss)
+    return {"loss": float(loss), "grad_norm": float(norm)}
