@@ -46,6 +46,17 @@ ACT_QAT_BLOCK = 128    # official 1x128 activation quantization before FP8 / FP4
 FP4_QAT_BLOCK = 32     # official FP4 simulation block on indexer q / keys
 
 
+def qat_block(n: int, block: int) -> int:
+    """The official QAT block, or the largest divisor of it that tiles a (test-sized) dim n."""
+    return block if n % block == 0 else math.gcd(n, block)
+
+
+def fp8_sim_nope(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """FP8-simulate the nope dims of kv (per 64 channels); the rope dims stay in the activation dtype."""
+    nope = x[..., :-rope_dim]
+    return torch.cat([fp8_sim(nope, qat_block(nope.shape[-1], KV_QAT_BLOCK)), x[..., -rope_dim:]], -1)
+
+
 # ---------------------------------------------------------------------------------------------- norms, rope
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (spec §2.0).
@@ -129,7 +140,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)
         if self.qat_input:
-            x = fp8_sim(x, ACT_QAT_BLOCK)
+            x = fp8_sim(x, qat_block(x.shape[-1], ACT_QAT_BLOCK))
         return F.linear(x, self.weight)
 
 
@@ -214,10 +225,9 @@ class Compressor(nn.Module):
         pos = (w0 + torch.arange(c.shape[1], device=c.device)) * self.ratio
         c = apply_rope(c, *rope_angles(self.cfg, True, pos))
         if self.cfg.qat and self.rotate:
-            c = fp4_sim(hadamard(c), FP4_QAT_BLOCK)
+            c = fp4_sim(hadamard(c), qat_block(c.shape[-1], FP4_QAT_BLOCK))
         elif self.cfg.qat:
-            r = self.cfg.rope_head_dim
-            c = torch.cat([fp8_sim(c[..., :-r], KV_QAT_BLOCK), c[..., -r:]], -1)
+            c = fp8_sim_nope(c, self.cfg.rope_head_dim)
         return c
 
 
@@ -246,7 +256,7 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))    # [B,S,HI,dI]
         q = apply_rope(q, *rope_angles(cfg, True, pos))
         if cfg.qat:
-            q = fp4_sim(hadamard(q), FP4_QAT_BLOCK)
+            q = fp4_sim(hadamard(q), qat_block(q.shape[-1], FP4_QAT_BLOCK))
         new_keys, state = self.compressor(x, start_pos, state)
         keys = new_keys if keys_before is None else torch.cat([keys_before, new_keys], 1)  # [B,C,dI]
         w = self.weights_proj(x).float() * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
@@ -256,7 +266,8 @@ class Indexer(nn.Module):
             visible = torch.arange(keys.shape[1], device=x.device)[None, :] < (pos[:, None] + 1) // 4  # [S,C]
             score = score.masked_fill(~visible, float("-inf"))
             k = min(cfg.index_topk, keys.shape[1])
-            top = score.topk(k, dim=-1).indices                                        # [B,S,k]
+            # A stable sort breaks ties (ReLU zeros) by the lower entry index, the same in prefill and decode.
+            top = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]     # [B,S,k]
             keep = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True) & visible
         return keep, keys, state
 
@@ -323,8 +334,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)                            # [B,S,Dh]
         if cfg.qat:
-            r = cfg.rope_head_dim
-            kv = torch.cat([fp8_sim(kv[..., :-r], KV_QAT_BLOCK), kv[..., -r:]], -1)
+            kv = fp8_sim_nope(kv, cfg.rope_head_dim)
         cache = cache if cache is not None else LayerCache()
         window = kv if cache.window is None else torch.cat([cache.window, kv], 1)      # [B,Lw,Dh]
         comp, keep = self.compressed_keys(x, qr, start_pos, cache)

@@ -1,0 +1,163 @@
+"""Whole-model tests: published parameter counts on meta, decode == full forward, token_logprobs, QAT switch,
+recomputation, and the style lint of model.py (every class documents its equation and shapes)."""
+import ast
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoflash.config import preset
+from nanoflash.model import Transformer
+
+# Decode and prefill take different reduction orders (chunked softmax, concatenated caches): fp32 ulps,
+# relative to the logit scale.
+DECODE_TOL = 1e-5
+
+
+def tiny_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    m = Transformer(preset("tiny", **kw)).init_weights(seed, std=0.2)
+    with torch.no_grad():   # non-degenerate sinks, ape, hc bases and router biases
+        for n, p in m.named_parameters():
+            if n.endswith(("_base", "attn_sink", "ape", "gate.bias")):
+                p.copy_(torch.randn_like(p))
+    return m
+
+
+def count(model, with_mtp=True, active=False):
+    cfg, total = model.cfg, 0
+    for name, p in model.named_parameters():
+        if not with_mtp and name.startswith("mtp."):
+            continue
+        total += p.numel()
+    if active:
+        n_layers = cfg.n_layers + (cfg.n_mtp_layers if with_mtp else 0)
+        total -= n_layers * (cfg.n_routed_experts - cfg.n_activated_experts) * 3 * cfg.dim * cfg.moe_inter_dim
+    return total
+
+
+def test_flash_param_count_on_meta():
+    with torch.device("meta"):
+        m = Transformer(preset("flash"))
+    assert count(m) == 290_942_289_362
+    assert count(m, with_mtp=False) == 284_332_240_471
+    assert count(m, active=True) == 14_118_225_362
+    assert count(m, with_mtp=False, active=True) == 13_799_632_471
+    hash_tables = [n for n, _ in m.named_buffers() if n.endswith("tid2eid")]
+    assert hash_tables == [f"layers.{i}.ffn.gate.tid2eid" for i in range(3)], "tid2eid on the 3 hash layers only"
+
+
+def test_small_preset_fits_one_h200_and_is_sglang_shaped():
+    with torch.device("meta"):
+        m = Transformer(preset("small"))
+    n = count(m)
+    assert 1e9 < n < 3.2e9, f"small preset has {n / 1e9:.2f}B params"
+    for name, p in m.named_parameters():   # every 2-D matmul weight is a multiple of the FP8 block
+        if p.dim() == 2 and name.endswith("weight") and "embed" not in name and "head" not in name:
+            assert p.shape[0] % 128 == 0 or p.shape[0] <= 64 and "weights_proj" in name or "gate" in name, name
+
+
+def test_full_forward_equals_prefill_plus_decode():
+    """Across the window ring wrap (W=8), C4 overlap boundaries and ratio-8 boundaries, and the MTP-free path."""
+    m = tiny_model(index_topk=64).eval()
+    ids = torch.randint(0, m.cfg.vocab_size, (2, 37))
+    with torch.no_grad():
+        full = m(ids)
+        for split in (1, 5, 16):
+            cache = m.new_cache()
+            parts = [m(ids[:, :split], 0, cache)]
+            for t in range(split, 37):
+                parts.append(m(ids[:, t:t + 1], t, cache))
+            err = (torch.cat(parts, 1) - full).abs().max().item()
+            assert err <= DECODE_TOL * full.abs().max().item(), f"prefill {split} + decode: max |diff| {err:.2e}"
+
+
+def test_decode_with_sparse_indexer_selection():
+    """With index_topk < #entries the decode path must select the same entries as the full forward."""
+    m = tiny_model(index_topk=2).eval()
+    ids = torch.randint(0, m.cfg.vocab_size, (1, 30))
+    with torch.no_grad():
+        full, cache = m(ids), m.new_cache()
+        parts = [m(ids[:, :7], 0, cache)] + [m(ids[:, t:t + 1], t, cache) for t in range(7, 30)]
+    assert (torch.cat(parts, 1) - full).abs().max().item() <= DECODE_TOL * full.abs().max().item()
+
+
+def test_token_logprobs_matches_log_softmax_forward_and_backward():
+    m = tiny_model()
+    ids = torch.randint(0, m.cfg.vocab_size, (2, 13))
+    tgt = torch.randint(0, m.cfg.vocab_size, (2, 13))
+    for temp in (1.0, 0.7):
+        want = F.log_softmax(m(ids) / temp, -1).gather(-1, tgt[..., None])[..., 0]
+        g_want = torch.autograd.grad(want.sum(), list(m.parameters()), allow_unused=True)
+        got = m.token_logprobs(ids, tgt, temperature=temp, chunk=5)
+        g_got = torch.autograd.grad(got.sum(), list(m.parameters()), allow_unused=True)
+        assert (got - want).abs().max() < 1e-5
+        for (n, _), a, b in zip(m.named_parameters(), g_got, g_want):
+            assert (a is None) == (b is None), n
+            if a is not None:
+                assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max().item()), n
+
+
+def test_mtp_logits_shape_and_gradient():
+    m = tiny_model()
+    ids = torch.randint(0, m.cfg.vocab_size, (2, 9))
+    h = m.run_layers(m.embed_streams(ids), ids)
+    out = m.mtp_logits(h, torch.roll(ids, -1, 1))
+    assert out.shape == (2, 9, m.cfg.vocab_size) and out.dtype == torch.float32
+    out.logsumexp(-1).sum().backward()
+    assert m.mtp["0"].e_proj.weight.grad is not None and m.mtp["0"].e_proj.weight.grad.abs().sum() > 0
+
+
+def test_recompute_gives_identical_gradients():
+    m = tiny_model()
+    ids = torch.randint(0, m.cfg.vocab_size, (2, 11))
+    loss = lambda: m(ids).logsumexp(-1).mean()
+    g1 = torch.autograd.grad(loss(), list(m.parameters()), allow_unused=True)
+    m.recompute = True
+    g2 = torch.autograd.grad(loss(), list(m.parameters()), allow_unused=True)
+    for a, b in zip(g1, g2):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_qat_switch_changes_numerics_but_not_much():
+    """QAT simulates FP8/FP4 roundings: a few % per op, so at the default init (std 0.02, gains < 1) the logits
+    move by a few % -- and every Linear that the release stores in FP8 quantizes its input."""
+    m = Transformer(preset("tiny", index_topk=64)).init_weights(0)
+    ids = torch.randint(0, m.cfg.vocab_size, (1, 24))
+    q = Transformer(preset("tiny", index_topk=64, qat=True))
+    q.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        a, b = m(ids), q(ids)
+    diff = (a - b).abs().max().item()
+    assert 0 < diff < 0.1 * a.abs().max().item(), f"QAT simulation diff {diff}"
+    q(ids).sum().backward()   # straight-through gradients flow
+    assert q.layers["0"].attn.wq_a.weight.grad.abs().sum() > 0
+    fp8_inputs = {n for n, mod in q.named_modules() if getattr(mod, "qat_input", False)}
+    assert {"layers.0.attn.wq_a", "layers.0.attn.wo_b", "layers.1.attn.indexer.wq_b", "layers.0.ffn.experts.3.w2",
+            "layers.0.ffn.shared_experts.w1", "mtp.0.e_proj"} <= fp8_inputs
+    assert not {"layers.0.attn.wo_a", "layers.1.attn.compressor.wkv", "head", "layers.1.attn.indexer.weights_proj"} \
+        & fp8_inputs, "BF16 weights of the release get no FP8 activation quantization"
+
+
+def test_bf16_cast_keeps_fp32_parameters():
+    m = tiny_model().cast_(torch.bfloat16)
+    dt = {n: p.dtype for n, p in m.named_parameters()}
+    assert dt["layers.0.attn.wq_a.weight"] == torch.bfloat16
+    assert dt["layers.0.hc_attn_fn"] == dt["layers.1.attn.compressor.ape"] == dt["head.weight"] == torch.float32
+    assert m(torch.randint(0, 256, (1, 10))).dtype == torch.float32
+
+
+def test_model_py_style():
+    """Every class docstring carries `Shapes:` (or is a dataclass state record); no distributed code."""
+    src = pathlib.Path(__file__).parents[1].joinpath("nanoflash/model.py").read_text()
+    tree = ast.parse(src)
+    assert ast.get_docstring(tree), "module docstring"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            doc = ast.get_docstring(node) or ""
+            is_record = any(getattr(d, "id", None) == "dataclass" for d in node.decorator_list)
+            assert is_record or "Shapes:" in doc or node.name.startswith("_"), f"class {node.name}"
+        if isinstance(node, ast.FunctionDef):
+            assert node.end_lineno - node.lineno < 60, f"{node.name} is {node.end_lineno - node.lineno} lines"
+    assert "torch.distributed" not in src and "dist." not in src
