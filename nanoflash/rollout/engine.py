@@ -33,7 +33,7 @@ import uuid
 
 import torch
 
-from nanoflash.quant import dequantize_fp8_block
+from nanoflash.quant import FP8_BLOCK, dequantize_fp8_block
 from nanoflash.rollout.layout import LoaderState, from_sglang, tensor_sha256, unpermute_ape
 from nanoflash.rollout.weight_sync import iter_sglang_buckets
 
@@ -130,19 +130,21 @@ class RolloutEngine:
             self.epoch += 1
 
     def _unfused(self):
-        """Stored layout -> (official name, dense tensor), dequantizing FP8 pairs."""
+        """Stored layout -> (official name, dense tensor): unfuse, un-permute, dequantize FP8 per half."""
         p = self.store.params
         for name, t in p.items():
             if name.endswith("_scale_inv"):
                 continue
             scale = p.get(name + "_scale_inv")
-            if t.dtype == torch.float8_e4m3fn:
-                if scale is None:
-                    raise ValueError(f"FP8 tensor {name} arrived without its weight_scale_inv")
-                t = dequantize_fp8_block(t, scale, torch.float32)
-            yield from self._split(name, t)
+            if t.dtype == torch.float8_e4m3fn and scale is None:
+                raise ValueError(f"FP8 tensor {name} arrived without its weight_scale_inv")
+            for official, part, s in self._split(name, t, scale):
+                if part.dtype == torch.float8_e4m3fn:
+                    part = dequantize_fp8_block(part, s, torch.float32)
+                yield official, part
 
-    def _split(self, name: str, t: torch.Tensor):
+    def _split(self, name: str, t: torch.Tensor, scale):
+        """A stored tensor -> [(official name, tensor, its scale rows or None)]."""
         splits = {"self_attn.wqkv_a.weight": ("self_attn.wq_a.weight", "self_attn.wkv.weight",
                                               self.cfg.q_lora_rank),
                   "compressor.wkv_gate.weight": ("compressor.wkv.weight", "compressor.wgate.weight", None),
@@ -150,19 +152,17 @@ class RolloutEngine:
                   "w13_weight": ("gate_proj.weight", "up_proj.weight", None)}
         for fused, (a, b, rows) in splits.items():
             if name.endswith(fused):
-                stem = name[: -len(fused)]
-                rows = rows or t.shape[0] // 2
-                yield from_sglang(stem + a), t[:rows]
-                yield from_sglang(stem + b), t[rows:]
-                return
+                stem, rows = name[: -len(fused)], rows or t.shape[0] // 2
+                srows = -(-rows // FP8_BLOCK)  # each half was quantized on its own: its scale rows
+                sa, sb = (None, None) if scale is None else (scale[:srows], scale[srows:])
+                return [(from_sglang(stem + a), t[:rows], sa), (from_sglang(stem + b), t[rows:], sb)]
         if name.endswith("w2_weight"):
-            yield from_sglang(name[: -len("w2_weight")] + "down_proj.weight"), t
-        elif name.endswith("compressor.ape") and t.shape[0] == 4:
-            yield from_sglang(name), unpermute_ape(t)
-        elif name.endswith("mlp.topk.tid2eid"):
-            yield from_sglang(name), t.to(torch.int64)
-        else:
-            yield from_sglang(name), t
+            return [(from_sglang(name[: -len("w2_weight")] + "down_proj.weight"), t, scale)]
+        if name.endswith("compressor.ape") and t.shape[0] == 4:
+            return [(from_sglang(name), unpermute_ape(t), None)]
+        if name.endswith("mlp.topk.tid2eid"):
+            return [(from_sglang(name), t.to(torch.int64), None)]
+        return [(from_sglang(name), t, scale)]
 
     def derived_checksum(self) -> str:
         """One hash over the parameters the model actually runs with (catches a skipped post_process)."""

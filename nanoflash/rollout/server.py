@@ -319,8 +319,9 @@ def make_handler(server: RolloutServer):
 def serve(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, protocol: str = "stock",
           api_key: str | None = None):
     """Start serving in a background thread; returns (httpd, url). `port=0` picks a free port."""
-    httpd = ThreadingHTTPServer((host, port), make_handler(RolloutServer(engine, protocol, api_key)))
-    httpd.daemon_threads = True
+    rs = RolloutServer(engine, protocol, api_key)
+    httpd = ThreadingHTTPServer((host, port), make_handler(rs))
+    httpd.daemon_threads, httpd.rollout = True, rs
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd, f"http://{host}:{httpd.server_address[1]}"
 

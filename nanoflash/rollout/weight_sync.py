@@ -54,7 +54,9 @@ ATOMIC = [("attn.wq_a.weight", "attn.wkv.weight"),
           ("attn.compressor.wkv.weight", "attn.compressor.wgate.weight"),
           ("attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight")]
 _UNIT_OF = {s: i for i, pair in enumerate(ATOMIC) for s in pair}
-_KIND_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32, "int64": torch.int64}
+# release storage kind -> dtype pushed in an FP8 deployment when SGLang keeps it unquantized (wo_a: bf16)
+_KIND_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32, "int64": torch.int64, "fp8": torch.bfloat16,
+               "fp4": torch.bfloat16}
 
 
 # ---------------------------------------------------------------------------------------------- stream
@@ -143,7 +145,7 @@ def decode_blob(blob: bytes) -> list:
     if len(blob) < 8:
         raise ValueError(f"tensor payload of {len(blob)} bytes is too short for safetensors")
     (hlen,) = struct.unpack("<Q", blob[:8])
-    if blob[:1] == b"\x80" or hlen > len(blob) - 8:
+    if hlen > len(blob) - 8:
         raise ValueError("tensor payload is not safetensors (looks like a pickle or is truncated); the embedded "
                          f"server accepts load_format={SAFE_FORMAT!r} only and never unpickles")
     try:
@@ -274,3 +276,15 @@ def push_weights(client, buckets, *, version, transport: str = "tensor", broadca
         for url in client.urls:
             compare_checksums(expected, client.weights_checksums(url), url)
     return {"buckets": len(buckets), "tensors": sum(len(b) for b in buckets), "checksums": expected}
+
+
+def probe_logprobs(client, model, prompt: list, max_new_tokens: int = 8, url: str | None = None) -> dict:
+    """Behavioural check of a push: greedy-generate on the server, score the same tokens with `model`
+    (batch of one, T = 1, as the server scores T = 0), return {mean, max} |delta logprob| and the tokens."""
+    url = url or client.urls[0]
+    g = client.generate(prompt, {"temperature": 0, "max_new_tokens": max_new_tokens}, url=url)[0]
+    full = torch.tensor(list(prompt) + g.output_ids)
+    with torch.no_grad():
+        ref = model.token_logprobs(full[None, :-1], full[None, 1:])[0, len(prompt) - 1:]
+    d = (ref - torch.tensor(g.logprobs, dtype=torch.float32)).abs()
+    return {"mean": float(d.mean()), "max": float(d.max()), "tokens": g.output_ids, "version": g.weight_version}
