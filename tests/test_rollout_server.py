@@ -10,6 +10,10 @@ import http.client
 import json
 import pickle
 import socket
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ import torch
 from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
-from nanoflash.rollout.client import RequestRejected, SGLangClient
+from nanoflash.rollout.client import RequestRejected, ServerGoneError, SGLangClient
 from nanoflash.rollout.engine import RolloutEngine
 from nanoflash.rollout.layout import sglang_fp8
 from nanoflash.rollout.server import serve
@@ -225,3 +229,40 @@ def test_fp8_mode_bounded_and_stale_post_process_is_caught():
         assert probe_logprobs(client, fp8_reference(trainer), PROMPT)["max"] == 0.0
     finally:
         httpd.shutdown()
+
+
+def _start(port):
+    cmd = [sys.executable, "-m", "nanoflash.rollout.server", "--preset", "tiny", "--port", str(port),
+           "--threads", "1"]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_killed_server_gives_clear_error_and_client_recovers():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _start(port)
+    try:
+        client = SGLangClient(url, retry_s=1.0, backoff_s=0.05)
+        client.wait_healthy(timeout=120)
+        errors = []
+
+        def rollout():
+            try:
+                client.generate(PROMPT, {"max_new_tokens": 240, "temperature": 1.0})
+            except Exception as e:  # the point of the test: what the rollout sees
+                errors.append(e)
+        th = threading.Thread(target=rollout)
+        th.start()
+        time.sleep(0.5)  # let the request reach the decode loop
+        proc.kill()
+        proc.wait()
+        th.join()
+        assert len(errors) == 1 and isinstance(errors[0], ServerGoneError), errors
+        assert url in str(errors[0]) and "unreachable" in str(errors[0])
+        proc = _start(port)  # the server comes back on the same address
+        client.wait_healthy(timeout=120)
+        g = client.generate(PROMPT, {"max_new_tokens": 4})[0]
+        assert len(g.output_ids) == 4 and len(g.logprobs) == 4
+    finally:
+        proc.kill()
+        proc.wait()
