@@ -54,9 +54,10 @@ def reference():
     return out, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-def _rank_fn(rank, world, pp, ep, layer_split, mbs_per_rank):
+def _rank_fn(rank, world, pp, ep, layer_split, mbs_per_rank, recompute):
     dims = ParallelDims(pp=pp, ep=ep)
     model = fresh_model()
+    model.recompute = recompute
     trainable_parameters(model)
     apply_expert_parallel(model, dims)
     build_stage(model, dims, layer_split)
@@ -76,21 +77,21 @@ def ref():
     return reference()
 
 
-LAYOUTS = {  # name: (world, pp, ep, layer_split, micro-batches per data rank)
-    "EP2": (2, 1, 2, None, 2),
-    "EP4": (4, 1, 4, None, 1),
-    "PP2": (2, 2, 1, (1, 3), 4),     # uneven: hash layer 1 sits on stage 1, so the ids must travel
-    "PP4": (4, 4, 1, None, 4),
-    "PP2xEP2": (4, 2, 2, (1, 3), 2),
-    "DP2": (2, 1, 1, None, 2),
+LAYOUTS = {  # name: (world, pp, ep, layer_split, micro-batches per data rank, recompute)
+    "EP2": (2, 1, 2, None, 2, False),
+    "EP4+recompute": (4, 1, 4, None, 1, True),   # the all-to-all runs again inside the recomputed forward
+    "PP2": (2, 2, 1, (1, 3), 4, False),          # uneven: hash layer 1 sits on stage 1, so the ids must travel
+    "PP4": (4, 4, 1, None, 4, False),
+    "PP2xEP2": (4, 2, 2, (1, 3), 2, False),
+    "DP2": (2, 1, 1, None, 2, False),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(layout, ref):
-    world, pp, ep, split, mbs = LAYOUTS[layout]
+    world, pp, ep, split, mbs, recompute = LAYOUTS[layout]
     ref_out, ref_grads, ref_params = ref
-    results = run_ranks(_rank_fn, world, pp, ep, split, mbs)
+    results = run_ranks(_rank_fn, world, pp, ep, split, mbs, recompute)
     seen = set()
     for rank, (out, grads, params) in enumerate(results):
         assert out["loss"] == pytest.approx(ref_out["loss"], rel=RTOL), f"{layout} rank {rank} loss"
