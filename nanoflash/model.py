@@ -686,10 +686,10 @@ class Transformer(nn.Module):
             elif name.endswith(("_base", "attn_sink", "ape", "gate.bias")):
                 p.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+                p.copy_(torch.randn(p.shape, generator=g, device="cpu") * std)
         for name, b in self.named_buffers():
             if name.endswith("tid2eid"):
-                b.copy_(round_robin_tid2eid(*b.shape, self.cfg.n_routed_experts))
+                b.copy_(round_robin_tid2eid(*b.shape, self.cfg.n_routed_experts).to(b.device))
         return self
 
     def cast_(self, dtype: torch.dtype):
@@ -708,7 +708,7 @@ FP32_KEYS = ("hc_", "attn_sink", "ape", "gate.bias", "norm.weight", "compressor.
 def round_robin_tid2eid(vocab: int, k: int, n_experts: int) -> torch.Tensor:
     """Placeholder hash table (Megatron's round-robin) for models not loaded from a checkpoint:
     token t -> experts (t*k + j) mod E, j < k. [V,K] int64"""
-    return (torch.arange(vocab)[:, None] * k + torch.arange(k)[None]) % n_experts
+    return (torch.arange(vocab, device="cpu")[:, None] * k + torch.arange(k, device="cpu")[None]) % n_experts
 
 
 class _ChunkLogprob(torch.autograd.Function):
