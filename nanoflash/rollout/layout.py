@@ -250,11 +250,13 @@ def expected_checksums(buckets, base: LoaderState | None = None) -> dict:
     return st.checksums()
 
 
-def compare_checksums(expected: dict, actual: dict, server: str = "server") -> None:
-    """Raise naming every tensor that is missing, extra or different on `server`."""
+def compare_checksums(expected: dict, actual: dict, server: str = "server", full_push: bool = True) -> None:
+    """Raise naming every tensor that is missing or different on `server`; with `full_push`, also every
+    tensor the server holds that the push never sent (it kept a stale value: the forgotten-`tid2eid` bug)."""
     missing = sorted(set(expected) - set(actual))
     differ = sorted(n for n in set(expected) & set(actual) if expected[n] != actual[n])
-    if missing or differ:
+    unsent = sorted(set(actual) - set(expected)) if full_push else []
+    if missing or differ or unsent:
         raise RuntimeError(f"weight push did not land on {server}: {len(differ)} tensor(s) differ "
-                           f"{differ[:8]}, {len(missing)} missing {missing[:8]} "
-                           f"(of {len(expected)} expected)")
+                           f"{differ[:8]}, {len(missing)} missing {missing[:8]}, {len(unsent)} held but never "
+                           f"sent {unsent[:8]} (of {len(expected)} expected)")

@@ -11,6 +11,7 @@ Routes (JSON in, JSON out; see `client.py` for the request/response shapes):
     POST /update_weights_from_tensor /update_weights_from_disk /init_weights_update_group
          /destroy_weights_update_group /update_weights_from_distributed /update_weight_version
          /weights_checker                                                              (admin)
+    POST /nanoflash/trace                                (nanoflash only: activations, see mismatch.py)
     POST /begin_weight_update /end_weight_update        (protocol "session" only)
     POST /post_process_weights                           (protocol "post_process" only)
 
@@ -45,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from nanoflash.rollout.engine import BadRequest, RolloutEngine, parse_sampling
-from nanoflash.rollout.weight_sync import SAFE_FORMAT, decode_blob, decode_tensors
+from nanoflash.rollout.mismatch import trace
+from nanoflash.rollout.weight_sync import SAFE_FORMAT, decode_blob, decode_tensors, encode_tensors
 
 MAX_BODY = 4 << 30   # refuse request bodies above 4 GiB
 VERSION = "0.5.16"   # the SGLang release whose request/response shapes this server follows
@@ -55,7 +57,7 @@ COMMON = {"/health": "GET", "/health_generate": "GET", "/get_server_info": "GET"
           "/update_weights_from_tensor": "POST", "/update_weights_from_disk": "POST",
           "/init_weights_update_group": "POST", "/destroy_weights_update_group": "POST",
           "/update_weights_from_distributed": "POST", "/update_weight_version": "POST",
-          "/weights_checker": "POST"}
+          "/weights_checker": "POST", "/nanoflash/trace": "POST"}
 EXTRA = {"stock": {}, "post_process": {"/post_process_weights": "POST"},
          "session": {"/begin_weight_update": "POST", "/end_weight_update": "POST"}}
 PUBLIC = {"/health", "/health_generate", "/get_server_info", "/get_model_info", "/get_weight_version",
@@ -88,7 +90,7 @@ class RolloutServer:
             return 401, {"error": {"message": f"{path} needs 'Authorization: Bearer <api key>'"}}
         if method == "POST" and not isinstance(body, (dict, list)):
             raise BadRequest(f"{path}: the request body must be a JSON object")
-        fn = getattr(self, "r_" + path.strip("/").replace(".", "_"))
+        fn = getattr(self, "r_" + path.strip("/").replace(".", "_").replace("/", "_"))
         out = fn(body if isinstance(body, dict) else {})
         return 200, out
 
@@ -272,6 +274,17 @@ class RolloutServer:
                 raise BadRequest(f"check tensor equality failed: {bad[:8]}")
             return {"success": True, "message": "equal"}
         raise BadRequest(f"weights_checker action {action!r} not in checksum|snapshot|compare")
+
+
+    def r_nanoflash_trace(self, body):
+        """nanoflash extension: activations at every block boundary for `input_ids` (mismatch localization)."""
+        ids = body.get("input_ids")
+        V = self.engine.cfg.vocab_size
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and 0 <= t < V for t in ids):
+            raise BadRequest(f"/nanoflash/trace: input_ids must be a non-empty list of ints in [0, {V})")
+        with self.engine.lock:
+            acts = trace(self.engine.model, torch.tensor([ids]))
+        return {"trace": encode_tensors(list(acts.items()))}
 
 
 def make_handler(server: RolloutServer):

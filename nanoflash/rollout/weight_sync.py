@@ -245,8 +245,12 @@ def _send_disk(client, buckets, version, directory):
 
 
 def push_weights(client, buckets, *, version, transport: str = "tensor", broadcaster=None,
-                 disk_dir: str | None = None, verify: bool = True, pause_mode: str = "retract") -> dict:
-    """The full update protocol on every server of `client`; returns {"buckets", "tensors", "checksums"}."""
+                 disk_dir: str | None = None, verify: bool = True, full_push: bool = True,
+                 pause_mode: str = "retract") -> dict:
+    """The full update protocol on every server of `client`; returns {"buckets", "tensors", "checksums"}.
+
+    `verify`: compare each server's `/weights_checker` checksums with the layout derived from `buckets`;
+    `full_push`: the buckets are the whole model, so a tensor the server holds but was not sent is an error."""
     buckets = [list(b) for b in buckets]
     if transport not in ("tensor", "distributed", "disk"):
         raise ValueError(f"transport must be tensor|distributed|disk, got {transport!r}")
@@ -274,7 +278,7 @@ def push_weights(client, buckets, *, version, transport: str = "tensor", broadca
     expected = expected_checksums(buckets)
     if verify:
         for url in client.urls:
-            compare_checksums(expected, client.weights_checksums(url), url)
+            compare_checksums(expected, client.weights_checksums(url), url, full_push)
     return {"buckets": len(buckets), "tensors": sum(len(b) for b in buckets), "checksums": expected}
 
 
