@@ -266,3 +266,98 @@ class OptimConfig:
     eps: float = 1e-8                 # Adam denominator eps
     grad_clip: float = 1.0            # global gradient-norm clip across all ranks (0 = off)
     train_mtp: bool = False           # also train the MTP block (frozen in the V4 RL recipe)
+
+
+@dataclass
+class RolloutConfig:
+    """Where rollouts come from and how weights reach them (read by `nanoflash.trainer`).
+
+    Empty `urls` = train.py starts `n_servers` embedded nanoflash servers itself (in-process threads, SGLang
+    protocol over HTTP on 127.0.0.1); otherwise it talks to the SGLang servers at those URLs.
+    """
+
+    urls: tuple = ()                  # external SGLang servers, e.g. ("http://node0:30000",); () = embedded
+    n_servers: int = 1                # embedded servers to start when urls is empty
+    weights: str = "fp8"              # embedded engine precision: fp8 (e4m3 blocks) | bf16 | fp32 (= matched)
+    temperature: float = 1.0          # sampling temperature; the trainer scores log_softmax(logits / T)
+    top_p: float = 1.0                # nucleus sampling (rollout)
+    max_new_tokens: int = 8           # response limit (Miles --rollout-max-response-len)
+    max_workers: int = 8              # concurrent /generate requests from the trainer
+    bucket_bytes: int = 1 << 30       # weight-sync bucket size (V4 recipe: 1 GiB)
+    transport: str = "tensor"         # weight push: tensor | disk | distributed
+    verify: bool = True               # compare /weights_checker checksums after every push
+    routing_replay: bool = False      # R3: replay the rollout engine's expert choices in the trainer forward
+    max_rounds: int = 8               # over-sampling rounds per step before training on what was kept
+
+    def __post_init__(self):
+        self.urls = tuple(self.urls)
+        if self.weights not in ("fp8", "bf16", "fp32"):
+            raise ValueError(f"RolloutConfig.weights must be fp8|bf16|fp32, got {self.weights!r}")
+        if self.transport not in ("tensor", "disk", "distributed"):
+            raise ValueError(f"RolloutConfig.transport must be tensor|disk|distributed, got {self.transport!r}")
+        if self.n_servers < 1 or self.max_new_tokens < 1 or self.max_rounds < 1:
+            raise ValueError(f"RolloutConfig: n_servers={self.n_servers}, max_new_tokens={self.max_new_tokens}, "
+                             f"max_rounds={self.max_rounds} must all be >= 1")
+
+
+@dataclass
+class EvalConfig:
+    """Offline evaluation every `every` steps: k samples per held-out problem, unbiased pass@k (evaluate.py)."""
+
+    every: int = 10                   # steps between evals (0 = never; step 0 and the last step always when > 0)
+    n_problems: int = 500             # held-out problems (arith) or the first n of the eval file
+    k_samples: int = 4                # samples per problem (pass@1..k)
+    temperature: float = 1.0          # eval sampling temperature (Miles: falls back to the rollout temperature)
+    max_new_tokens: int = 8           # eval response limit (Miles V4: 4096)
+    data: str = "/work/shared/data/aime24.jsonl"  # eval file for task=dapo (AIME-2024)
+
+
+@dataclass
+class TrainConfig:
+    """The run itself: model source, task, steps, checkpoints, logging (read by `train.py`)."""
+
+    preset: str = "tiny"              # model preset (ignored when `checkpoint` is a HF directory)
+    checkpoint: str = ""              # HF-layout directory or nanoflash DCP checkpoint to start from ("" = init)
+    task: str = "arith"               # arith (synthetic, CPU demo) | dapo (DAPO-Math-17K)
+    data: str = "/work/shared/data/dapo_math_17k.parquet"  # DAPO parquet / jsonl / hub name (task=dapo)
+    difficulty: int = 1               # arith operand digits
+    steps: int = 20                   # GRPO steps
+    seed: int = 1234                  # one seed for init, data order and per-request sampling seeds (Miles 1234)
+    out_dir: str = "runs/tiny"        # metrics.jsonl, checkpoints/, plots/
+    save_every: int = 10              # checkpoint every n steps (0 = only at the end)
+    keep: int = 2                     # checkpoints kept
+    resume: bool = True               # continue from the newest checkpoint in out_dir if there is one
+    warmup_steps: int = 0             # supervised warm-up steps on reference answers before RL (0 = pure RL)
+    warmup_lr: float = 3e-3           # warm-up learning rate
+    warmup_batch: int = 64            # warm-up problems per step
+    dtype: str = "fp32"               # trainer parameter dtype: fp32 | bf16
+    threads: int = 0                  # torch intra-op threads (0 = torch's default)
+    tensorboard: bool = False         # also log to TensorBoard (if installed)
+    wandb: str = ""                   # W&B project name ("" = off; needs wandb installed)
+    progress: bool = True             # tqdm progress bars (if installed)
+    plots: bool = True                # PNG figures at the end (if matplotlib is installed)
+    dry_run: bool = False             # print the per-GPU memory plan of the configured layout and exit
+
+    def __post_init__(self):
+        if self.task not in ("arith", "dapo"):
+            raise ValueError(f"TrainConfig.task must be arith|dapo, got {self.task!r}")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"TrainConfig.dtype must be fp32|bf16, got {self.dtype!r}")
+        if self.steps < 0 or self.warmup_steps < 0:
+            raise ValueError(f"TrainConfig: steps={self.steps}, warmup_steps={self.warmup_steps} must be >= 0")
+
+
+@dataclass
+class RunConfig:
+    """The whole config tree of `train.py`; CLI overrides address it as `--<section>.<field> value`.
+
+    `model` holds ModelConfig overrides on top of the preset (e.g. `--model.max_seq_len 64`).
+    """
+
+    train: TrainConfig = field(default_factory=TrainConfig)        # run, task, logging
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)           # loss and dynamic sampling
+    optim: OptimConfig = field(default_factory=OptimConfig)        # AdamW
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # PP x EP x DP layout
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # engines and weight sync
+    eval: EvalConfig = field(default_factory=EvalConfig)           # offline pass@k
+    model: dict = field(default_factory=dict)                      # ModelConfig field overrides
