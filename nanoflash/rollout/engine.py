@@ -97,6 +97,7 @@ class RolloutEngine:
         if weights not in WEIGHT_DTYPES:
             raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {weights!r}")
         self.model, self.cfg, self.weights = model.eval(), model.cfg, weights
+        self.device = next(model.parameters()).device
         self.lock = threading.RLock()
         self.resume = threading.Condition(self.lock)
         self.paused, self.epoch, self.weight_version = False, 0, "0"
@@ -121,6 +122,7 @@ class RolloutEngine:
         with self.lock:
             target = dict(self.model.state_dict(keep_vars=True))
             for name, t in self._unfused():
+                t = t.to(self.device)
                 if name not in target:
                     raise ValueError(f"pushed tensor {name} has no place in this model")
                 dst = target[name]
@@ -191,7 +193,7 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ generation
     def _cache_agrees(self) -> bool:
-        ids = torch.arange(1, 10)[None] % self.cfg.vocab_size                       # [1,9]
+        ids = torch.arange(1, 10, device=self.device)[None] % self.cfg.vocab_size   # [1,9]
         try:
             with torch.no_grad(), self.lock:
                 full = self.model(ids)[0, -1]
@@ -228,8 +230,8 @@ class RolloutEngine:
         n, stops = sp["n"], set(sp["stop_token_ids"])
         with self.lock:
             seed = sp["seed"] if sp["seed"] is not None else int(torch.randint(0, 2**62, (1,), generator=self.seed_gen))
-        gen = torch.Generator().manual_seed(seed)
-        seqs = torch.tensor([input_ids] * n, dtype=torch.long)                         # [n,P]
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        seqs = torch.tensor([input_ids] * n, dtype=torch.long, device=self.device)   # [n,P]
         done, reason, state = [None] * n, "length", {}
         for _ in range(sp["max_new_tokens"]):
             with self.lock:
@@ -248,7 +250,7 @@ class RolloutEngine:
 
     def _finish(self, prompt, seq, stopped, reason, sp, rid, t0) -> dict:
         out = seq[len(prompt):stopped[0] + len(prompt)] if stopped else seq[len(prompt):]
-        full = torch.cat([torch.tensor(prompt, dtype=torch.long), out])
+        full = torch.cat([torch.tensor(prompt, dtype=torch.long, device=out.device), out])
         lps = self.score(full, len(prompt), sp["temperature"]) if len(out) else []
         fr = ({"type": "stop", "matched": stopped[1]} if stopped else
               {"type": "abort", "message": "aborted"} if reason == "abort" else

@@ -35,7 +35,6 @@ Tests: `pytest tests/test_rollout_server.py -q`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import json
 import os
@@ -47,7 +46,8 @@ import torch.distributed as dist
 
 from nanoflash.rollout.engine import BadRequest, RolloutEngine, parse_sampling
 from nanoflash.rollout.mismatch import trace
-from nanoflash.rollout.weight_sync import SAFE_FORMAT, decode_blob, decode_tensors, encode_tensors
+from nanoflash.rollout.weight_sync import (SAFE_FORMAT, decode_blob, decode_tensors, encode_tensors, join_group,
+                                           recv_tensor)
 
 MAX_BODY = 4 << 30   # refuse request bodies above 4 GiB
 VERSION = "0.5.16"   # the SGLang release whose request/response shapes this server follows
@@ -187,14 +187,13 @@ class RolloutServer:
         missing = [k for k in need if k not in body]
         if missing:
             raise BadRequest(f"/init_weights_update_group lacks {missing}")
-        if body.get("backend", "gloo") != "gloo":
-            raise BadRequest(f"backend {body.get('backend')!r}: the embedded server joins gloo groups only")
-        timeout = datetime.timedelta(seconds=float(body.get("timeout_s", 120)))
-        store = dist.TCPStore(body["master_address"], int(body["master_port"]), int(body["world_size"]),
-                              is_master=False, timeout=timeout)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(body["group_name"], store), int(body["rank_offset"]),
-                                   int(body["world_size"]), timeout)
-        self.groups[body["group_name"]] = (pg, store)
+        backend = body.get("backend", "gloo")
+        if backend not in ("gloo", "nccl"):
+            raise BadRequest(f"backend {backend!r}: the embedded server joins gloo or nccl groups")
+        pg, store = join_group(body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
+                               int(body["world_size"]), body["group_name"], backend,
+                               float(body.get("timeout_s", 120)), self.engine.device)
+        self.groups[body["group_name"]] = (pg, store, backend)
         return {"success": True, "message": f"joined {body['group_name']} as rank {body['rank_offset']}"}
 
     def r_destroy_weights_update_group(self, body):
@@ -219,14 +218,7 @@ class RolloutServer:
             raise BadRequest("/update_weights_from_distributed outside a weight-update session")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        named = []
-        for n, dt, s in specs:
-            numel = 1
-            for x in s:
-                numel *= int(x)
-            buf = torch.empty(numel * torch.empty((), dtype=dt).element_size(), dtype=torch.uint8)
-            group[0].broadcast([buf], opts).wait()
-            named.append((n, buf.view(dt).reshape(s)))
+        named = [(n, recv_tensor(group[0], group[2], dt, s, self.engine.device, opts)) for n, dt, s in specs]
         return self._update(named, body, "/update_weights_from_distributed")
 
     def r_update_weight_version(self, body):
@@ -340,17 +332,23 @@ def serve(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, protoco
 
 
 def build_engine(args) -> RolloutEngine:
+    """The model of `--checkpoint` (official/HF safetensors via checkpoint.load_hf_checkpoint) or of
+    `--preset` with `init_weights(--seed)`, on `--device`, wrapped in an engine."""
     from nanoflash.config import ModelConfig, preset
     from nanoflash.model import Transformer
     torch.manual_seed(args.seed)
-    cfg = ModelConfig.from_hf_config(args.checkpoint) if args.checkpoint else preset(args.preset)
-    model = Transformer(cfg).init_weights(args.seed)
+    if args.checkpoint:
+        from nanoflash.checkpoint import load_hf_checkpoint
+        cfg = ModelConfig.from_hf_config(args.checkpoint)
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        load_hf_checkpoint(model, args.checkpoint, cfg, device=args.device)
+    else:
+        with torch.device(args.device):
+            model = Transformer(preset(args.preset)).init_weights(args.seed)
     if args.weights == "bf16":
         model.cast_(torch.bfloat16)
-    engine = RolloutEngine(model, weights=args.weights, decode=args.decode, seed=args.seed)
-    if args.checkpoint:
-        RolloutServer(engine, "stock").r_update_weights_from_disk({"model_path": args.checkpoint})
-    return engine
+    return RolloutEngine(model, weights=args.weights, decode=args.decode, seed=args.seed)
 
 
 def main(argv=None):
@@ -364,6 +362,7 @@ def main(argv=None):
     ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "fp8"])
     ap.add_argument("--protocol", default="stock", choices=sorted(EXTRA))
     ap.add_argument("--decode", default="auto", choices=["auto", "cache", "full"])
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:1 ...")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args(argv)
     if args.threads:

@@ -24,7 +24,8 @@ The push (`push_weights`), per SGLang's documented order (rl_and_sglang.md §4.2
 Transports: "tensor" sends a safetensors payload (the embedded server's safe encoding; real SGLang needs its
 own pickled `FlattenedTensorBucket` of CUDA tensors, built by `sglang_flattened_payload` when SGLang is
 installed); "distributed" joins a gloo/NCCL group as rank 0 and broadcasts each tensor while the server's
-`/update_weights_from_distributed` call receives it (gloo moves raw bytes, NCCL the real dtype); "disk"
+`/update_weights_from_distributed` call receives it (gloo moves raw bytes, NCCL the real dtype, as SGLang
+receives it); "disk"
 writes one safetensors file per bucket and calls `/update_weights_from_disk`.
 
 Not done here: gathering a PP/EP-sharded model (`dims` must be None: one process holds every tensor).
@@ -170,11 +171,51 @@ def sglang_flattened_payload(bucket: list, tp_size: int = 1) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- transports
+def join_group(master_address: str, master_port: int, rank: int, world: int, group_name: str, backend: str,
+               timeout_s: float, device=None):
+    """A process group of its own (no default group needed): rank 0 hosts the TCP store. -> (pg, store)"""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world, is_master=rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world, timeout), store
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device or "cuda"))
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world, opts), store
+    raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+
+
+def broadcast_tensor(pg, backend: str, t: torch.Tensor, opts) -> None:
+    """Rank 0's side. gloo moves the raw bytes (any dtype); NCCL moves the real dtype, as SGLang receives it."""
+    buf = t.detach().contiguous()
+    if backend == "gloo":
+        buf = buf.cpu().reshape(-1).view(torch.uint8)
+    elif not buf.is_cuda:
+        buf = buf.cuda()
+    pg.broadcast([buf], opts).wait()
+
+
+def recv_tensor(pg, backend: str, dtype: torch.dtype, shape: list, device, opts) -> torch.Tensor:
+    """A receiving rank's side of `broadcast_tensor`."""
+    shape = [int(x) for x in shape]
+    if backend == "gloo":
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        buf = torch.empty(n, dtype=torch.uint8)
+        pg.broadcast([buf], opts).wait()
+        return buf.view(dtype).reshape(shape)
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    pg.broadcast([buf], opts).wait()
+    return buf
+
+
 class Broadcaster:
     """Trainer side of `update_weights_from_distributed`: rank 0 of a group with every server's ranks."""
 
     def __init__(self, client, master_address: str, master_port: int, backend: str = "gloo",
-                 group_name: str = "nanoflash_sync", ranks_per_server: int = 1, timeout_s: float = 120.0):
+                 group_name: str = "nanoflash_sync", ranks_per_server: int = 1, timeout_s: float = 120.0,
+                 device=None):
         self.client, self.backend, self.group_name = client, backend, group_name
         world = 1 + ranks_per_server * len(client.urls)
         errors = []
@@ -189,15 +230,8 @@ class Broadcaster:
                    for i, u in enumerate(client.urls)]
         for th in threads:
             th.start()
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(master_address, master_port, world, is_master=True, timeout=timeout)
-        prefixed = dist.PrefixStore(group_name, store)
-        if backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(prefixed, 0, world, timeout)
-        else:
-            raise ValueError(f"Broadcaster backend {backend!r}: only 'gloo' is built in (NCCL needs a GPU "
-                             "process group created with torch.distributed.new_group)")
-        self._store = store
+        self.pg, self._store = join_group(master_address, master_port, 0, world, group_name, backend,
+                                          timeout_s, device)
         for th in threads:
             th.join()
         if errors:
@@ -219,8 +253,7 @@ class Broadcaster:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         for _, t in bucket:
-            buf = t.detach().contiguous().reshape(-1).view(torch.uint8)  # gloo moves bytes of any dtype
-            self.pg.broadcast([buf], opts).wait()
+            broadcast_tensor(self.pg, self.backend, t, opts)
         for th in threads:
             th.join()
         if errors:
