@@ -1,0 +1,82 @@
+"""Micro-batching by a token budget: variable-length RL sequences -> padded [B,S] micro-batches.
+
+RL batches mix sequences of very different lengths. Each micro-batch is padded to its longest sequence, so
+its cost is B x S_max tokens; we require B x S_max <= max_tokens (the per-GPU budget) and minimise the
+padding by sorting lengths in decreasing order and filling greedily (first-fit decreasing on one dimension):
+
+    sort by length desc;  for each sequence: join the open micro-batch if (B+1) * S_max <= max_tokens,
+                                             else open a new one.
+
+Padding is on the right with zeros (and `loss_mask` 0), which changes nothing for the real tokens: attention,
+the compressors and the indexer are causal (a padded position is later than every real one) and routing is
+per token with no capacity limit. Packing several sequences into one row would waste nothing but needs
+document masks in attention and positions restarting per document, which the model does not have.
+
+Lock-step rule: under EP the ranks of an EP group (which hold different data) must run the same number of
+micro-batches, because every MoE layer is a collective. `equalize_count` takes the maximum over the data
+group and splits the largest micro-batches (or, if nothing can be split, appends a one-token dummy with
+`loss_mask` 0, which contributes nothing to the loss or the gradients).
+
+Tests: `pytest tests/test_parallel_microbatch.py -q`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from nanoflash.parallel.dims import ParallelDims
+
+
+def _stack(samples: list[dict], idx: list[int]) -> dict:
+    """Right-pad the 1-D fields of samples[idx] to a common length. -> {field: [B,S_max]}"""
+    S = max(len(samples[i]["input_ids"]) for i in idx)
+    out = {}
+    for k in samples[idx[0]]:
+        rows = [samples[i][k] for i in idx]
+        buf = rows[0].new_zeros((len(rows), S))  # [B,S_max]
+        for r, t in enumerate(rows):
+            buf[r, : len(t)] = t
+        out[k] = buf
+    return out
+
+
+def pack_microbatches(samples: list[dict], max_tokens: int) -> tuple[list[dict], list[list[int]]]:
+    """Greedy first-fit-decreasing under B * S_max <= max_tokens. Returns (micro-batches, sample indices of
+    each), so per-sample results (e.g. log-probs) can be mapped back to the input order."""
+    for i, s in enumerate(samples):
+        L = len(s["input_ids"])
+        bad = {k: len(v) for k, v in s.items() if v.dim() != 1 or len(v) != L}
+        if bad:
+            raise ValueError(f"sample {i}: every field must be 1-D of length len(input_ids)={L}; got {bad}")
+        if L > max_tokens:
+            raise ValueError(f"sample {i} has {L} tokens, more than the micro-batch budget {max_tokens}")
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]["input_ids"]))
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        if g and (len(g) + 1) * len(samples[g[0]]["input_ids"]) <= max_tokens:
+            g.append(i)
+        else:
+            groups.append([i])
+    return [_stack(samples, g) for g in groups], groups
+
+
+def equalize_count(mbs: list[dict], groups: list[list[int]], dims: ParallelDims):
+    """Make every rank of the data group hold the same number of micro-batches (see module docstring)."""
+    n = torch.tensor([len(mbs)], device=dims.device)
+    if dims.data_group is not None:
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=dims.data_group)
+    target = int(n)
+    mbs, groups = list(mbs), list(groups)
+    while len(mbs) < target:
+        j = max(range(len(mbs)), key=lambda i: mbs[i]["input_ids"].shape[0]) if mbs else None
+        if j is not None and mbs[j]["input_ids"].shape[0] > 1:
+            half = mbs[j]["input_ids"].shape[0] // 2
+            mb, g = mbs.pop(j), groups.pop(j)
+            mbs += [{k: v[:half] for k, v in mb.items()}, {k: v[half:] for k, v in mb.items()}]
+            groups += [g[:half], g[half:]]
+        else:
+            template = mbs[0] if mbs else {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
+            mbs.append({k: v.new_zeros((1, 1)) for k, v in template.items()})
+            groups.append([])
+    return mbs, groups
