@@ -64,7 +64,7 @@ def test_full_forward_equals_prefill_plus_decode():
     ids = torch.randint(0, m.cfg.vocab_size, (2, 37))
     with torch.no_grad():
         full = m(ids)
-        for split in (1, 5, 16):
+        for split in (1, 20):
             cache = m.new_cache()
             parts = [m(ids[:, :split], 0, cache)]
             for t in range(split, 37):
