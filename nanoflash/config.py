@@ -122,7 +122,8 @@ class ModelConfig:
         d.update(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", torch_dtype="bfloat16",
                  num_key_value_heads=1, num_nextn_predict_layers=self.n_mtp_layers, bos_token_id=0,
                  eos_token_id=1, tie_word_embeddings=False, hidden_act="silu", topk_method="noaux_tc",
-                 norm_topk_prob=True, compress_ratios=list(self.compress_ratios),
+                 norm_topk_prob=True, compress_ratios=list(self.compress_ratios), attention_bias=False,
+                 max_position_embeddings=int(self.original_seq_len * self.rope_factor), initializer_range=0.02,
                  rope_scaling={"type": "yarn", "factor": self.rope_factor, "beta_fast": self.beta_fast,
                                "beta_slow": self.beta_slow,
                                "original_max_position_embeddings": self.original_seq_len})
