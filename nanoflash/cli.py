@@ -1,0 +1,195 @@
+"""Command line of `train.py`: one dataclass tree (`config.RunConfig`), named run recipes, dotted overrides.
+
+    python train.py --recipe demo --grpo.clip_high 0.28 --rollout.weights fp32 --model.max_seq_len 64
+    python train.py --preset flash --parallel.pp 4 --parallel.ep 4 --dry-run
+
+Resolution order (later wins): dataclass defaults -> `--recipe NAME` (a list of overrides in `RECIPES`) ->
+the command line. An override is `--section.field value` (or `--section.field=value`); the value is parsed
+by the field's declared type: int, float, bool (`true/false/1/0/yes/no`), str, `None`/`none` for optional
+fields, and comma lists for tuples (`--rollout.urls http://a:30000,http://b:30000`). `--model.<field>`
+overrides a `ModelConfig` field of the preset. Short forms: `--preset` = `--train.preset`, `--dry-run` =
+`--train.dry_run true`, `--steps` = `--train.steps`, `--out` = `--train.out_dir`. An unknown section or field,
+or a value that does not parse, is one error naming it.
+
+Differs from Miles: Miles has ~400 flat argparse flags; we keep the config as the dataclasses of
+`config.py` and address their fields by path.
+
+Tests: `pytest tests/test_train_cli.py -q`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+
+from nanoflash.config import ModelConfig, RunConfig
+
+SHORT = {"--preset": "train.preset", "--steps": "train.steps", "--out": "train.out_dir",
+         "--checkpoint": "train.checkpoint", "--seed": "train.seed"}
+FLAGS = {"--dry-run": ("train.dry_run", "true"), "--no-resume": ("train.resume", "false")}
+
+# Named recipes: lists of overrides applied before the command line.
+RECIPES: dict[str, list[str]] = {
+    # CPU demo: tiny model, synthetic 2-digit arithmetic, SFT warm-up then GRPO through the embedded FP8 server.
+    "demo": ["train.preset=tiny", "train.task=arith", "train.difficulty=2", "train.steps=40",
+             "train.warmup_steps=150", "train.out_dir=runs/demo", "train.save_every=10", "train.threads=2",
+             "model.vocab_size=18", "model.max_seq_len=32",
+             "grpo.n_prompts=16", "grpo.group_size=8", "grpo.over_sampling_batch_size=16",
+             "optim.lr=2e-4", "optim.weight_decay=0.0", "optim.grad_clip=1.0",
+             "parallel.micro_batch_tokens=2048",
+             "rollout.weights=fp8", "rollout.max_new_tokens=5", "rollout.max_workers=4",
+             "eval.every=10", "eval.n_problems=500", "eval.k_samples=4", "eval.max_new_tokens=5"],
+    # a few-step smoke of the same command (CI)
+    "smoke": ["train.preset=tiny", "train.task=arith", "train.difficulty=1", "train.steps=3",
+              "train.out_dir=runs/smoke", "train.save_every=1", "model.vocab_size=18", "model.max_seq_len=32",
+              "grpo.n_prompts=4", "grpo.group_size=4", "grpo.over_sampling_batch_size=4", "rollout.max_rounds=2",
+              "optim.lr=1e-3", "rollout.max_new_tokens=4", "rollout.max_workers=2",
+              "eval.every=2", "eval.n_problems=16", "eval.k_samples=2", "eval.max_new_tokens=4"],
+    # the reference deployment's trainer: V4-Flash at PP4 x EP4 (16 GPUs on 2 nodes), Miles' V4 recipe
+    "flash": ["train.preset=flash", "train.task=dapo", "train.dtype=bf16", "train.steps=200",
+              "parallel.pp=4", "parallel.ep=4", "parallel.dp=1", "parallel.recompute=true",
+              "parallel.offload_optimizer=true", "parallel.micro_batch_tokens=8192",
+              "grpo.n_prompts=32", "grpo.group_size=8", "grpo.over_sampling_batch_size=512",
+              "rollout.temperature=0.8", "rollout.max_new_tokens=4096", "rollout.routing_replay=true",
+              "eval.every=20", "eval.k_samples=8", "eval.temperature=0.8", "eval.max_new_tokens=4096"],
+}
+
+
+def _parse_value(raw: str, tp, where: str):
+    """Parse `raw` as the declared type `tp` (a typing object or a string annotation already resolved)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if raw.lower() == "none" and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _parse_value(raw, inner[0], where)
+    if tp is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{where}: {raw!r} is not a bool (true/false)")
+    if tp is tuple or origin is tuple:
+        return tuple(x for x in raw.split(",") if x) if raw else ()
+    if tp is dict:
+        return json.loads(raw)
+    try:
+        return tp(raw) if tp in (int, float, str) else raw
+    except ValueError as e:
+        raise ValueError(f"{where}: cannot parse {raw!r} as {tp.__name__}") from e
+
+
+def _model_field_type(name: str):
+    hints = typing.get_type_hints(ModelConfig)
+    if name not in hints:
+        raise ValueError(f"--model.{name}: ModelConfig has no field {name!r}")
+    return hints[name]
+
+
+def apply_override(cfg: RunConfig, path: str, raw: str) -> None:
+    """Set `cfg.<section>.<field>` from the string `raw`, in place."""
+    section, _, name = path.partition(".")
+    if not name:
+        raise ValueError(f"override {path!r} must be --<section>.<field>")
+    if section == "model":
+        tp = _model_field_type(name)
+        cfg.model[name] = tuple(int(x) for x in raw.split(",")) if name == "compress_ratios" else \
+            _parse_value(raw, tp, f"--{path}")
+        return
+    sections = {f.name for f in dataclasses.fields(RunConfig)}
+    if section not in sections:
+        raise ValueError(f"--{path}: unknown section {section!r}; sections are {sorted(sections)}")
+    obj = getattr(cfg, section)
+    hints = typing.get_type_hints(type(obj))
+    if name not in hints:
+        raise ValueError(f"--{path}: {type(obj).__name__} has no field {name!r}; fields are {sorted(hints)}")
+    setattr(obj, name, _parse_value(raw, hints[name], f"--{path}"))
+
+
+def _pairs(argv: list[str]) -> list[tuple[str, str]]:
+    """argv -> [(dotted path, raw value)], expanding short forms and flags."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in FLAGS:
+            out.append(FLAGS[arg])
+            i += 1
+            continue
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r}; overrides look like --section.field value")
+        key, eq, val = arg.partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{arg} needs a value")
+            val, i = argv[i + 1], i + 1
+        i += 1
+        out.append((SHORT.get(key, key[2:]), val))
+    return out
+
+
+def parse_args(argv: list[str]) -> RunConfig:
+    """Defaults, then `--recipe`, then every other override, re-validated by each dataclass' checks."""
+    cfg = RunConfig()
+    pairs = _pairs(list(argv))
+    for path, val in pairs:
+        if path == "recipe":
+            if val not in RECIPES:
+                raise ValueError(f"--recipe {val!r}: unknown; recipes are {sorted(RECIPES)}")
+            for item in RECIPES[val]:
+                apply_override(cfg, *item.split("=", 1))
+    for path, val in pairs:
+        if path != "recipe":
+            apply_override(cfg, path, val)
+    for f in dataclasses.fields(cfg):  # re-run __post_init__ validation on the final values
+        sec = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(sec):
+            setattr(cfg, f.name, dataclasses.replace(sec))
+    return cfg
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    """JSON-able view of the whole tree (written to out_dir/config.json)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+# ---------------------------------------------------------------------------------------------- dry run
+STORAGE_BYTES = {"fp8": 1.0, "fp4": 0.5, "bf16": 2.0, "fp32": 4.0, "int64": 8.0}  # per element, release storage
+
+
+def rollout_weight_bytes(mcfg) -> float:
+    """Bytes of the released checkpoint's tensors (FP8 linears, FP4 experts, BF16/F32 rest; scales ignored),
+    counted on a meta-built model: what one rollout engine must hold, split over its GPUs."""
+    import torch
+
+    from nanoflash.checkpoint_names import storage_kind
+    from nanoflash.model import Transformer
+    with torch.device("meta"):
+        model = Transformer(mcfg)
+    return sum(t.numel() * STORAGE_BYTES.get(storage_kind(n, mcfg), 2.0) for n, t in model.state_dict().items())
+
+
+def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2) -> str:
+    """Per-GPU memory plan of the configured trainer layout (parallel.planner) plus the rollout side."""
+    import contextlib
+    import io
+
+    from nanoflash.config import preset
+    from nanoflash.parallel import planner
+    tc, par = cfg.train, cfg.parallel
+    mcfg = preset(tc.preset, **cfg.model)
+    argv = ["--preset", tc.preset, "--pp", str(par.pp), "--ep", str(par.ep), "--dp", str(par.dp or 1),
+            "--micro-batch-tokens", str(par.micro_batch_tokens), "--gpus-per-host", str(gpus_per_node)]
+    argv += ["--recompute"] * par.recompute + ["--offload"] * par.offload_optimizer
+    with contextlib.redirect_stdout(io.StringIO()):
+        plan = planner.main(argv)
+    n_train = par.pp * par.ep * (par.dp or 1)
+    w = rollout_weight_bytes(mcfg)
+    lines = [f"dry run: {tc.preset} | trainer {n_train} GPUs = PP{par.pp} x EP{par.ep} x DP{par.dp or 1} (TP1) on "
+             f"{-(-n_train // gpus_per_node)} node(s) | rollout: {rollout_nodes} node(s) x {gpus_per_node} GPUs "
+             f"serving SGLang", "", "trainer, per GPU (parallel.planner):", plan, "",
+             f"rollout, per engine: release weights {w / 2**30:.1f} GiB (FP8 linears, FP4 experts) -> "
+             f"{w / gpus_per_node / 2**30:.1f} GiB per GPU at TP/EP {gpus_per_node}; the rest is KV cache "
+             f"(SGLang --mem-fraction-static)",
+             f"weight sync per step: {w / 2**30:.1f} GiB pushed to each of {rollout_nodes} engines "
+             f"in {cfg.rollout.bucket_bytes / 2**30:.2f} GiB buckets"]
+    return "\n".join(lines)

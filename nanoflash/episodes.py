@@ -1,0 +1,202 @@
+"""The rollout side of the GRPO loop: tasks, embedded servers, dynamic sampling, R3 records, weight push, eval.
+
+One rollout step (`collect`), as Miles' `inference_rollout_train` does it, synchronously:
+
+    repeat until G groups are kept (or `max_rounds`):
+        take k = prompts_to_request(kept, G, 0, chunk) prompts from the data stream (position p advances)
+        POST /generate {input_ids, sampling_params: {n, temperature, top_p, max_new_tokens, stop_token_ids,
+                        sampling_seed = seed(run, p)}, return_logprob}      one request per prompt
+        reward every sample; keep the groups whose rewards are not all equal (`grpo.filter_groups`)
+    keep exactly G groups (extra ones are dropped; Miles returns them to its buffer)
+
+The per-request sampling seed depends only on the run seed and the prompt's position in the data stream, so
+a run that resumes from a checkpoint re-draws exactly the samples the crashed run would have drawn.
+
+Routing replay (R3): real SGLang returns, per token and MoE layer, the experts it routed to
+(`return_routed_experts`). nanoflash's embedded server does not return them (its HTTP API has no such field
+yet), so for embedded servers the record is taken from the rollout engine's own model: one batch-of-one
+forward of the finished sequence on the engine's (FP8-dequantized) weights, reading `MoE.last_indices` of
+every layer. That is the routing the engine computes when it scores the sample.
+
+Evaluation (`sample_batched`) runs on the trainer's full model, batched over all problems of one prompt
+length with full forwards (no cache), because hundreds of held-out problems through one-request-at-a-time
+HTTP would dominate a CPU demo; it is the same sampler as the engine's (`rollout.engine.sample`).
+
+Tests: `pytest tests/test_train_e2e.py -q`.
+"""
+from __future__ import annotations
+
+import copy
+import random
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from nanoflash import data, grpo, rewards
+from nanoflash.rollout.client import SGLangClient, parse_generation
+from nanoflash.rollout.engine import RolloutEngine, sample
+from nanoflash.rollout.server import serve
+from nanoflash.rollout.weight_sync import iter_sglang_buckets, push_weights
+
+SEED_MOD = 2 ** 62  # SGLang sampling seeds are int64; keep them positive
+
+
+@dataclass
+class Task:
+    """What the loop needs to know about a task: prompts, held-out problems, token <-> text, reward."""
+
+    train: list                     # training problems, in the fixed shuffled order of the data stream
+    heldout: list                   # evaluation problems
+    encode: Callable                # Problem -> prompt ids
+    decode: Callable                # response ids -> text
+    reward: Callable                # (problems, response id lists) -> rewards
+    stop_ids: list                  # ids that end a response
+    pad_id: int
+
+
+def make_task(tc, ec, vocab_size: int) -> Task:
+    """arith: synthetic `a+b=` problems with CharTokenizer; dapo: DAPO-Math-17K + AIME with the V4 tokenizer."""
+    if tc.task == "arith":
+        tok = data.CharTokenizer()
+        if tok.vocab_size > vocab_size:
+            raise ValueError(f"the arithmetic tokenizer needs {tok.vocab_size} ids; the model has {vocab_size}")
+        n_train = {1: 150, 2: 16000}.get(tc.difficulty, 50000)
+        train = data.arithmetic_problems(n_train, "train", tc.difficulty, seed=0)
+        random.Random(tc.seed).shuffle(train)
+        heldout = data.arithmetic_problems(ec.n_problems, "heldout", tc.difficulty, seed=0)
+        return Task(train, heldout, tok.encode_prompt, tok.decode,
+                    rewards.token_reward_fn(tok.decode, rewards.arith_reward), [tok.eos_id], tok.pad_id)
+    tok = data.V4Tokenizer()
+    train, skipped = data.load_dapo(tc.data)
+    heldout, _ = data.load_jsonl_problems(ec.data)
+    print(f"task dapo: {len(train)} training problems ({skipped} rows skipped), {len(heldout)} eval problems")
+    random.Random(tc.seed).shuffle(train)
+    scorer = rewards.MathReward()
+    eos = tok.token_id(data.EOS)
+    return Task(train, heldout[:ec.n_problems], tok.encode_chat, lambda ids: tok.decode(ids, True),
+                rewards.token_reward_fn(lambda ids: tok.decode(ids, True), scorer), [eos], eos)
+
+
+# ---------------------------------------------------------------------------------------------- servers
+def start_embedded(model, n: int, weights: str, seed: int):
+    """Start `n` embedded SGLang-protocol servers on copies of `model`; returns (client, engines, httpds)."""
+    engines, httpds, urls = [], [], []
+    for i in range(n):
+        m = copy.deepcopy(model).float()
+        if weights == "bf16":
+            m.cast_(torch.bfloat16)
+        engine = RolloutEngine(m, weights=weights, seed=seed + i)
+        httpd, url = serve(engine)
+        engines.append(engine)
+        httpds.append(httpd)
+        urls.append(url)
+    client = SGLangClient(urls)
+    client.wait_healthy()
+    return client, engines, httpds
+
+
+def push(client, model, rc, version: int, disk_dir: str) -> dict:
+    """Full weight push (FP8 blocks when the engines run FP8, else the trainer's dtypes) with verification."""
+    buckets = iter_sglang_buckets(model, fp8=rc.weights == "fp8", bucket_bytes=rc.bucket_bytes)
+    return push_weights(client, buckets, version=version, transport=rc.transport, verify=rc.verify,
+                        disk_dir=disk_dir)
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+def request_seed(run_seed: int, position: int) -> int:
+    """Sampling seed of the request for the prompt at `position` of the data stream (resume-stable)."""
+    return (run_seed * 1_000_003 + position * 7_919 + 17) % SEED_MOD
+
+
+def routing_record(engine: RolloutEngine, ids: list) -> torch.Tensor:
+    """Experts the engine's model routes every input position of `ids[:-1]` to. -> [L-1, n_layers, K]"""
+    x = torch.tensor(ids[:-1])[None]                                                   # [1,L-1]
+    with torch.no_grad(), engine.lock:
+        engine.model(x)
+        layers = engine.model.layers
+        return torch.stack([layers[k].ffn.last_indices for k in sorted(layers, key=int)], 1)  # [L-1,n_layers,K]
+
+
+def _generate(client, ids: list, sp: dict, r3_external: bool):
+    if not r3_external:
+        return client.generate(ids, sp)
+    out = client.post(client._pick(), "/generate", {"input_ids": ids, "sampling_params": sp,
+                                                    "return_logprob": True, "return_routed_experts": True})
+    return [parse_generation(it, ids, "") for it in (out if isinstance(out, list) else [out])]
+
+
+def _episodes(gens, problem_ids, position, task, problem, engines, rc) -> list:
+    rs = task.reward([problem] * len(gens), [g.output_ids for g in gens])
+    out = []
+    for g, r in zip(gens, rs):
+        rx = None
+        if rc.routing_replay:
+            if engines:
+                rx = routing_record(engines[0], problem_ids + g.output_ids)
+            elif "routed_experts" in g.meta_info:
+                rx = torch.as_tensor(g.meta_info["routed_experts"], dtype=torch.int64)
+            else:
+                raise ValueError("routing replay is on but the server returned no routed_experts")
+        out.append(grpo.Episode(problem_ids, g.output_ids, g.logprobs, float(r), position, g.finish_reason or "stop",
+                                rx))
+    return out
+
+
+def collect(client, engines, task: Task, pos: int, gc, rc, seed: int, bar=None) -> tuple[list, list, int, dict]:
+    """Dynamic-sampling rollout. Returns (kept episodes, all episodes, new data position, counters)."""
+    G, n = gc.n_prompts, gc.group_size
+    sp = {"n": n, "temperature": rc.temperature, "top_p": rc.top_p, "max_new_tokens": rc.max_new_tokens,
+          "stop_token_ids": list(task.stop_ids)}
+    kept, seen, rounds = [], [], 0
+    with ThreadPoolExecutor(max_workers=rc.max_workers) as pool:
+        while len(kept) < G * n and rounds < rc.max_rounds:
+            k = grpo.prompts_to_request(len(kept) // n, G, 0, gc.over_sampling_batch_size)
+            positions = list(range(pos, pos + k))
+            pos += k
+            probs = [task.train[p % len(task.train)] for p in positions]
+            ids = [task.encode(p) for p in probs]
+            futs = [pool.submit(_generate, client, i, {**sp, "sampling_seed": request_seed(seed, p)},
+                                rc.routing_replay and not engines) for i, p in zip(ids, positions)]
+            for fut, i, p, prob in zip(futs, ids, positions, probs):
+                eps = _episodes(fut.result(), i, p, task, prob, engines, rc)
+                seen += eps
+                kept += grpo.filter_groups(eps, n) if gc.dynamic_sampling else eps
+                if bar is not None:
+                    bar.update(1)
+            rounds += 1
+    return kept[:G * n], seen, pos, {"rounds": rounds, "groups_kept": min(len(kept) // n, G),
+                                     "groups_seen": len(seen) // n}
+
+
+# ---------------------------------------------------------------------------------------------- eval
+@torch.no_grad()
+def sample_batched(model, prompts: list, n: int, max_new: int, temperature: float, stop_ids: list, seed: int,
+                   rows_per_forward: int = 1024) -> list:
+    """n samples per prompt, batched over prompts of equal length. -> per prompt [(ids, finish_reason)] * n"""
+    gen = torch.Generator().manual_seed(seed)
+    out: list = [None] * len(prompts)
+    by_len: dict = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    stops = torch.tensor(stop_ids)
+    for L, idx in sorted(by_len.items()):
+        seqs = torch.tensor([prompts[i] for i in idx for _ in range(n)])              # [R,L]
+        done = torch.zeros(len(seqs), dtype=torch.bool)
+        for _ in range(max_new):
+            logits = torch.cat([model(seqs[a:a + rows_per_forward])[:, -1]
+                                for a in range(0, len(seqs), rows_per_forward)])      # [R,V]
+            nxt = sample(logits, temperature, 1.0, -1, gen)
+            nxt = torch.where(done, stops[0], nxt)
+            seqs = torch.cat([seqs, nxt[:, None]], 1)                                 # [R,L+1]
+            done |= torch.isin(nxt, stops)
+            if bool(done.all()):
+                break
+        for j, i in enumerate(idx):
+            group = []
+            for row in seqs[j * n:(j + 1) * n, L:].tolist():
+                hit = next((t for t, tok in enumerate(row) if tok in stop_ids), None)
+                group.append((row[:hit + 1], "stop") if hit is not None else (row, "length"))
+            out[i] = group
+    return out

@@ -1,0 +1,122 @@
+"""Run logging: one JSON line per event in `out_dir/metrics.jsonl`, plus optional TensorBoard / W&B and tqdm.
+
+Every record is `{"kind": "train"|"eval"|"warmup"|"info", "step": N, ...numbers}`. The JSONL file is the
+source of truth (plots and tests read it back with `read_jsonl`); TensorBoard and W&B receive the same
+numbers as `<kind>/<name>` when installed and asked for, and are skipped with one printed note otherwise.
+
+Resume: `MetricsLog(path, resume_step=N)` first drops every record with step > N (they belong to steps the
+crashed run finished after its last checkpoint and that the resumed run will redo), so the file never holds
+two records of one step.
+
+Differs from Miles: Miles logs to W&B / TensorBoard through Ray actors; here rank 0 writes a flat file.
+
+Tests: `pytest tests/test_train_e2e.py -q`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+
+def read_jsonl(path: str, kind: str | None = None) -> list[dict]:
+    """Records of `path` (optionally only one kind); a corrupt line (a crash mid-write) is an error naming it."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not a JSON line ({e}): {line[:80]!r}") from e
+            if kind is None or rec.get("kind") == kind:
+                out.append(rec)
+    return out
+
+
+def _clean(v):
+    """Tensors / numpy scalars -> float; NaN/inf -> None (JSON has no NaN)."""
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class MetricsLog:
+    """Append-only JSONL log with optional TensorBoard / W&B mirrors (rank 0 only; others pass enabled=False)."""
+
+    def __init__(self, path: str, resume_step: int | None = None, tensorboard: bool = False, wandb: str = "",
+                 config: dict | None = None, enabled: bool = True):
+        self.path, self.enabled, self.tb, self.wb = path, enabled, None, None
+        if not enabled:
+            return
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        keep = [r for r in read_jsonl(path) if resume_step is not None and r.get("step", 0) <= resume_step]
+        with open(path, "w") as f:  # rewrite: a fresh run starts empty, a resumed one keeps steps <= N
+            for r in keep:
+                f.write(json.dumps(r) + "\n")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(os.path.join(os.path.dirname(path), "tb"))
+            except ImportError:
+                print("metrics: tensorboard is not installed; logging to JSONL only", file=sys.stderr)
+        if wandb:
+            try:
+                import wandb as wb
+                self.wb = wb.init(project=wandb, config=config or {}, resume="allow")
+            except ImportError:
+                print("metrics: wandb is not installed; logging to JSONL only", file=sys.stderr)
+
+    def log(self, kind: str, step: int, values: dict) -> dict:
+        rec = {"kind": kind, "step": int(step), **{k: _clean(v) for k, v in values.items()}}
+        if not self.enabled:
+            return rec
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        nums = {f"{kind}/{k}": v for k, v in rec.items() if isinstance(v, (int, float)) and k not in ("step",)}
+        if self.tb is not None:
+            for k, v in nums.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wb is not None:
+            self.wb.log(nums, step=step)
+        return rec
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+        if self.wb is not None:
+            self.wb.finish()
+
+
+class _NoBar:
+    def __init__(self, total=None, **_):
+        self.total = total
+
+    def update(self, n=1):
+        pass
+
+    def set_postfix(self, *a, **k):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress(total: int, desc: str, enabled: bool = True):
+    """A tqdm bar (to stderr, left in place) when tqdm is installed and `enabled`, else a no-op object."""
+    if enabled:
+        try:
+            from tqdm import tqdm
+            return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
+        except ImportError:
+            pass
+    return _NoBar(total=total)

@@ -1,0 +1,174 @@
+"""GRPO for DeepSeek-V4 (nanoflash), the whole loop in one file. It reads top to bottom:
+
+    config -> dist init -> build (meta) -> parallelize -> load -> rollout engines -> loop {rollout, advantages,
+    train, sync, log}
+
+Runs (see docs/demo.md):
+    python train.py --recipe demo                           # CPU demo: tiny model, arithmetic, embedded FP8 server
+    python train.py --recipe smoke --rollout.weights fp32   # matched precision: train/rollout |dlogp| == 0
+    torchrun --nproc-per-node 2 train.py --recipe smoke --parallel.pp 2
+    python train.py --recipe flash --dry-run                # per-GPU memory plan of the 4-node deployment
+    torchrun --nnodes 2 --nproc-per-node 8 ... train.py --recipe flash --rollout.urls http://r0:30000,...
+
+One step (Miles' synchronous loop, rl_and_sglang.md §1-3): rollout n samples per prompt through the SGLang-
+protocol servers with dynamic sampling -> rewards -> group advantages -> the trainer recomputes log-probs ->
+one GRPO optimizer step (micro-batches by token budget, PP/EP/DP engine) -> FP8 (or matched-precision) weight
+push, verified by checksum -> every N steps an offline pass@k eval on held-out problems -> checkpoint -> JSONL.
+
+Differs from Miles: no Ray; rank 0 drives the rollout servers over HTTP and broadcasts the episodes; one
+optimizer step per rollout (the V4 recipe), no async/partial rollouts, no reference model (KL coef 0).
+
+Tests: `pytest tests/test_train_cli.py tests/test_train_e2e.py -q`.
+"""
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+from nanoflash import episodes as ep
+from nanoflash import grpo, trainer
+from nanoflash.checkpoint import load_hf_checkpoint
+from nanoflash.cli import dry_run_text, parse_args, to_dict
+from nanoflash.config import ModelConfig, preset
+from nanoflash.evaluate import evaluate
+from nanoflash.metrics import MetricsLog, progress
+from nanoflash.model import Transformer
+from nanoflash.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from nanoflash.parallel.dims import init_distributed, print0
+from nanoflash.plots import write_plots
+from nanoflash.rollout.client import SGLangClient
+
+# ---------------------------------------------------------------------------------------------- config
+cfg = parse_args(sys.argv[1:])
+tc, gc, oc, par, rc, ec = cfg.train, cfg.grpo, cfg.optim, cfg.parallel, cfg.rollout, cfg.eval
+if tc.dry_run:
+    print(dry_run_text(cfg))
+    sys.exit(0)
+if tc.threads:
+    torch.set_num_threads(tc.threads)
+if tc.warmup_steps and tc.task != "arith":
+    raise SystemExit(f"train.warmup_steps={tc.warmup_steps}: the supervised warm-up is for task=arith only")
+matched = rc.weights == "fp32" and tc.dtype == "fp32"  # batch-invariant scoring: |dlogp| must be exactly 0
+ckpt_dir, ckpt_is_dcp = os.path.join(tc.out_dir, "checkpoints"), os.path.exists(os.path.join(tc.checkpoint, "meta.json"))
+
+# ---------------------------------------------------------------------------------------------- dist init
+dims = init_distributed(par.pp, par.ep, par.dp)
+rank0 = dims.rank == 0
+if par.recompute and rc.routing_replay and par.pp > 1:
+    raise SystemExit("routing replay with activation recompute is only supported at PP=1 (see trainer.py)")
+torch.manual_seed(tc.seed)
+
+# ---------------------------------------------------------------------------------------------- build (meta) + parallelize
+if tc.checkpoint and not ckpt_is_dcp:
+    mcfg = dataclasses.replace(ModelConfig.from_hf_config(tc.checkpoint), **cfg.model)
+else:
+    mcfg = preset(tc.preset, **cfg.model)
+dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[tc.dtype]
+model = trainer.build_model(mcfg, dims, par, tc.seed, dtype, init=not tc.checkpoint)
+optimizer = trainer.make_optimizer(model, oc, offload=par.offload_optimizer)
+
+# ---------------------------------------------------------------------------------------------- load / resume
+if tc.checkpoint:
+    (load_checkpoint(tc.checkpoint, model, None, dims) if ckpt_is_dcp else load_hf_checkpoint(model, tc.checkpoint))
+step, pos, latest = 0, 0, latest_checkpoint(ckpt_dir) if tc.resume else None
+if latest:
+    meta = load_checkpoint(latest, model, optimizer, dims)
+    step, pos = meta["step"], meta["extra"]["data_pos"]
+    print0(f"resumed from {latest}: step {step}, data position {pos}")
+task = ep.make_task(tc, ec, mcfg.vocab_size)
+log = MetricsLog(os.path.join(tc.out_dir, "metrics.jsonl"), resume_step=step if latest else None,
+                 tensorboard=tc.tensorboard, wandb=tc.wandb, config=to_dict(cfg), enabled=rank0)
+if not latest:
+    log.log("info", 0, {"config": to_dict(cfg), "world_size": dims.world_size, "matched": matched})
+if not latest and tc.warmup_steps:  # supervised warm-up on reference answers (fresh runs only)
+    sft_opt, t0 = trainer.make_optimizer(model, oc, lr=tc.warmup_lr), time.time()
+    for i in range(tc.warmup_steps):
+        batch_probs = [task.train[(i * tc.warmup_batch + j) % len(task.train)] for j in range(tc.warmup_batch)]
+        nll = trainer.sft_step(model, dims, sft_opt, batch_probs, task, par, oc)
+        if i % 25 == 0 or i == tc.warmup_steps - 1:
+            log.log("warmup", i, {"nll": nll, "time_s": time.time() - t0})
+    del sft_opt
+
+# ---------------------------------------------------------------------------------------------- rollout engines
+shadow = model if dims.world_size == 1 else (Transformer(mcfg) if rank0 else None)  # full weights on rank 0
+full_state = trainer.gather_full_state(model, dims)
+if rank0 and shadow is not model:
+    shadow.load_state_dict(full_state)
+client, engines, httpds = None, [], []
+if rank0:
+    client, engines, httpds = (SGLangClient(list(rc.urls)), [], []) if rc.urls else \
+        ep.start_embedded(shadow, rc.n_servers, rc.weights, tc.seed)
+
+
+def sync_weights(version: int) -> dict:
+    """Gather (PP/EP) -> rank 0 pushes to every server -> checksum verification."""
+    t0, full = time.time(), trainer.gather_full_state(model, dims)
+    if not rank0:
+        return {}
+    if shadow is not model:
+        shadow.load_state_dict(full)
+    info = ep.push(client, shadow, rc, version, os.path.join(tc.out_dir, "sync"))
+    return {"sync_s": time.time() - t0, "sync_tensors": info["tensors"], "sync_buckets": info["buckets"]}
+
+
+def run_eval(at: int) -> None:
+    """pass@k on held-out problems with the trainer's full weights (rank 0)."""
+    if not rank0 or not ec.every:
+        return
+    t0 = time.time()
+    gen = lambda prompts, n: ep.sample_batched(shadow, prompts, n, ec.max_new_tokens, ec.temperature,  # noqa: E731
+                                               task.stop_ids, ep.request_seed(tc.seed + 1, at))
+    res = evaluate(task.heldout, gen, ec.k_samples, task.reward, ec.max_new_tokens, task.encode)
+    res.pop("per_problem_correct")
+    print0(f"eval step {at}: " + " ".join(f"{k}={v:.3f}" for k, v in res.items() if k.startswith("pass@")))
+    log.log("eval", at, {**res, "eval_s": time.time() - t0})
+
+
+def save(at: int) -> None:
+    save_checkpoint(ckpt_dir, at, model, optimizer, dims, extra={"data_pos": pos}, keep=tc.keep)
+
+
+sync_weights(step)
+if not latest:
+    run_eval(0)
+    save(0)
+
+# ---------------------------------------------------------------------------------------------- loop
+while step < tc.steps:
+    t0 = time.time()
+    bar = progress(gc.n_prompts, f"rollout {step + 1}/{tc.steps}", tc.progress and rank0)
+    got = ep.collect(client, engines, task, pos, gc, rc, tc.seed, bar) if rank0 else None
+    bar.close()
+    kept, seen, pos, counts = trainer.broadcast(got, dims)
+    t_roll = time.time() - t0
+    m = {**grpo.step_metrics(seen, gc.group_size), **counts, "rollout_s": t_roll,
+         "rollout_tokens_per_s": sum(len(e.response_ids) for e in seen) / t_roll}
+    step += 1
+    if kept:  # advantages -> recompute old log-probs -> one GRPO step
+        t1 = time.time()
+        batch = grpo.pack(kept, grpo.episode_advantages(kept, gc.group_size, eps=gc.adv_eps,
+                                                        std_normalize=gc.std_normalize), task.pad_id)
+        batch.old_logprobs = trainer.recompute_logprobs(model, dims, batch, par, rc.temperature, matched,
+                                                        rc.routing_replay)
+        m.update(trainer.grpo_step(model, dims, batch, optimizer, gc, oc, par, rc.temperature, rc.routing_replay))
+        m.update(train_s=time.time() - t1, train_tokens_per_s=float(batch.mask.sum()) / (time.time() - t1))
+    m.update(sync_weights(step))
+    if rank0:
+        print(f"step {step}: reward {m['reward_mean']:.3f} kept {m['groups_kept']}/{m['groups_seen']} groups "
+              f"|dlogp| {m.get('train_rollout_logprob_abs_diff', float('nan')):.2e} ({time.time() - t0:.1f}s)",
+              flush=True)
+    log.log("train", step, {**m, "step_s": time.time() - t0})
+    if ec.every and (step % ec.every == 0 or step == tc.steps):
+        run_eval(step)
+    if step == tc.steps or (tc.save_every and step % tc.save_every == 0):
+        save(step)
+
+# ---------------------------------------------------------------------------------------------- wrap up
+if rank0 and tc.plots:
+    for path in write_plots(tc.out_dir):
+        print(f"wrote {path}")
+log.close()
+for httpd in httpds:
+    httpd.shutdown()
