@@ -75,23 +75,31 @@ class AdamW:
 
     @torch.no_grad()
     def step(self) -> None:
+        """One update. Offloaded: all gradients go to the host first (async copies, one sync), the host does
+        the math, then the new weights go back (async copies, one sync before the master is touched again)."""
         self.step_count += 1
-        b1, b2 = self.betas
+        live = [(n, p) for n, p in self.params.items() if p.grad is not None]
+        on_gpu = any(p.is_cuda for _, p in live)
+        grads = {n: p.grad.float().to(self.state[n]["exp_avg"].device, non_blocking=on_gpu) for n, p in live}
+        if self.offload and on_gpu:
+            torch.cuda.synchronize()  # the host must not read a gradient still in flight
+        for name, p in live:
+            self._update(name, p, grads[name])
+        if self.offload and on_gpu:
+            torch.cuda.synchronize()  # next step's host math must not race the weight upload
+
+    def _update(self, name: str, p: torch.Tensor, g: torch.Tensor) -> None:
+        st, (b1, b2) = self.state[name], self.betas
         bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
-        for name, p in self.params.items():
-            if p.grad is None:
-                continue
-            st = self.state[name]
-            w = st.get("master", p)
-            g = p.grad.to(w.device, torch.float32, non_blocking=True)
-            if self.weight_decay and p.ndim >= 2:
-                w.mul_(1 - self.lr * self.weight_decay)
-            st["exp_avg"].lerp_(g, 1 - b1)
-            st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (st["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(self.eps)
-            w.addcdiv_(st["exp_avg"], denom, value=-self.lr / bc1)
-            if w is not p:
-                p.copy_(w, non_blocking=True)
+        w = st.get("master", p)
+        if self.weight_decay and p.ndim >= 2:
+            w.mul_(1 - self.lr * self.weight_decay)
+        st["exp_avg"].lerp_(g, 1 - b1)
+        st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = (st["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(self.eps)
+        w.addcdiv_(st["exp_avg"], denom, value=-self.lr / bc1)
+        if w is not p:
+            p.copy_(w, non_blocking=p.is_cuda)
 
     # ------------------------------------------------------------------ checkpoint I/O (flat, by FQN)
     def state_dict(self) -> dict:

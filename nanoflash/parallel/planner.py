@@ -112,20 +112,27 @@ def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: b
     return list(rows.values())
 
 
-def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16) -> dict[int, tuple[float, float]]:
-    """Fit bytes(S) = a S + b S^2 of the tensors autograd saves in one Block, per compress ratio."""
+def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="cpu") -> dict[int, tuple]:
+    """Fit bytes(S) = a S + b pairs(S) of the tensors autograd saves in one Block, per compress ratio."""
     small = dataclasses.replace(cfg, n_routed_experts=cfg.n_activated_experts + 2, n_hash_layers=0)
     fit = {}
     for ratio in sorted(set(cfg.compress_ratios)):
         layer_id = cfg.compress_ratios.index(ratio)
-        block = Block(layer_id, small)
-        torch.nn.init.normal_(block.hc_attn_fn, std=0.02)
-        torch.nn.init.normal_(block.hc_ffn_fn, std=0.02)
+        with torch.device(device):
+            block = Block(layer_id, small)
+        with torch.no_grad():  # the Transformer.init_weights rules, so routing and top-k see sane values
+            for name, p in block.named_parameters():
+                if name.endswith(("norm.weight", "_scale")):
+                    p.fill_(1.0)
+                elif name.endswith(("_base", "attn_sink", "ape", "gate.bias")):
+                    p.zero_()
+                else:
+                    p.normal_(0, 0.02)
         block.to(dtype)
         weights = {p.untyped_storage().data_ptr() for p in block.parameters()}  # saved too, but not activations
         measured = []
         for S in seq_lens:
-            h = torch.randn(1, S, cfg.hc_mult, cfg.dim, dtype=dtype, requires_grad=True)  # [B,S,M,D]
+            h = torch.randn(1, S, cfg.hc_mult, cfg.dim, dtype=dtype, device=device, requires_grad=True)  # [B,S,M,D]
             seen = {}
 
             def pack(t):
@@ -134,8 +141,9 @@ def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16) -> dict[
                     seen[ptr] = t.untyped_storage().nbytes()
                 return t
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                block(h, torch.zeros(1, S, dtype=torch.long))
+                block(h, torch.zeros(1, S, dtype=torch.long, device=device))
             measured.append(sum(seen.values()))
+            del seen
         (s1, s2), (m1, m2) = seq_lens, measured  # solve m = a S + b pairs(S) at both lengths
         p1, p2 = attention_pairs(cfg, ratio, s1), attention_pairs(cfg, ratio, s2)
         b = (m2 * s1 - m1 * s2) / (p2 * s1 - p1 * s2)
