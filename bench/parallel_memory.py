@@ -9,7 +9,7 @@ activation fit, and the AdamW step with and without host offload.
 3. flash fit: `measure_layer_bytes(flash)` on the GPU at S = 4096 / 8192 (the planner's MEASURED_FLASH).
 4. AdamW: step time for 1B bf16 parameters with state on the GPU vs offloaded to (pinned) host memory.
 
-Run on a GPU: python bench/parallel_memory.py
+Run on a GPU: PYTHONPATH=. python bench/parallel_memory.py
 """
 import dataclasses
 import time

@@ -9,7 +9,7 @@ Three ways to run the experts on T = 64 x rows tokens (already sorted by expert)
 against   dense     one [T,D] x [D,2I] and one [T,I] x [I,D] GEMM (same FLOPs as grouped/loop).
 Ratio = dense time / method time (1.0 = as fast as a dense GEMM). Goal >= 0.6 at >= 768 rows/expert.
 
-Run on a GPU: python bench/parallel_moe_gemm.py
+Run on a GPU: PYTHONPATH=. python bench/parallel_moe_gemm.py
 """
 import dataclasses
 import statistics
@@ -69,8 +69,13 @@ def bench(rows: int, skew: bool, dev="cuda") -> dict:
         y = torch._grouped_mm(swiglu(torch._grouped_mm(x, w13, offs=offs)), w2, offs=offs)
         y.backward(dy)
 
+    # separate leaf tensors per expert, as in a model with one module per expert (indexing one big tensor
+    # would make every expert's backward write a full-size zero gradient)
+    w13_l = [w.detach().clone().requires_grad_() for w in w13]
+    w2_l = [w.detach().clone().requires_grad_() for w in w2]
+
     def loop():
-        ys = [swiglu(xe @ w13[e]) @ w2[e] for e, xe in enumerate(x.split(splits))]
+        ys = [swiglu(xe @ w13_l[e]) @ w2_l[e] for e, xe in enumerate(x.split(splits))]
         torch.cat(ys).backward(dy)
 
     def dense():
