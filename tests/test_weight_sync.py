@@ -174,6 +174,8 @@ class RecordingClient(SGLangClient):
         self.calls.append(path)
         if path == "/openapi.json":
             return {"paths": {p: {} for p in self.routes}}
+        if path == "/get_server_info":
+            return {"engine": "nanoflash", "version": "0.5.16"}
         if path == "/weights_checker":
             return {"success": True, "ranks": [{"checksums": self.checksums}]}
         return {"success": True}
@@ -186,12 +188,12 @@ class RecordingClient(SGLangClient):
 def test_push_call_order_per_protocol_generation(model, routes, bracket):
     buckets = _stream(model, fp8=True, bucket_bytes=1 << 16)
     fake = RecordingClient(routes, checksums=expected_checksums(buckets))
-    out = push_weights(fake, buckets, version=3)
-    calls = [c for c in fake.calls if c != "/openapi.json"]
+    out = push_weights(fake, buckets)
+    calls = [c for c in fake.calls if c not in ("/openapi.json", "/get_server_info")]
     want = (["/pause_generation", "/flush_cache"] + bracket[0] + ["/update_weights_from_tensor"] * len(buckets)
             + bracket[1] + ["/continue_generation", "/weights_checker"])
     assert calls == want
-    assert out["buckets"] == len(buckets)
+    assert out["buckets"] == len(buckets) and fake.weight_version == 1  # the version bumps per push
     fake_bad = RecordingClient(routes, checksums={})
     with pytest.raises(RuntimeError, match="did not land"):
         push_weights(fake_bad, buckets, version=4)

@@ -129,6 +129,8 @@ class SGLangClient:
         self._inflight = {u: 0 for u in self.urls}
         self._lock = threading.Lock()
         self._protocols: dict = {}
+        self._embedded: dict = {}
+        self.weight_version = 0           # bumped by every weight_sync.push_weights
 
     # ------------------------------------------------------------------ transport
     def request(self, url: str, method: str, path: str, body=None, timeout: float | None = None,
@@ -236,6 +238,12 @@ class SGLangClient:
                                      f"(got {info.get('version')!r}); cannot tell the weight-update protocol")
                 self._protocols[url] = "session" if ver >= SESSION_MIN_VERSION else "stock"
         return self._protocols[url]
+
+    def is_embedded(self, url: str) -> bool:
+        """Is this nanoflash's embedded server (safe tensor payloads) rather than real SGLang (pickles)?"""
+        if url not in self._embedded:
+            self._embedded[url] = self.get(url, "/get_server_info").get("engine") == "nanoflash"
+        return self._embedded[url]
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids: list, sampling_params: dict, return_logprob: bool = True,

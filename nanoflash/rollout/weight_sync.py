@@ -261,10 +261,16 @@ class Broadcaster:
 
 
 def _send_tensor(client, bucket, version):
-    body = {"serialized_named_tensors": [encode_tensors(bucket)], "load_format": SAFE_FORMAT,
-            "flush_cache": False, "weight_version": str(version)}
+    """Embedded servers get the safetensors payload; real SGLang its pickled FlattenedTensorBucket (CUDA IPC)."""
+    safe = None
     for url in client.urls:
-        client.post(url, "/update_weights_from_tensor", body)
+        if client.is_embedded(url):
+            safe = safe or {"serialized_named_tensors": [encode_tensors(bucket)], "load_format": SAFE_FORMAT}
+            body = safe
+        else:
+            tp = int(client.get(url, "/get_server_info").get("tp_size", 1))
+            body = sglang_flattened_payload(bucket, tp)
+        client.post(url, "/update_weights_from_tensor", dict(body, flush_cache=False, weight_version=str(version)))
 
 
 def _send_disk(client, buckets, version, directory):
@@ -277,14 +283,18 @@ def _send_disk(client, buckets, version, directory):
         client.update_weights_from_disk(url, directory, str(version))
 
 
-def push_weights(client, buckets, *, version, transport: str = "tensor", broadcaster=None,
+def push_weights(client, buckets, *, version=None, transport: str = "tensor", broadcaster=None,
                  disk_dir: str | None = None, verify: bool = True, full_push: bool = True,
                  pause_mode: str = "retract") -> dict:
     """The full update protocol on every server of `client`; returns {"buckets", "tensors", "checksums"}.
 
+    `version`: the weight_version the servers report afterwards (default: the client's counter, bumped).
     `verify`: compare each server's `/weights_checker` checksums with the layout derived from `buckets`;
     `full_push`: the buckets are the whole model, so a tensor the server holds but was not sent is an error."""
     buckets = [list(b) for b in buckets]
+    if version is None:
+        client.weight_version += 1
+        version = client.weight_version
     if transport not in ("tensor", "distributed", "disk"):
         raise ValueError(f"transport must be tensor|distributed|disk, got {transport!r}")
     client.pause_generation(pause_mode)
