@@ -1,0 +1,276 @@
+"""nanoflash against a live SGLang 0.5.16 on one H200: checkpoint -> serve -> log-prob parity -> weight pushes.
+
+Phases (run in order on the GPU machine; `scripts/sglang_h200.sh` gives the exact commands):
+
+    python bench/sglang_check.py ckpt   --dir /tmp/nf_small      # small preset, seed 0, FP8 128x128 + FP8 experts
+    python bench/sglang_check.py parity --dir /tmp/nf_small --out $OUT/parity.json
+    python bench/sglang_check.py push   --dir /tmp/nf_small --out $OUT/push.json
+
+`parity` samples completions from SGLang (temperature 1, return_logprob) and scores exactly those tokens with
+nanoflash's own forward on the same GPU, in BF16 and in QAT-simulation mode (FP8 activation quantization before
+FP8 GEMMs, FP8 kv nope dims, Hadamard + FP4 indexer), and once more with a planted bug (mHC comb applied
+untransposed) to show the threshold discriminates. It reports mean / p99 / max |dlogp| per token.
+
+`push` perturbs the trainer's weights, pushes them through nanoflash's weight stream (`iter_sglang_buckets`, FP8
+with Miles' fp32 `weight_scale_inv`) with SGLang's own FlattenedTensorBucket payload (colocated CUDA IPC), in the
+protocol the client detects, twice in a row, and verifies each push by behaviour (SGLang's log-probs on fixed
+tokens vs nanoflash's for the new weights) and by `/weights_checker`: FP8 tensors are hashed on the trainer side
+in SGLang's own way (dequantize to bf16, `tensor_hash`) from the derived loader layout; every other checksum
+must change exactly when its source tensor changed. It also shows that the client refuses a bucket that splits
+an atomic pair, before anything is sent.
+
+Experts: FP8 (`SGLANG_DSV4_FP4_EXPERTS=0`), `wo_a` BF16 (`SGLANG_OPT_FP8_WO_A_GEMM=0`), as Miles runs it.
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from nanoflash.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from nanoflash.config import ModelConfig, preset
+from nanoflash.model import Transformer
+
+URL = os.environ.get("NF_URL", "http://127.0.0.1:30000")
+DEVICE = os.environ.get("NF_DEVICE", "cuda")
+PRESET = os.environ.get("NF_CHECK_PRESET", "small")   # "tiny" + NF_DEVICE=cpu: a local dry run on the embedded server
+VOCAB_HI = 100000 if PRESET != "tiny" else 250
+PARITY_GOAL = 0.05   # issue 6: mean |dlogp| below this
+
+
+def small_cfg(**kw) -> ModelConfig:
+    """The `small` preset without MTP (SGLang's main model ignores mtp.*), hash routing on."""
+    base = preset(PRESET)
+    return preset(PRESET, n_mtp_layers=0, compress_ratios=base.compress_ratios[:base.n_layers], **kw)
+
+
+def cmd_ckpt(a):
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        m = Transformer(small_cfg()).init_weights(seed=0)
+    with torch.no_grad():   # trained-looking: random router bias, hash table, mHC bases (asymmetric comb), sinks
+        g = torch.Generator(device="cpu").manual_seed(1)
+        for n, b in m.named_buffers():
+            if n.endswith("tid2eid"):
+                b.copy_(torch.randint(0, m.cfg.n_routed_experts, b.shape, generator=g))
+        for n, p in m.named_parameters():
+            if n.endswith(("_base", "attn_sink", "gate.bias")):
+                p.copy_(torch.randn(p.shape, generator=g))
+    t = time.time()
+    info = save_hf_checkpoint(m, a.dir, weights="fp8", experts="fp8")
+    print(json.dumps({"ckpt_dir": a.dir, "save_s": round(time.time() - t, 1), **{k: v for k, v in info.items()
+                                                                              if isinstance(v, (int, str))}}))
+
+
+def load_model(a, **kw) -> Transformer:
+    cfg = small_cfg(**kw)
+    with torch.device("meta"):
+        m = Transformer(cfg)
+    load_hf_checkpoint(m, a.dir, cfg=cfg, device=DEVICE)
+    return m.cast_(torch.bfloat16).eval()
+
+
+def sample(client, n_prompts, n, prompt_len, new_tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_prompts):
+        prompt = torch.randint(3, VOCAB_HI, (prompt_len,), generator=g).tolist()
+        gens = client.generate(prompt, {"n": n, "temperature": 1.0, "max_new_tokens": new_tokens,
+                                        "ignore_eos": True})
+        out += [(prompt, gen.output_ids, gen.logprobs) for gen in gens]
+    return out
+
+
+@torch.no_grad()
+def score(model, samples):
+    d = []
+    for prompt, ids, lps in samples:
+        full = torch.tensor(prompt + ids, device=DEVICE)
+        ours = model.token_logprobs(full[None, :-1], full[None, 1:])[0, len(prompt) - 1:]
+        d.append((ours.float().cpu() - torch.tensor(lps)).abs())
+    d = torch.cat(d)
+    return {"tokens": d.numel(), "mean": d.mean().item(), "p99": d.quantile(0.99).item(), "max": d.max().item()}
+
+
+def cmd_parity(a):
+    from nanoflash.rollout.client import SGLangClient
+    import nanoflash.model as M
+    client = SGLangClient([URL], timeout=600)
+    client.wait_healthy(timeout=a.wait)
+    t = time.time()
+    samples = sample(client, a.prompts, a.n, a.prompt_len, a.new_tokens)
+    res = {"protocol": client.protocol(URL), "generate_s": round(time.time() - t, 2), "samples": len(samples)}
+    for mode, kw in (("bf16", {}), ("qat", {"qat": True})):
+        res[mode] = score(load_model(a, **kw), samples)
+    orig = M.hc_post
+    M.hc_post = lambda x, res_, post, comb: orig(x, res_, post, comb.transpose(-1, -2))
+    res["bf16_planted_comb_bug"] = score(load_model(a), samples)
+    M.hc_post = orig
+    res["goal_mean_below"] = PARITY_GOAL
+    print(json.dumps(res, indent=1))
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------- pushes
+def fake_quant_(model):
+    """Make the trainer hold exactly what SGLang will hold: dequant(quant(w)) for every FP8-served weight."""
+    from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
+    from nanoflash.rollout.layout import sglang_fp8
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if sglang_fp8(name, model.cfg):
+                q, s = quantize_fp8_block(p.float(), fmt="fp32")
+                p.copy_(dequantize_fp8_block(q, s, dtype=torch.float32).to(p.dtype))
+
+
+def perturb_(model, which: str, seed: int):
+    """Perturb one half of the layers (+ the head, + layer 0's hash table) by 5% relative noise."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    keep = (lambda n: n.startswith(("layers.0.", "layers.2.", "layers.4.", "layers.6.", "head."))) \
+        if which == "even" else (lambda n: n.startswith(("layers.1.", "layers.3.", "layers.5.", "layers.7.")))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if keep(n) and p.is_floating_point():
+                p.add_(torch.randn(p.shape, generator=g, device=DEVICE).to(p.dtype) * 0.05 * p.float().std())
+        if which == "even":
+            t = model.layers["0"].ffn.gate.tid2eid
+            t.copy_(torch.roll(t, 1, dims=0))
+
+
+def sglang_fp8_hashes(layout: dict) -> dict:
+    """SGLang's /weights_checker value for every FP8 parameter of the derived loader layout: dequantize to bf16
+    (`block_quant_dequant`), `tensor_hash` on the GPU; per-expert tensors stacked as SGLang's FusedMoE holds them."""
+    from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
+    from sglang.srt.managers.mm_utils import tensor_hash
+    stacked = {}
+    for name, t in layout.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name and parts[5].isdigit():          # model.layers.L.mlp.experts.E.<leaf>
+            key = ".".join(parts[:5] + parts[6:])
+            stacked.setdefault(key, {})[int(parts[5])] = t
+    flat = {k: torch.stack([v[e] for e in sorted(v)]) for k, v in stacked.items()}
+    flat.update({k: v for k, v in layout.items() if not (".mlp.experts." in k and k.split(".")[5].isdigit())})
+    out = {}
+    for name, q in flat.items():
+        s = flat.get(name + "_scale_inv")
+        if q.dtype == torch.float8_e4m3fn and s is not None:
+            w = block_quant_dequant(q.cuda(), s.cuda().float(), [128, 128], torch.bfloat16)
+            out[name] = f"{tensor_hash(w):016x}"
+    return out
+
+
+def payload(bucket, transport):
+    """SGLang's pickled CUDA-IPC FlattenedTensorBucket, or the embedded server's safetensors payload."""
+    from nanoflash.rollout.weight_sync import SAFE_FORMAT, encode_tensors, sglang_flattened_payload
+    if transport == "sglang":
+        return sglang_flattened_payload(bucket)
+    return {"serialized_named_tensors": [encode_tensors(bucket)], "load_format": SAFE_FORMAT}
+
+
+def push_once(client, model, version: str, bucket_bytes: int, transport: str) -> dict:
+    from nanoflash.rollout.layout import LoaderState
+    from nanoflash.rollout.weight_sync import iter_sglang_buckets
+    t0 = time.time()
+    buckets = list(iter_sglang_buckets(model, fp8=True, bucket_bytes=bucket_bytes))
+    layout = LoaderState()
+    for b in buckets:                       # derive the loader layout first: a split pair raises before sending
+        layout.load(b)
+    t1 = time.time()
+    client.pause_generation()
+    client.flush_cache()
+    client.begin_update(URL)
+    for b in buckets:
+        body = {**payload(b, transport), "flush_cache": False, "weight_version": version}
+        client.post(URL, "/update_weights_from_tensor", body)
+    client.end_update(URL)
+    client.continue_generation()
+    t2 = time.time()
+    nbytes = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
+    return {"buckets": len(buckets), "tensors": sum(len(b) for b in buckets), "bytes": nbytes,
+            "prepare_s": round(t1 - t0, 3), "send_s": round(t2 - t1, 3), "layout": layout}
+
+
+def behaviour(client, model, prompt, new_tokens=32):
+    from nanoflash.rollout.weight_sync import probe_logprobs
+    r = probe_logprobs(client, model, prompt, max_new_tokens=new_tokens, url=URL)
+    return {"mean": r["mean"], "max": r["max"], "tokens": r["tokens"][:8], "version": r["version"]}
+
+
+def verify_checksums(client, layout, before: dict, prev_layout, transport) -> dict:
+    after = client.weights_checksums(URL)
+    fp8 = sglang_fp8_hashes(layout.params) if transport == "sglang" else {
+        n: h for n, h in layout.checksums().items() if n in after}   # embedded: sha256 of the raw layout
+    fp8_ok = sorted(n for n in fp8 if after.get(n) == fp8[n])
+    fp8_bad = sorted(n for n in fp8 if after.get(n) != fp8[n])
+    ours_now, ours_prev = layout.checksums(), prev_layout.checksums()
+    changed_src = {n for n in ours_now if ours_prev.get(n) != ours_now[n]}
+    changed_srv = {n for n in after if before.get(n) != after[n]}
+    known = (set(ours_now) & set(after)) - set(fp8)   # raw (non-FP8) tensors: compared by change sets
+    return {"server_tensors": len(after), "fp8_derived_match": len(fp8_ok), "fp8_derived_mismatch": fp8_bad[:10],
+            "n_fp8": len(fp8), "raw_names_in_both_layouts": len(known),
+            "changed_on_server_not_sent_changed": sorted((changed_srv & known) - changed_src)[:10],
+            "sent_changed_not_changed_on_server": sorted((changed_src & known) - changed_srv)[:10],
+            "server_names_unknown_to_layout": sorted(set(after) - set(ours_now))[:10]}, after
+
+
+def cmd_push(a):
+    from nanoflash.rollout.client import SGLangClient
+    from nanoflash.rollout.layout import LoaderState
+    from nanoflash.rollout.weight_sync import iter_sglang_buckets
+    client = SGLangClient([URL], timeout=1200)
+    client.wait_healthy(timeout=60)
+    model = load_model(a)
+    prompt = torch.randint(3, VOCAB_HI, (48,), generator=torch.Generator().manual_seed(7)).tolist()
+    res = {"protocol": client.protocol(URL), "before": behaviour(client, model, prompt)}
+    before = client.weights_checksums(URL)
+    prev = LoaderState()                  # what the server holds now (raw tensors are exact checkpoint values)
+    for b in iter_sglang_buckets(model, fp8=True, bucket_bytes=a.bucket_mb << 20):
+        prev.load(b)
+    for i, which in enumerate(("even", "odd")):
+        perturb_(model, which, seed=10 + i)
+        fake_quant_(model)
+        p = push_once(client, model, str(i + 1), a.bucket_mb << 20, a.transport)
+        layout = p.pop("layout")
+        p["behaviour"] = behaviour(client, model, prompt)
+        p["checksums"], before = verify_checksums(client, layout, before, prev, a.transport)
+        prev = layout
+        res[f"push{i + 1}"] = p
+        print(json.dumps({f"push{i + 1}": p}, indent=1), flush=True)
+    bad = [[(n, t) for n, t in b if not n.endswith("self_attn.wkv.weight")] for b in
+           iter_sglang_buckets(model, fp8=True, bucket_bytes=a.bucket_mb << 20)]
+    try:
+        st = LoaderState()
+        for b in bad:
+            st.load(b)
+        res["atomic_split_refused"] = False
+    except ValueError as e:
+        res["atomic_split_refused"] = str(e)[:200]
+    flash_fp8_bytes = 284.3e9 * 1.01           # FP8 payload (+ fp32 scales per 128x128 block) of V4-Flash
+    per_byte = res["push2"]["send_s"] / res["push2"]["bytes"]
+    res["extrapolated_flash_push_s"] = round(flash_fp8_bytes * per_byte, 1)
+    print(json.dumps(res, indent=1))
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("phase", choices=["ckpt", "parity", "push"])
+    ap.add_argument("--dir", default="/tmp/nf_small")
+    ap.add_argument("--out", default="/tmp/sglang_check.json")
+    ap.add_argument("--wait", type=float, default=420)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--transport", default="sglang", choices=["sglang", "embedded"])
+    a = ap.parse_args()
+    {"ckpt": cmd_ckpt, "parity": cmd_parity, "push": cmd_push}[a.phase](a)
+
+
+if __name__ == "__main__":
+    main()
