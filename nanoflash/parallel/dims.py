@@ -101,7 +101,9 @@ class ParallelDims:
 
     @property
     def device(self) -> torch.device:
-        if torch.cuda.is_available():
+        """Where this rank's collectives' tensors live: CUDA under nccl (or alone on a GPU box), else CPU."""
+        gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+        if torch.cuda.is_available() and not gloo:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

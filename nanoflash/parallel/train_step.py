@@ -67,7 +67,8 @@ def reduce_gradients(model: nn.Module, dims: ParallelDims) -> None:
 
 def grad_norm(model: nn.Module, dims: ParallelDims) -> torch.Tensor:
     """Global L2 norm of all distinct gradients over all ranks (fp32)."""
-    sq = torch.zeros((), dtype=torch.float32, device=dims.device)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else dims.device)
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
@@ -86,7 +87,7 @@ def clip_gradients_(model: nn.Module, dims: ParallelDims, max_norm: float) -> to
         factor = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
         for p in model.parameters():
             if p.grad is not None:
-                p.grad.mul_(factor.to(p.grad.dtype))
+                p.grad.mul_(factor.to(p.grad.device, p.grad.dtype))
     return norm
 
 
