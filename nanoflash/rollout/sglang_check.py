@@ -3,6 +3,10 @@
 One command builds the environment (once) and runs the check (sglang_loader_check.md explains why it works):
 
     python -m nanoflash.rollout.sglang_check --build-env .venv-sglang --sglang 0.5.23
+    python -m nanoflash.rollout.sglang_check --build-env .venv-sglang-0.5.16 --sglang 0.5.16
+
+Both pass (2026-11-29, CPU): BF16 101/101 and FP8 138/138 SGLang parameters bit-identical after each of two
+updates, and the control push without tid2eid is reported.
 
 What it does, inside that environment:
 1. builds SGLang's own `DeepseekV4ForCausalLM` on the CPU for a small V4 geometry (real per-head sizes:
@@ -31,7 +35,8 @@ SMALL = dict(vocab_size=512, dim=256, moe_inter_dim=128, n_layers=4, n_hash_laye
              rope_head_dim=64, o_groups=8, o_lora_rank=128, compress_ratios=(0, 4, 128, 0), index_n_heads=64,
              index_head_dim=128, index_topk=16, hc_mult=4)
 NOT_PUSHED = ("attn_mqa.k_scale", "attn_mqa.v_scale")  # attention KV-cache scales, not model weights
-PINS = {"0.5.23": ("2.14.1", "0.29.1", "5.19.0"), "0.5.16": ("2.11.0", "0.26.0", "5.12.1")}
+# sglang version -> (torch, torchvision, transformers, extra imports it needs) -- sglang is installed --no-deps
+PINS = {"0.5.23": ("2.14.1", "0.29.1", "5.19.0", []), "0.5.16": ("2.11.0", "0.26.0", "5.12.1", ["xgrammar", "zstandard"])}
 EXTRA = ("orjson psutil pybase64 requests msgspec pyzmq IPython aiohttp dill apache-tvm-ffi==0.1.11 "
          "sentencepiece compressed-tensors gguf openai partial_json_parser uvicorn fastapi setproctitle "
          "starlette safetensors einops numpy").split()
@@ -39,12 +44,12 @@ EXTRA = ("orjson psutil pybase64 requests msgspec pyzmq IPython aiohttp dill apa
 
 def build_env(path: str, version: str):
     """Create the virtual environment of sglang_loader_check.md (torch + sglang --no-deps + pure-Python deps)."""
-    torch_v, tv_v, tf_v = PINS[version]
+    torch_v, tv_v, tf_v, extra = PINS[version]
     py = os.path.join(path, "bin", "python")
     steps = [[sys.executable, "-m", "venv", path], [py, "-m", "pip", "install", "-q", "--upgrade", "pip"],
              [py, "-m", "pip", "install", "-q", f"torch=={torch_v}", f"torchvision=={tv_v}"],
              [py, "-m", "pip", "install", "-q", "--no-deps", f"sglang=={version}"],
-             [py, "-m", "pip", "install", "-q", f"transformers=={tf_v}", *EXTRA]]
+             [py, "-m", "pip", "install", "-q", f"transformers=={tf_v}", *EXTRA, *extra]]
     for cmd in steps:
         subprocess.run(cmd, check=True)
     return py
@@ -54,14 +59,20 @@ def sglang_model(cfg, fp8: bool):
     """SGLang's DeepseekV4ForCausalLM for nanoflash config `cfg`, on the CPU (world-size-1 gloo groups)."""
     import torch
     from sglang.srt.distributed import parallel_state as ps
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
     if not ps.model_parallel_is_initialized():
+        args = ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1)
         ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
-        reset_context()
-        publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1), role="test",
-                ranks=SpawnRanks(world_rank=0))
-        get_parallel().override_permanently(world_group=ps._WORLD)
+        try:  # 0.5.23: the runtime context is published explicitly
+            from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+            reset_context()
+            publish(args, role="test", ranks=SpawnRanks(world_rank=0))
+            get_parallel().override_permanently(world_group=ps._WORLD)
+        except ImportError:  # 0.5.16: global server args, context reads parallel_state lazily
+            from sglang.srt.runtime_context import get_context
+            from sglang.srt.server_args import set_global_server_args_for_scheduler
+            set_global_server_args_for_scheduler(args)
+            get_context().set_server_args(args)
         ps.initialize_model_parallel(backend="gloo")
     import sglang.srt.layers.rotary_embedding.base as rope_base
     import sglang.srt.layers.rotary_embedding.rope_variant as rope_var
@@ -87,6 +98,8 @@ def sglang_model(cfg, fp8: bool):
                                    "original_max_position_embeddings": 65536, "type": "yarn"},
                      quantization_config=quant).items():
         setattr(sc, k, v)
+    if getattr(sc, "rope_parameters", None) is not None or not hasattr(sc, "rope_scaling"):  # 0.5.16 reads these
+        sc.rope_parameters = dict(sc.rope_scaling, rope_theta=cfg.rope_theta, rope_type="yarn")
     torch.set_default_dtype(torch.bfloat16)
     try:
         return DeepseekV4ForCausalLM(sc, quant_config=Fp8Config.from_config(quant) if fp8 else None)
@@ -172,6 +185,17 @@ def run_check(fp8: bool, bucket_bytes: int) -> int:
         model.load_weights(iter(b))
     caught = [p for p in compare(model, meant(forgot)) if "tid2eid" in p]
     print(f"[{tag} control] push without tid2eid -> {'caught: ' + caught[0] if caught else 'NOT CAUGHT'}")
+    # second control: the trap the bucket packer avoids -- wq_a and wkv in two load_weights calls
+    sent = {n: t for b in iter_sglang_buckets(trainer, fp8=fp8, bucket_bytes=bucket_bytes) for n, t in b}
+    qa, kv = "model.layers.1.self_attn.wq_a.weight", "model.layers.1.self_attn.wkv.weight"
+    try:
+        model.load_weights(iter([(qa, sent[qa])]))
+        model.load_weights(iter([(kv, sent[kv])]))
+        split_refused = False
+    except AssertionError:
+        split_refused = True
+    print(f"[{tag} control] wq_a and wkv in separate load calls -> "
+          f"{'SGLang asserts (so the pair must share a bucket)' if split_refused else 'accepted'}")
     return failures + (0 if caught else 1)
 
 
