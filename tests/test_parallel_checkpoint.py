@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import run_ranks
+from nanoflash.checkpoint import load_hf_checkpoint
 from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.parallel import checkpoint as ckpt
@@ -18,7 +19,8 @@ from nanoflash.parallel.optim import AdamW, trainable_parameters
 from nanoflash.parallel.pipeline import build_stage
 from nanoflash.parallel.train_step import token_nll_loss, train_step
 
-N_STEPS, KILL_AT = 4, 2   # the kill hits the save of step 2, so the resume starts from step 1's checkpoint
+N_STEPS, KILL_AT = 4, 2
+BF16_RTOL = 2 ** -8  # the HF export stores bf16: half an ulp of relative rounding, with margin   # the kill hits the save of step 2, so the resume starts from step 1's checkpoint
 
 
 def _batch(step: int):
@@ -76,6 +78,12 @@ def test_resume_after_sigkill_matches_uninterrupted_and_pp2_loads_into_pp1(tmp_p
     merged_opt = {**full[0][2], **full[1][2]}
     for key, v in opt.state_dict().items():
         assert (v == merged_opt[key]) if key == "step" else torch.equal(v, merged_opt[key]), key
+    # ... and exports to the official HF layout, which the HF loader reads back (bf16 rounding only).
+    ckpt.export_hf(ckpt.latest_checkpoint(str(tmp_path / "full")), preset("tiny"), str(tmp_path / "hf"))
+    back = Transformer(preset("tiny"))
+    load_hf_checkpoint(back, str(tmp_path / "hf"))
+    for name, t in back.state_dict().items():
+        torch.testing.assert_close(t, merged[name].to(t.dtype), rtol=BF16_RTOL, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_load_rejects_uncommitted_and_mismatched(tmp_path):

@@ -136,3 +136,16 @@ def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
     if meta["world_size"] == dims.world_size and os.path.exists(rng_path):
         _set_rng_state(torch.load(rng_path, weights_only=False))
     return meta
+
+
+def export_hf(path: str, cfg, out_dir: str, dtype=torch.bfloat16, **save_kw) -> dict:
+    """Offline export: a DCP checkpoint of any layout -> one full model in host memory (built on meta, then
+    materialised in `dtype`) -> the official HF layout via `nanoflash.checkpoint.save_hf_checkpoint`.
+    For flash in bf16 this needs ~545 GB of host memory (see the planner)."""
+    from nanoflash.checkpoint import save_hf_checkpoint
+    from nanoflash.model import Transformer
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.cast_(dtype).to_empty(device="cpu")
+    load_checkpoint(path, model, None, ParallelDims())
+    return save_hf_checkpoint(model, out_dir, **save_kw)
