@@ -67,7 +67,8 @@ def _rank_fn(rank, world, pp, ep, layer_split, mbs_per_rank, recompute):
     shard = {k: v[dims.data_rank * per:(dims.data_rank + 1) * per] for k, v in batch.items()}
     mbs = [{k: v.chunk(mbs_per_rank)[i] for k, v in shard.items()} for i in range(mbs_per_rank)]
     z = global_count(shard["loss_mask"].sum(), dims)
-    out = train_step(model, dims, mbs if dims.is_first_stage else None, opt, 1.0 / z, grad_clip=CLIP)
+    first = dims.is_first_stage  # data and loss scale only where the data is read; the rest travels
+    out = train_step(model, dims, mbs if first else None, opt, 1.0 / z if first else None, grad_clip=CLIP)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return out, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
 

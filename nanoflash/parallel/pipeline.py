@@ -79,14 +79,16 @@ def build_stage(model: nn.Module, dims: ParallelDims, layer_split=None) -> nn.Mo
 
 
 # ---------------------------------------------------------------------------------------------- one step
-def _share_meta(model, dims: ParallelDims, microbatches):
-    """First stage -> all stages: per micro-batch {field: (shape, dtype)} and the activation dtype."""
+def _share_meta(model, dims: ParallelDims, microbatches, loss_scale):
+    """First stage -> all stages: per micro-batch {field: (shape, dtype)}, the activation dtype and the
+    loss scale (so only the ranks that read the data need to know the global normaliser)."""
     meta = None
     if dims.is_first_stage:
         assert microbatches, "the first pipeline stage needs a non-empty list of micro-batches"
         for i, mb in enumerate(microbatches):
             assert "input_ids" in mb, f"micro-batch {i} has no 'input_ids' (fields: {sorted(mb)})"
-        meta = {"act_dtype": model.embed.weight.dtype,
+        assert loss_scale is not None, "the first pipeline stage must pass loss_scale"
+        meta = {"act_dtype": model.embed.weight.dtype, "loss_scale": float(loss_scale),
                 "fields": [{k: (tuple(v.shape), v.dtype) for k, v in sorted(mb.items())} for mb in microbatches]}
     if dims.pp > 1:
         box = [meta]
@@ -98,9 +100,10 @@ def _share_meta(model, dims: ParallelDims, microbatches):
 class _Schedule:
     """State of one 1F1B step on one stage: micro-batches in flight, their inputs and outputs."""
 
-    def __init__(self, model, dims: ParallelDims, microbatches, loss_fn, loss_scale: float):
-        self.model, self.dims, self.loss_fn, self.loss_scale = model, dims, loss_fn, loss_scale
-        self.meta = _share_meta(model, dims, microbatches)
+    def __init__(self, model, dims: ParallelDims, microbatches, loss_fn, loss_scale):
+        self.model, self.dims, self.loss_fn = model, dims, loss_fn
+        self.meta = _share_meta(model, dims, microbatches, loss_scale)
+        self.loss_scale = self.meta["loss_scale"]
         self.microbatches = microbatches
         self.device = dims.device if model.embed is None else model.embed.weight.device
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -155,12 +158,13 @@ class _Schedule:
         return None if h_in is None else h_in.grad
 
 
-def forward_backward(model: nn.Module, dims: ParallelDims, microbatches, loss_fn, loss_scale: float = 1.0):
+def forward_backward(model: nn.Module, dims: ParallelDims, microbatches, loss_fn, loss_scale: float | None = 1.0):
     """Forward and backward of every micro-batch with 1F1B; gradients accumulate in `.grad`.
 
-    `microbatches`: list of dicts of `[B,S,...]` tensors with at least `input_ids` (needed on the first stage
-    only; other stages may pass None). `loss_fn(model, h [B,S,M,D], mb) -> scalar` runs on the last stage.
-    Returns the unscaled sum of `loss_fn` over the micro-batches (zero on other stages).
+    `microbatches`: list of dicts of `[B,S,...]` tensors with at least `input_ids`, and `loss_scale`: both are
+    needed on the first stage only (other stages may pass None; they receive them). `loss_fn(model,
+    h [B,S,M,D], mb) -> scalar` runs on the last stage. Returns loss_scale * sum of `loss_fn` over the
+    micro-batches on the last stage, zero elsewhere.
     """
     sch = _Schedule(model, dims, microbatches, loss_fn, loss_scale)
     m, p, r = len(sch.meta["fields"]), dims.pp, dims.pp_rank
@@ -188,4 +192,4 @@ def forward_backward(model: nn.Module, dims: ParallelDims, microbatches, loss_fn
         dy, recvs = sch.recv_backward(i)
         p2p_exchange([], recvs)
         p2p_exchange(sch.send_backward(sch.backward(dy)), [])
-    return sch.loss_sum
+    return sch.loss_sum.double() * sch.loss_scale

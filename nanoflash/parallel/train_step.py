@@ -91,19 +91,19 @@ def clip_gradients_(model: nn.Module, dims: ParallelDims, max_norm: float) -> to
     return norm
 
 
-def train_step(model, dims: ParallelDims, microbatches, optimizer, loss_scale: float,
+def train_step(model, dims: ParallelDims, microbatches, optimizer, loss_scale: float | None,
                loss_fn=token_nll_loss, grad_clip: float = 1.0) -> dict:
     """forward_backward -> reduce -> clip -> optimizer.step. Returns {"loss", "grad_norm"} (global values).
 
-    `loss_scale` = 1 / global normaliser (e.g. 1 / global_count(loss tokens)). The returned loss is the
-    global objective sum(loss_fn) * loss_scale, identical on every rank.
+    `loss_scale` = 1 / global normaliser (e.g. 1 / global_count(loss tokens) over the first stage's data
+    group); like `microbatches` it is only read on the first pipeline stage. The returned loss is the global
+    objective sum(loss_fn) * loss_scale, identical on every rank.
     """
     optimizer.zero_grad()
-    loss_sum = forward_backward(model, dims, microbatches, loss_fn, loss_scale)
+    loss = forward_backward(model, dims, microbatches, loss_fn, loss_scale)
     reduce_gradients(model, dims)
     norm = clip_gradients_(model, dims, grad_clip)
     optimizer.step()
-    loss = loss_sum.double() * loss_scale
     if dims.world_size > 1:  # only last stages hold a loss; summing over the world adds all data shards
         dist.all_reduce(loss)
     return {"loss": float(loss), "grad_norm": float(norm)}
