@@ -266,3 +266,17 @@ def test_killed_server_gives_clear_error_and_client_recovers():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_routed_experts_r3_record_matches_trainer_routing(stock):
+    trainer, client, _ = stock
+    from nanoflash.rollout.client import decode_routed_experts
+    g = client.generate(PROMPT, {"max_new_tokens": 5}, return_routed_experts=True)[0]
+    cfg = trainer.cfg
+    rx = decode_routed_experts(g.meta_info, cfg.n_layers, cfg.n_activated_experts)
+    full = torch.tensor(PROMPT + g.output_ids)
+    assert rx.shape == (len(full) - 1, cfg.n_layers, cfg.n_activated_experts)
+    with torch.no_grad():
+        trainer(full[None, :-1])
+    want = torch.stack([trainer.layers[k].ffn.last_indices for k in sorted(trainer.layers, key=int)], 1)
+    assert torch.equal(rx, want)

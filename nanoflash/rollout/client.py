@@ -4,9 +4,10 @@ What it speaks (request/response shapes of SGLang 0.5.16, `docs/rl_and_sglang.md
 `docs/sglang_on_h200.md`):
 
     POST /generate {"input_ids": [...], "sampling_params": {"n", "temperature", "top_p", "max_new_tokens",
-                    "stop_token_ids"}, "return_logprob": true}
+                    "stop_token_ids"}, "return_logprob": true, "return_routed_experts": false}
       -> {"output_ids": [...], "meta_info": {"output_token_logprobs": [[logprob, token_id, null], ...],
-          "finish_reason": {"type": "stop"|"length"|"abort", ...}, "weight_version": "7", ...}}
+          "finish_reason": {"type": "stop"|"length"|"abort", ...}, "weight_version": "7",
+          "routed_experts": base64 int32 [prompt + output - 1, n_layers, top-k] (R3; if asked), ...}}
          (a list of such dicts when n > 1 or the input is a batch)
     GET  /health                       200 once the engine can serve
     POST /pause_generation {"mode"}    POST /continue_generation {}    GET /flush_cache
@@ -36,6 +37,7 @@ Tests: `pytest tests/test_rollout_client.py tests/test_rollout_server.py -q`.
 """
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import random
@@ -98,6 +100,17 @@ def parse_generation(item: dict, prompt_ids: list, server: str) -> Generation:
                       logprobs=[float(t[0]) for t in lps] if lps is not None else [],
                       finish_reason=reason, weight_version=meta.get("weight_version"), server=server,
                       meta_info=meta)
+
+
+def decode_routed_experts(meta_info: dict, n_layers: int, topk: int):
+    """SGLang's R3 record (`return_routed_experts`): base64 int32 -> int64 tensor [tokens - 1, n_layers, topk]."""
+    import numpy as np
+    import torch
+    raw = base64.b64decode(meta_info["routed_experts"], validate=True)
+    arr = np.frombuffer(raw, dtype=np.int32)
+    if arr.size % (n_layers * topk):
+        raise ValueError(f"routed_experts holds {arr.size} ids, not a multiple of n_layers*topk = {n_layers * topk}")
+    return torch.from_numpy(arr.copy()).to(torch.int64).view(-1, n_layers, topk)
 
 
 def parse_version(v: str) -> tuple:
@@ -247,13 +260,15 @@ class SGLangClient:
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids: list, sampling_params: dict, return_logprob: bool = True,
-                 url: str | None = None, retry_s: float | None = None) -> list:
+                 url: str | None = None, retry_s: float | None = None, return_routed_experts: bool = False) -> list:
         """Sample `sampling_params['n']` (default 1) completions of one prompt; a list of `Generation`."""
         if not input_ids or not all(isinstance(t, int) for t in input_ids):
             raise ValueError(f"input_ids must be a non-empty list of ints, got {str(input_ids)[:80]}")
         url = url or self._pick()
         body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                 "return_logprob": return_logprob}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         with self._lock:
             self._inflight[url] += 1
         try:

@@ -10,6 +10,10 @@ Generation, per request (one prompt, n samples decoded together as a batch of n)
              trainer's bit for bit ("true on-policy"; T = 0 is scored at T = 1). Cost: one extra forward of
              the whole sequence per sample, on top of decoding.
 
+Routing replay (R3): with `return_routed_experts` the result carries, in SGLang's format (base64 int32
+[prompt + output - 1, n_layers, top-k]), the experts every MoE layer chose in that same scoring forward --
+exactly the routing a trainer forward on the same tokens and weights computes.
+
 Decoding uses the model's incremental cache (`model.new_cache()`, `model(ids, start_pos, cache)`) when a
 start-up self-check finds it agrees with the full forward, else re-runs the full forward every step
 (`decode="auto"|"cache"|"full"`). Requests wait at step boundaries while generation is paused
@@ -27,6 +31,7 @@ Tests: `pytest tests/test_rollout_server.py -q`.
 """
 from __future__ import annotations
 
+import base64
 import threading
 import time
 import uuid
@@ -220,7 +225,7 @@ class RolloutEngine:
         return t0 >= self.abort_all_before and rid not in self.aborted
 
     @torch.no_grad()
-    def generate(self, input_ids: list, sp: dict, rid: str | None = None) -> list:
+    def generate(self, input_ids: list, sp: dict, rid: str | None = None, routed: bool = False) -> list:
         """One prompt, `sp['n']` samples -> SGLang-shaped result dicts."""
         rid, t0 = rid or uuid.uuid4().hex, time.monotonic()
         max_len = self.cfg.max_seq_len
@@ -246,20 +251,35 @@ class RolloutEngine:
                     done[i] = (seqs.shape[1] - len(input_ids), int(nxt[i]))
             if all(d is not None for d in done):
                 break
-        return [self._finish(input_ids, seqs[i], done[i], reason, sp, rid, t0) for i in range(n)]
+        return [self._finish(input_ids, seqs[i], done[i], reason, sp, rid, t0, routed) for i in range(n)]
 
-    def _finish(self, prompt, seq, stopped, reason, sp, rid, t0) -> dict:
+    def _finish(self, prompt, seq, stopped, reason, sp, rid, t0, routed=False) -> dict:
         out = seq[len(prompt):stopped[0] + len(prompt)] if stopped else seq[len(prompt):]
         full = torch.cat([torch.tensor(prompt, dtype=torch.long, device=out.device), out])
-        lps = self.score(full, len(prompt), sp["temperature"]) if len(out) else []
+        with self.lock:  # the routing record must come from this very scoring forward
+            lps = self.score(full, len(prompt), sp["temperature"]) if len(out) else []
+            routes = self.routed_experts(full, scored=len(out) > 0) if routed else None
         fr = ({"type": "stop", "matched": stopped[1]} if stopped else
               {"type": "abort", "message": "aborted"} if reason == "abort" else
               {"type": "length", "length": sp["max_new_tokens"]})
         ids = out.tolist()
-        return {"output_ids": ids, "meta_info": {
+        res = {"output_ids": ids, "meta_info": {
             "id": rid, "finish_reason": fr, "prompt_tokens": len(prompt), "completion_tokens": len(ids),
             "cached_tokens": 0, "weight_version": self.weight_version, "e2e_latency": time.monotonic() - t0,
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
+        if routes is not None:
+            res["meta_info"]["routed_experts"] = routes
+        return res
+
+    @torch.no_grad()
+    def routed_experts(self, full: torch.Tensor, scored: bool) -> str:
+        """R3 record in SGLang's format: base64 of int32 [len(full) - 1, n_layers, top-k], the experts every
+        MoE layer chose for each input position of the scoring forward (`MoE.last_indices`)."""
+        if not scored:
+            self.model(full[None, :-1])
+        layers = self.model.layers
+        idx = torch.stack([layers[k].ffn.last_indices for k in sorted(layers, key=int)], 1)  # [L-1,n_layers,K]
+        return base64.b64encode(idx.to(torch.int32).cpu().contiguous().numpy().tobytes()).decode("ascii")
 
     @torch.no_grad()
     def score(self, full: torch.Tensor, prompt_len: int, temperature: float) -> list:

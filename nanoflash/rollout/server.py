@@ -128,8 +128,9 @@ class RolloutServer:
                                  f"got {str(p)[:80]}")
         sp = parse_sampling(body.get("sampling_params", {}), V)
         rid = body.get("rid")
+        routed = bool(body.get("return_routed_experts"))
         out = [r for i, p in enumerate(prompts)
-               for r in self.engine.generate(p, sp, rid=f"{rid}-{i}" if rid and batch else rid)]
+               for r in self.engine.generate(p, sp, rid=f"{rid}-{i}" if rid and batch else rid, routed=routed)]
         return out if batch or sp["n"] > 1 else out[0]
 
     def r_abort_request(self, body):
