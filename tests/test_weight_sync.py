@@ -197,3 +197,19 @@ def test_push_call_order_per_protocol_generation(model, routes, bracket):
     fake_bad = RecordingClient(routes, checksums={})
     with pytest.raises(RuntimeError, match="did not land"):
         push_weights(fake_bad, buckets, version=4)
+
+
+def test_loader_call_is_all_or_nothing_and_refuses_shape_or_dtype_change(model):
+    sent = {n: t for b in _stream(model, fp8=True) for n, t in b}
+    st = LoaderState()
+    st.load(list(sent.items()))
+    before = st.checksums()
+    norm, qa = "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.wq_a.weight"
+    with pytest.raises(ValueError, match="atomic pair"):       # a good tensor plus a half pair: nothing lands
+        st.load([(norm, sent[norm] * 2), (qa, sent[qa])])
+    with pytest.raises(ValueError, match="holds"):              # wrong width (SGLang would partly write it)
+        st.load([(norm, torch.zeros(7, dtype=torch.bfloat16))])
+    wq_b = "model.layers.1.self_attn.wq_b.weight"
+    with pytest.raises(ValueError, match="holds"):              # bf16 into an fp8 slot (SGLang casts silently)
+        st.load([(wq_b, sent[wq_b].float().to(torch.bfloat16))])
+    assert st.checksums() == before

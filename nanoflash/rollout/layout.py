@@ -175,49 +175,61 @@ def tensor_sha256(t: torch.Tensor) -> str:
 
 class LoaderState:
     """SGLang-like weight store: `load(bucket)` applies one `load_weights` call; `params` is the internal
-    layout (name -> tensor). Shapes: whatever was sent; fused tensors concatenate along dim 0."""
+    layout (name -> tensor). Shapes: whatever was sent; fused tensors concatenate along dim 0.
+
+    Stricter than SGLang, on purpose: a call is all-or-nothing (staged, then committed), and a tensor whose
+    shape or dtype differs from the one already held is refused (SGLang partly writes or silently casts)."""
 
     def __init__(self):
         self.params: dict[str, torch.Tensor] = {}
+        self._stage: dict[str, torch.Tensor] = {}
 
     def load(self, named_tensors) -> list[str]:
-        """One loader call. Returns the internal names written; raises if an atomic pair is left half-sent."""
-        pending, written = {}, []
+        """One loader call. Returns the internal names written; raises (writing nothing) if an atomic pair is
+        left half-sent, a name is unknown, or a shape/dtype differs from what is held."""
+        self._stage, pending = {}, {}
         for name, t in named_tensors:
             if not name.startswith(("model.", "lm_head.")):
                 name = to_sglang(name.replace(".scale", ".weight_scale_inv") if name.endswith(".scale") else name)
             from_sglang(name)  # unknown names are an error here (SGLang only warns, then keeps stale values)
-            prefix, pat, nums = _split(name)
-            if pat in _PAIR_OF:
-                fused, half, other = _PAIR_OF[pat]
-                if other in pending.get(prefix, {}):
-                    first = pending[prefix].pop(other)
-                    parts = (t, first) if half == 0 else (first, t)
-                    written.append(self._put(prefix + fused, torch.cat(parts, 0)))
-                else:
-                    pending.setdefault(prefix, {})[pat] = t
-            elif pat.startswith("mlp.experts.#.") or pat.startswith("mlp.shared_experts."):
-                written.append(self._stacked(prefix, pat, nums, t))
-            elif "wo_a." in pat and (t.dtype == torch.float8_e4m3fn or pat.endswith("scale_inv")):
-                raise ValueError(f"{name}: wo_a must be sent BF16; an FP8 wo_a with an HF-named scale is "
-                                 "silently loaded as raw e4m3 by SGLang (sglang_loader_check.md)")
-            elif pat.endswith("compressor.ape") and t.shape[0] == 4:
-                written.append(self._put(name, permute_ape(t)))
-            elif pat == "mlp.topk.tid2eid":
-                written.append(self._put(name, t.to(torch.int32)))
-            else:
-                written.append(self._put(name, t))
+            self._route(name, t.detach(), pending)
         left = sorted(prefix + k for prefix, d in pending.items() for k in d)
         if left:
             raise ValueError(f"atomic pair split across load calls: {left} arrived without their partner "
                              f"in the same bucket (SGLang's loader asserts the same)")
-        return written
+        for n, t in self._stage.items():
+            old = self.params.get(n)
+            if old is not None and (old.shape != t.shape or old.dtype != t.dtype):
+                raise ValueError(f"{n}: sent {tuple(t.shape)} {t.dtype}, the server holds {tuple(old.shape)} "
+                                 f"{old.dtype} (wrong model, or fp8 push to a non-fp8 engine or vice versa)")
+        self.params.update(self._stage)
+        return sorted(self._stage)
 
-    def _put(self, name: str, t: torch.Tensor) -> str:
-        self.params[name] = t.detach().clone()
-        return name
+    def _route(self, name: str, t: torch.Tensor, pending: dict):
+        prefix, pat, nums = _split(name)
+        if pat in _PAIR_OF:
+            fused, half, other = _PAIR_OF[pat]
+            if other in pending.get(prefix, {}):
+                first = pending[prefix].pop(other)
+                self._put(prefix + fused, torch.cat((t, first) if half == 0 else (first, t), 0))
+            else:
+                pending.setdefault(prefix, {})[pat] = t
+        elif pat.startswith("mlp.experts.#.") or pat.startswith("mlp.shared_experts."):
+            self._stacked(prefix, pat, nums, t)
+        elif "wo_a." in pat and (t.dtype == torch.float8_e4m3fn or pat.endswith("scale_inv")):
+            raise ValueError(f"{name}: wo_a must be sent BF16; an FP8 wo_a with an HF-named scale is "
+                             "silently loaded as raw e4m3 by SGLang (sglang_loader_check.md)")
+        elif pat.endswith("compressor.ape") and t.shape[0] == 4:
+            self._put(name, permute_ape(t))
+        elif pat == "mlp.topk.tid2eid":
+            self._put(name, t.to(torch.int32))
+        else:
+            self._put(name, t)
 
-    def _stacked(self, prefix: str, pat: str, nums: list, t: torch.Tensor) -> str:
+    def _put(self, name: str, t: torch.Tensor):
+        self._stage[name] = t.clone()
+
+    def _stacked(self, prefix: str, pat: str, nums: list, t: torch.Tensor):
         owner = "mlp.experts." + nums[0] + "." if pat.startswith("mlp.experts.#.") else "mlp.shared_experts."
         leaf = pat[len("mlp.experts.#."):] if nums else pat[len("mlp.shared_experts."):]
         fused, half = _STACKED[leaf]
@@ -228,13 +240,16 @@ class LoaderState:
         key = prefix + owner + fused
         if half is None:
             return self._put(key, t)
-        rows = t.shape[0]
-        cur = self.params.get(key)
-        if cur is None or cur.shape != (2 * rows, *t.shape[1:]) or cur.dtype != t.dtype:
-            cur = torch.zeros((2 * rows, *t.shape[1:]), dtype=t.dtype)
-            self.params[key] = cur
+        rows, want = t.shape[0], (2 * t.shape[0], *t.shape[1:])
+        cur = self._stage.get(key)
+        if cur is None:  # halves land in the held tensor, as SGLang's FusedMoE loader writes them
+            held = self.params.get(key)
+            cur = held.clone() if held is not None and held.shape == want and held.dtype == t.dtype \
+                else torch.zeros(want, dtype=t.dtype, device=t.device)
+            self._stage[key] = cur
+        if cur.shape != want or cur.dtype != t.dtype:
+            raise ValueError(f"{prefix}{owner}{leaf}: shape {tuple(t.shape)} {t.dtype} does not fit the other half")
         cur[half * rows:(half + 1) * rows].copy_(t)
-        return key
 
     def checksums(self) -> dict:
         return {n: tensor_sha256(t) for n, t in sorted(self.params.items())}
