@@ -280,3 +280,28 @@ def test_routed_experts_r3_record_matches_trainer_routing(stock):
         trainer(full[None, :-1])
     want = torch.stack([trainer.layers[k].ffn.last_indices for k in sorted(trainer.layers, key=int)], 1)
     assert torch.equal(rx, want)
+
+
+def test_pause_in_place_holds_requests_and_abort_ends_them(stock):
+    trainer, client, _ = stock
+    results = {}
+
+    def run(key, n_tokens):
+        results[key] = client.generate(PROMPT, {"max_new_tokens": n_tokens})[0]
+    client.pause_generation("in_place")
+    held = threading.Thread(target=run, args=("held", 3))
+    held.start()
+    held.join(timeout=1.0)
+    assert held.is_alive()  # waits at a step boundary while paused
+    client.continue_generation()
+    held.join()
+    assert len(results["held"].output_ids) == 3 and results["held"].finish_reason == "length"
+    long = threading.Thread(target=run, args=("long", 240))
+    long.start()
+    time.sleep(0.5)  # let it reach the decode loop
+    client.abort_all()
+    long.join()
+    out = results["long"]
+    assert out.finish_reason == "abort" and len(out.output_ids) < 240
+    ref = trainer_logprobs(trainer, PROMPT, out.output_ids, 1.0)  # the partial sample is still scored exactly
+    assert torch.equal(ref, torch.tensor(out.logprobs, dtype=torch.float32))
