@@ -23,7 +23,8 @@ start-up self-check finds it agrees with the full forward, else re-runs the full
 Weights: the engine keeps what was pushed in SGLang's loader layout (`layout.LoaderState`) and derives the
 model's parameters from it in `post_process()` -- unfuse pairs, un-permute `ape`, dequantize FP8 blocks,
 int32 `tid2eid` -> int64. Modes: "fp32"/"bf16" run the model in that dtype; "fp8" runs on the dequantized
-e4m3 weights (what an FP8 engine computes with, minus its activation quantization). `post_process` runs
+e4m3 weights (what an FP8 engine computes with, minus its activation quantization). Cost: the pushed layout
+is kept next to the model's parameters (about 2x weight memory; fine for tiny/small, not for flash). `post_process` runs
 after every update call (stock protocol) or at `end_weight_update` / `post_process_weights`; until then the
 model still runs the old derived weights, which the checksum of the derived state (`derived_checksum`) shows.
 
