@@ -57,6 +57,54 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
+def _pack(tensors) -> torch.Tensor:
+    """[T,F_i] tensors of any dtypes -> one [T, sum bytes] uint8 buffer (bit-exact, no casts)."""
+    return torch.cat([t.contiguous().view(t.shape[0], t.shape[1:].numel()).view(torch.uint8) for t in tensors],
+                     1)  # [T,bytes]
+
+
+def _unpack(buf: torch.Tensor, likes) -> list[torch.Tensor]:
+    out, col = [], 0
+    for t in likes:
+        nbytes = t.shape[1:].numel() * t.element_size()
+        part = buf[:, col: col + nbytes].contiguous().view(t.dtype)       # [T, prod F]
+        out.append(part.view(buf.shape[0], *t.shape[1:]))
+        col += nbytes
+    return out
+
+
+class _AllToAllMany(torch.autograd.Function):
+    """Several row-aligned tensors exchanged in ONE all_to_all (packed as bytes), forward and backward.
+
+    One collective per direction matters for correctness, not only speed: a rank whose experts received no
+    rows never uses some of the outputs, and separate exchanges would then run their backward in a
+    different order (or not at all) on different ranks, which deadlocks or mismatches the collectives.
+    Shapes: tensors [sum(in_splits), *F_i] -> [sum(out_splits), *F_i].
+    """
+
+    @staticmethod
+    def forward(ctx, out_splits, in_splits, group, *tensors):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        ctx.likes = [t.new_empty((0, *t.shape[1:])) for t in tensors]
+        return tuple(_unpack(_a2a(_pack(tensors), out_splits, in_splits, group), ctx.likes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rows = sum(ctx.out_splits)
+        grads = [torch.zeros((rows, *l.shape[1:]), dtype=l.dtype, device=l.device) if g is None else g
+                 for g, l in zip(grads, ctx.likes)]
+        back = _unpack(_a2a(_pack(grads), ctx.in_splits, ctx.out_splits, ctx.group), ctx.likes)
+        return (None, None, None, *back)
+
+
+def all_to_all_many(tensors: list[torch.Tensor], out_splits: list[int], in_splits: list[int], group):
+    """Differentiable exchange of row-aligned tensors (e.g. tokens and their routing weights) in one call."""
+    if group is None:
+        assert out_splits == in_splits, f"single rank all_to_all needs equal splits: {out_splits} vs {in_splits}"
+        return list(tensors)
+    return list(_AllToAllMany.apply(list(out_splits), list(in_splits), group, *tensors))
+
+
 def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
     """send_counts [P, C] int64 (row j goes to peer j) -> recv_counts [P, C] (row j came from peer j)."""
     if group is None:

@@ -13,9 +13,10 @@ slices, then `dispatcher.combine`. Only the dispatcher differs from EP=1 (`model
     combine(y_sorted [T_recv,D]):
       the inverse: un-permute, reverse all_to_all, then y[n] = sum_k y_slot(n,k) in fp32 (index_add).
 
-The routing weight w travels with the token because the V4 expert multiplies it in before `w2` (spec §2.4.2);
-both exchanges are differentiable (`comm.all_to_all`), so the gate and the dense layers below receive the
-gradient of every routed slot. Expert order inside one expert is (source rank, token), which is exactly the
+The routing weight w travels with the token because the V4 expert multiplies it in before `w2` (spec §2.4.2).
+Token rows and weights go in ONE differentiable exchange (`comm.all_to_all_many`, packed as bytes, so the
+fp32 weights stay exact next to bf16 rows): a rank whose experts got no rows never uses the weights, and a
+separate exchange for them would skip its backward there and deadlock the others. Expert order inside one expert is (source rank, token), which is exactly the
 order the single-process dispatcher produces for the concatenated batch of the EP group.
 
 Gradient reduction rule (used by `train_step.reduce_gradients`): dense parameters are replicated over the
@@ -30,14 +31,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoflash.parallel.comm import all_to_all, exchange_counts
+from nanoflash.parallel.comm import all_to_all, all_to_all_many, exchange_counts
 from nanoflash.parallel.dims import ParallelDims
 
 EXPERT_KEY = ".ffn.experts."  # FQN fragment of routed-expert parameters (sharded over EP)
 
 
 def is_expert_param(name: str) -> bool:
-    """Routed-expert weights (EP-sharded, DP-replicated); everything else is dense (DP x EP replicated)."""
+    """Routed-expert weights of a full model (EP-sharded, DP-replicated) by name; everything else is dense.
+    (The engine itself uses `expert_param_names`, which finds them by module.)"""
     return EXPERT_KEY in name
 
 
@@ -76,8 +78,8 @@ class AllToAllDispatcher:
         send = torch.bincount(flat, minlength=self.n_experts).view(self.ep, -1)   # [P,El] rows per (peer, expert)
         recv = exchange_counts(send, self.group)                                  # [P,El] rows from each src
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()        # host sync
-        x_recv = all_to_all(x[token], out_splits, in_splits, self.group)          # [T,D] (src, expert) order
-        w_recv = all_to_all(weights.flatten()[order, None], out_splits, in_splits, self.group)  # [T,1]
+        x_recv, w_recv = all_to_all_many([x[token], weights.flatten()[order, None]],  # [T,D], [T,1]
+                                         out_splits, in_splits, self.group)         # (src, expert) order
         perm = _expert_major_perm(recv)
         ctx = (token, N, perm, in_splits, out_splits)
         return x_recv[perm], w_recv[perm], recv.sum(0).tolist(), ctx
@@ -92,6 +94,15 @@ class AllToAllDispatcher:
 def moe_modules(model: nn.Module):
     """(name, MoE) for every module with a `dispatcher` and `experts` (backbone and MTP)."""
     return [(name, m) for name, m in model.named_modules() if hasattr(m, "dispatcher") and hasattr(m, "experts")]
+
+
+def expert_param_names(model: nn.Module) -> set[str]:
+    """FQNs of the routed-expert parameters, found by module (not by name), so any root module works."""
+    out = set()
+    for name, moe in moe_modules(model):
+        prefix = f"{name}.experts." if name else "experts."
+        out |= {prefix + n for n, _ in moe.experts.named_parameters()}
+    return out
 
 
 def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:

@@ -40,9 +40,10 @@ from nanoflash.parallel.optim import is_frozen
 from nanoflash.parallel.pipeline import LAST_STAGE_MODULES, LAST_STAGE_PARAMS, split_layers
 
 GIB = 2 ** 30
-# bytes(S) = a*S + b*pairs(S) of one layer's saved activations, bf16 weights, per compress ratio (0 / 4 / 128).
-# Measured with `python -m nanoflash.parallel.planner --preset flash --measure` (CPU, 2026-11-29).
-MEASURED_FLASH: dict[int, tuple[float, float]] = {}
+# bytes(S) = a*S + b*pairs(S) of one layer's saved activations, bf16 weights, per compress ratio (0 / 4 / 128):
+# `measure_layer_bytes(preset("flash"), (512, 1024))` on CPU, 2026-11-29 (the (256, 512) fit predicted the
+# 1024-token C4 layer 7% low; the sliding and C128 layers within 3%).
+MEASURED_FLASH: dict[int, tuple[float, float]] = {0: (1334638, 506.68), 4: (1502920, 443.84), 128: (1404350, 474.97)}
 
 
 def owner(name: str, cfg, pp: int, ep: int, layer_split=None) -> tuple[int | None, int | None]:

@@ -27,7 +27,7 @@ from torch import nn
 from nanoflash.model import chunked_logprobs
 from nanoflash.parallel.comm import all_reduce_
 from nanoflash.parallel.dims import ParallelDims
-from nanoflash.parallel.expert import is_expert_param
+from nanoflash.parallel.expert import expert_param_names
 from nanoflash.parallel.pipeline import forward_backward
 
 CLIP_EPS = 1e-6  # added to the norm in the clip factor (as torch.nn.utils.clip_grad_norm_)
@@ -54,25 +54,25 @@ def global_count(x: torch.Tensor, dims: ParallelDims) -> float:
 
 def reduce_gradients(model: nn.Module, dims: ParallelDims) -> None:
     """SUM dense grads over DP x EP and expert grads over DP (see module docstring)."""
-    dense, expert = [], []
+    dense, expert, experts = [], [], expert_param_names(model)
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        (expert if is_expert_param(name) else dense).append(p.grad)
+        (expert if name in experts else dense).append(p.grad)
     all_reduce_(dense, dims.data_group)
     all_reduce_(expert, dims.dp_group)
 
 
 def grad_norm(model: nn.Module, dims: ParallelDims) -> torch.Tensor:
     """Global L2 norm of all distinct gradients over all ranks (fp32)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads, experts = [p.grad for p in model.parameters() if p.grad is not None], expert_param_names(model)
     sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else dims.device)
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        owner = dims.dp_rank == 0 and (is_expert_param(name) or dims.ep_rank == 0)
+        owner = dims.dp_rank == 0 and (name in experts or dims.ep_rank == 0)
         if owner:
             sq += p.grad.float().square().sum()
     if dims.world_size > 1:
