@@ -7,7 +7,7 @@ activation fit, and the AdamW step with and without host offload.
    of one forward+backward of T tokens (max_memory_allocated minus what was allocated before) vs the
    planner's prediction from its measured per-layer fit, with and without recompute.
 3. flash fit: `measure_layer_bytes(flash)` on the GPU at S = 4096 / 8192 (the planner's MEASURED_FLASH).
-4. AdamW: step time for 1B bf16 parameters with state on the GPU vs offloaded to (pinned) host memory.
+4. AdamW: step time for 0.5B bf16 parameters with state on the GPU vs offloaded to (pinned) host memory.
 
 Run on a GPU: PYTHONPATH=. python bench/parallel_memory.py
 """
@@ -79,7 +79,7 @@ def flash_fit():
           f"({time.time() - t:.0f} s)", flush=True)
 
 
-def adamw(n_params=2 ** 30, chunk=2 ** 26):
+def adamw(n_params=2 ** 29, chunk=2 ** 26):
     torch.set_num_threads(16)
     params = [torch.nn.Parameter(torch.randn(chunk // 4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
               for _ in range(n_params // chunk)]
