@@ -64,12 +64,12 @@ def cmd_ckpt(a):
                                                                               if isinstance(v, (int, str))}}))
 
 
-def load_model(a, **kw) -> Transformer:
+def load_model(a, dtype=torch.bfloat16, **kw) -> Transformer:
     cfg = small_cfg(**kw)
     with torch.device("meta"):
         m = Transformer(cfg)
     load_hf_checkpoint(m, a.dir, cfg=cfg, device=DEVICE)
-    return m.cast_(torch.bfloat16).eval()
+    return m.cast_(dtype).eval()
 
 
 def sample(client, n_prompts, n, prompt_len, new_tokens, seed=0):
@@ -102,12 +102,15 @@ def cmd_parity(a):
     t = time.time()
     samples = sample(client, a.prompts, a.n, a.prompt_len, a.new_tokens)
     res = {"protocol": client.protocol(URL), "generate_s": round(time.time() - t, 2), "samples": len(samples)}
-    for mode, kw in (("bf16", {}), ("qat", {"qat": True})):
-        res[mode] = score(load_model(a, **kw), samples)
-    orig = M.hc_post
-    M.hc_post = lambda x, res_, post, comb: orig(x, res_, post, comb.transpose(-1, -2))
-    res["bf16_planted_comb_bug"] = score(load_model(a), samples)
-    M.hc_post = orig
+    modes = {"bf16": {}, "qat": {"qat": True}, "fp32": {"dtype": torch.float32},
+             "fp32_qat": {"dtype": torch.float32, "qat": True}}
+    for mode in a.modes.split(","):
+        res[mode] = score(load_model(a, **modes[mode]), samples)
+    if a.planted:
+        orig = M.hc_post
+        M.hc_post = lambda x, res_, post, comb: orig(x, res_, post, comb.transpose(-1, -2))
+        res["bf16_planted_comb_bug"] = score(load_model(a), samples)
+        M.hc_post = orig
     res["goal_mean_below"] = PARITY_GOAL
     print(json.dumps(res, indent=1))
     with open(a.out, "w") as f:
@@ -194,9 +197,10 @@ def push_once(client, model, version: str, bucket_bytes: int, transport: str) ->
 
 
 def behaviour(client, model, prompt, new_tokens=32):
-    from nanoflash.rollout.weight_sync import probe_logprobs
-    r = probe_logprobs(client, model, prompt, max_new_tokens=new_tokens, url=URL)
-    return {"mean": r["mean"], "max": r["max"], "tokens": r["tokens"][:8], "version": r["version"]}
+    """Greedy-generate on the server; score the same tokens with the trainer's model: |dlogp| mean/max."""
+    g = client.generate(prompt, {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}, url=URL)[0]
+    r = score(model, [(prompt, g.output_ids, g.logprobs)])
+    return {"mean": r["mean"], "max": r["max"], "tokens": g.output_ids[:8], "version": g.weight_version}
 
 
 def verify_checksums(client, layout, before: dict, prev_layout, transport) -> dict:
@@ -267,6 +271,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--modes", default="bf16,qat,fp32")
+    ap.add_argument("--planted", type=int, default=1)
     ap.add_argument("--transport", default="sglang", choices=["sglang", "embedded"])
     a = ap.parse_args()
     {"ckpt": cmd_ckpt, "parity": cmd_parity, "push": cmd_push}[a.phase](a)
