@@ -18,7 +18,9 @@ What it does, inside that environment:
 3. compares every SGLang parameter bit for bit with what nanoflash meant: the loader layout nanoflash derives
    on its own side (`layout.LoaderState`: fused wqkv_a / wkv_gate, permuted ape, int32 tid2eid, experts
    stacked), cast to the parameter's dtype where SGLang stores a different one (e.g. compressor norms fp32);
-4. perturbs the weights and pushes again (two updates in a row), and compares again;
+4. perturbs the weights and pushes again (two updates in a row), this time through SGLang's own colocated
+   payload (`weight_sync.sglang_flattened_payload` -> SGLang's safe unpickler -> `reconstruct_tensors`),
+   and compares again;
 5. lists every SGLang parameter the push did not cover (there must be none besides attention KV scales).
 
 Exit status 0 iff everything matched. `tests/test_rollout_sglang_loader.py` (marker `sglang`) runs it.
@@ -152,6 +154,20 @@ def compare(model, expected: dict) -> list:
     return problems
 
 
+def via_payload(bucket: list) -> list:
+    """The colocated path: our `sglang_flattened_payload`, then what SGLang's server does with it
+    (`MultiprocessingSerializer.deserialize` with its safe unpickler, `FlattenedTensorBucket.reconstruct_tensors`)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    from nanoflash.rollout.weight_sync import sglang_flattened_payload
+    payload = sglang_flattened_payload(bucket)
+    data = MultiprocessingSerializer.deserialize(payload["serialized_named_tensors"][0])
+    named = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]).reconstruct_tensors()
+    if [n for n, _ in named] != [n for n, _ in bucket]:
+        raise AssertionError("flattened bucket changed the tensor order")
+    return named
+
+
 def run_check(fp8: bool, bucket_bytes: int) -> int:
     import torch
     from nanoflash.config import ModelConfig
@@ -167,8 +183,8 @@ def run_check(fp8: bool, bucket_bytes: int) -> int:
     failures, tag = 0, "fp8" if fp8 else "bf16"
     for update in (1, 2):
         buckets = list(iter_sglang_buckets(trainer, fp8=fp8, bucket_bytes=bucket_bytes))
-        for b in buckets:
-            model.load_weights(iter(b))  # the entry point of every live update, one call per bucket
+        for b in buckets:  # update 2 travels as SGLang's own pickled FlattenedTensorBucket payload
+            model.load_weights(iter(via_payload(b) if update == 2 else b))  # what every live update ends in
         problems = compare(model, meant(buckets))
         n = sum(1 for _ in model.parameters())
         print(f"[{tag} update {update}] {len(buckets)} buckets, {n} SGLang parameters, {len(problems)} problem(s)")
