@@ -213,3 +213,22 @@ def test_loader_call_is_all_or_nothing_and_refuses_shape_or_dtype_change(model):
     with pytest.raises(ValueError, match="holds"):              # bf16 into an fp8 slot (SGLang casts silently)
         st.load([(wq_b, sent[wq_b].float().to(torch.bfloat16))])
     assert st.checksums() == before
+
+
+def test_real_sglang_servers_are_checked_for_consistency():
+    from nanoflash.rollout.weight_sync import verify_push
+
+    class TwoReal(SGLangClient):
+        def __init__(self, sums):
+            super().__init__(["http://a:1", "http://b:1"], retry_s=0.0)
+            self.sums = sums
+
+        def request(self, url, method, path, body=None, timeout=None, retry_s=None):
+            if path == "/get_server_info":
+                return {"version": "0.5.16"}  # no "engine": nanoflash -> real SGLang
+            return {"success": True, "ranks": [{"checksums": self.sums[url]}]}
+    same = {"x": "1", "y": "2"}
+    assert verify_push(TwoReal({"http://a:1": same, "http://b:1": same}), {"anything": "0"}) == \
+        [("http://a:1", "consistency"), ("http://b:1", "consistency")]
+    with pytest.raises(RuntimeError, match="differ"):
+        verify_push(TwoReal({"http://a:1": same, "http://b:1": {"x": "1", "y": "3"}}), {})
