@@ -84,3 +84,13 @@ def test_unsynced_tid2eid_is_caught_by_checksums_and_localized(setup):
     out = report(client, trainer, PROMPTS, max_new_tokens=8)
     print("\ntid2eid bug:", out)
     assert out["mean"] > 0 and out["first_divergence"] == "layers.0.ffn.out"
+
+
+def test_mismatch_command_line_reports_json(setup, capsys):
+    import json
+
+    from nanoflash.rollout.mismatch import main
+    _, _, client = setup
+    main(["--url", client.urls[0], "--preset", "tiny", "--seed", "0", "--prompts", "2", "--max-new-tokens", "4"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == 8 and set(out) >= {"mean", "p99", "max", "first_divergence"}
