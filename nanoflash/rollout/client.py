@@ -19,7 +19,10 @@ What it speaks (request/response shapes of SGLang 0.5.16, `docs/rl_and_sglang.md
     POST /weights_checker {"action": "checksum"} -> {"success", "message", "ranks": [{"checksums": {...}}]}
 
 Protocol generations (how weight updates are bracketed), detected without side effects from the route list
-(`GET /openapi.json`, which FastAPI serves) or else from the version (`GET /get_server_info`):
+(`GET /openapi.json`, which SGLang's FastAPI app serves unless DISABLE_OPENAPI_DOC) or else from the version
+(`GET /server_info`, formerly `/get_server_info`). Pinned from the sglang 0.5.16 and 0.5.23 wheels'
+`srt/entrypoints/http_server.py`: 0.5.16 has no begin/end/post_process routes, 0.5.23 has
+`/begin_weight_update` and `/end_weight_update`, and its scheduler refuses an update outside that session:
 
     "stock"        SGLang 0.5.16: no bracket calls (begin/end/post_process all 404)
     "post_process" sglang-miles before 2026-06: POST /post_process_weights before (restore) and after (quantize)
@@ -244,7 +247,10 @@ class SGLangClient:
                 spec = self.get(url, "/openapi.json")
                 self._protocols[url] = protocol_from_routes(spec.get("paths", {}))
             except RequestRejected:
-                info = self.get(url, "/get_server_info")
+                try:
+                    info = self.get(url, "/server_info")
+                except RequestRejected:  # older name, deprecated in 0.5.16
+                    info = self.get(url, "/get_server_info")
                 ver = parse_version(info.get("version", ""))
                 if not ver:
                     raise ValueError(f"{url}: no route list and no parsable version in /get_server_info "

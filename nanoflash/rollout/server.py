@@ -5,7 +5,7 @@
 
 Routes (JSON in, JSON out; see `client.py` for the request/response shapes):
 
-    GET  /health /health_generate /get_server_info /get_model_info /get_weight_version /openapi.json
+    GET  /health /health_generate /server_info /get_server_info /get_model_info /get_weight_version /openapi.json
     POST /generate /abort_request
     POST /pause_generation /continue_generation, GET|POST /flush_cache                 (admin)
     POST /update_weights_from_tensor /update_weights_from_disk /init_weights_update_group
@@ -51,22 +51,17 @@ from nanoflash.rollout.weight_sync import (SAFE_FORMAT, decode_blob, decode_tens
 
 MAX_BODY = 4 << 30   # refuse request bodies above 4 GiB
 VERSION = "0.5.16"   # the SGLang release whose request/response shapes this server follows
-COMMON = {"/health": "GET", "/health_generate": "GET", "/get_server_info": "GET", "/get_model_info": "GET",
+COMMON = {"/health": "GET", "/health_generate": "GET", "/get_server_info": "GET", "/server_info": "GET", "/get_model_info": "GET",
           "/get_weight_version": "GET", "/openapi.json": "GET", "/generate": "POST", "/abort_request": "POST",
           "/pause_generation": "POST", "/continue_generation": "POST", "/flush_cache": "GET,POST",
           "/update_weights_from_tensor": "POST", "/update_weights_from_disk": "POST",
           "/init_weights_update_group": "POST", "/destroy_weights_update_group": "POST",
           "/update_weights_from_distributed": "POST", "/update_weight_version": "POST",
-          "/weights_checker": "POST", "/nanoflash/trace": "POST"}
+          "/weights_checker": "GET,POST", "/nanoflash/trace": "POST"}
 EXTRA = {"stock": {}, "post_process": {"/post_process_weights": "POST"},
          "session": {"/begin_weight_update": "POST", "/end_weight_update": "POST"}}
-PUBLIC = {"/health", "/health_generate", "/get_server_info", "/get_model_info", "/get_weight_version",
+PUBLIC = {"/health", "/health_generate", "/get_server_info", "/server_info", "/get_model_info", "/get_weight_version",
           "/openapi.json", "/generate"}
-UPDATES = {"/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed"}
-
-
-class Unauthorized(Exception):
-    """Missing or wrong API key (HTTP 401)."""
 
 
 class RolloutServer:
@@ -100,6 +95,9 @@ class RolloutServer:
 
     r_health_generate = r_health
 
+    def r_server_info(self, body):
+        return self.r_get_server_info(body)
+
     def r_get_server_info(self, _):
         return {"version": VERSION, "engine": "nanoflash", "protocol": self.protocol, "tp_size": 1,
                 "weights": self.engine.weights, "weight_version": self.engine.weight_version}
@@ -123,7 +121,7 @@ class RolloutServer:
         prompts = ids if batch else [ids]
         V = self.engine.cfg.vocab_size
         for p in prompts:
-            if not isinstance(p, list) or not p or not all(isinstance(t, int) and 0 <= t < V for t in p):
+            if not isinstance(p, list) or not p or not all(type(t) is int and 0 <= t < V for t in p):
                 raise BadRequest(f"/generate: input_ids must be a non-empty list of ints in [0, {V}), "
                                  f"got {str(p)[:80]}")
         sp = parse_sampling(body.get("sampling_params", {}), V)
@@ -249,7 +247,7 @@ class RolloutServer:
         return {"success": True}
 
     def r_weights_checker(self, body):
-        action = body.get("action")
+        action = body.get("action", "checksum")  # SGLang's CheckWeightsReqInput default
         if action == "checksum":
             info = {"checksums": self.engine.store.checksums(), "derived_checksum": self.engine.derived_checksum(),
                     "parallelism_info": {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
@@ -273,7 +271,7 @@ class RolloutServer:
         """nanoflash extension: activations at every block boundary for `input_ids` (mismatch localization)."""
         ids = body.get("input_ids")
         V = self.engine.cfg.vocab_size
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and 0 <= t < V for t in ids):
+        if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < V for t in ids):
             raise BadRequest(f"/nanoflash/trace: input_ids must be a non-empty list of ints in [0, {V})")
         with self.engine.lock:
             acts = trace(self.engine.model, torch.tensor([ids]))
