@@ -139,7 +139,7 @@ if not latest:
 while step < tc.steps:
     t0 = time.time()
     bar = progress(gc.n_prompts, f"rollout {step + 1}/{tc.steps}", tc.progress and rank0)
-    got = ep.collect(client, engines, task, pos, gc, rc, tc.seed, bar) if rank0 else None
+    got = ep.collect(client, task, pos, gc, rc, tc.seed, mcfg, bar) if rank0 else None
     bar.close()
     kept, seen, pos, counts = trainer.broadcast(got, dims)
     t_roll = time.time() - t0

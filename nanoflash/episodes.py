@@ -12,11 +12,9 @@ One rollout step (`collect`), as Miles' `inference_rollout_train` does it, synch
 The per-request sampling seed depends only on the run seed and the prompt's position in the data stream, so
 a run that resumes from a checkpoint re-draws exactly the samples the crashed run would have drawn.
 
-Routing replay (R3): real SGLang returns, per token and MoE layer, the experts it routed to
-(`return_routed_experts`). nanoflash's embedded server does not return them (its HTTP API has no such field
-yet), so for embedded servers the record is taken from the rollout engine's own model: one batch-of-one
-forward of the finished sequence on the engine's (FP8-dequantized) weights, reading `MoE.last_indices` of
-every layer. That is the routing the engine computes when it scores the sample.
+Routing replay (R3): with `rollout.routing_replay` every request asks for `return_routed_experts`; SGLang
+and the embedded server answer, per input position and MoE layer, the top-k experts the engine routed to
+(base64 int32 [P + R - 1, n_layers, K]), which the episode carries to the trainer (`Episode.routed_experts`).
 
 Evaluation (`sample_batched`) runs on the trainer's full model, batched over all problems of one prompt
 length with full forwards (no cache), because hundreds of held-out problems through one-request-at-a-time
@@ -35,12 +33,15 @@ from typing import Callable
 import torch
 
 from nanoflash import data, grpo, rewards
-from nanoflash.rollout.client import SGLangClient, parse_generation
+from nanoflash.rollout.client import SGLangClient, decode_routed_experts
 from nanoflash.rollout.engine import RolloutEngine, sample
 from nanoflash.rollout.server import serve
 from nanoflash.rollout.weight_sync import iter_sglang_buckets, push_weights
 
 SEED_MOD = 2 ** 62  # SGLang sampling seeds are int64; keep them positive
+# single-digit arithmetic has only 200 expressions: hold out a quarter (57) so the eval is not 24 problems
+ARITH_HELDOUT_PERCENT = {1: 25}
+MAX_ARITH_TRAIN = 50_000  # cap on the training pool of the larger difficulties
 
 
 @dataclass
@@ -62,10 +63,12 @@ def make_task(tc, ec, vocab_size: int) -> Task:
         tok = data.CharTokenizer()
         if tok.vocab_size > vocab_size:
             raise ValueError(f"the arithmetic tokenizer needs {tok.vocab_size} ids; the model has {vocab_size}")
-        n_train = {1: 150, 2: 16000}.get(tc.difficulty, 50000)
-        train = data.arithmetic_problems(n_train, "train", tc.difficulty, seed=0)
+        pct = ARITH_HELDOUT_PERCENT.get(tc.difficulty, 10)
+        n_train, n_held = _arith_split_sizes(tc.difficulty, pct)
+        train = data.arithmetic_problems(n_train, "train", tc.difficulty, seed=0, heldout_percent=pct)
         random.Random(tc.seed).shuffle(train)
-        heldout = data.arithmetic_problems(ec.n_problems, "heldout", tc.difficulty, seed=0)
+        heldout = data.arithmetic_problems(min(ec.n_problems, n_held), "heldout", tc.difficulty, seed=0,
+                                           heldout_percent=pct)
         return Task(train, heldout, tok.encode_prompt, tok.decode,
                     rewards.token_reward_fn(tok.decode, rewards.arith_reward), [tok.eos_id], tok.pad_id)
     tok = data.V4Tokenizer()
@@ -77,6 +80,15 @@ def make_task(tc, ec, vocab_size: int) -> Task:
     eos = tok.token_id(data.EOS)
     return Task(train, heldout[:ec.n_problems], tok.encode_chat, lambda ids: tok.decode(ids, True),
                 rewards.token_reward_fn(lambda ids: tok.decode(ids, True), scorer), [eos], eos)
+
+
+def _arith_split_sizes(difficulty: int, pct: int) -> tuple[int, int]:
+    """(train, held-out) expression counts of one difficulty; enumerated when small, else capped."""
+    if difficulty > 2:
+        return MAX_ARITH_TRAIN, 10 ** 6
+    ops, hi = "+-", 10 ** difficulty
+    held = sum(data._in_heldout(f"{a}{op}{b}", pct) for a in range(hi) for b in range(hi) for op in ops)
+    return min(len(ops) * hi * hi - held, MAX_ARITH_TRAIN), held
 
 
 # ---------------------------------------------------------------------------------------------- servers
@@ -110,43 +122,21 @@ def request_seed(run_seed: int, position: int) -> int:
     return (run_seed * 1_000_003 + position * 7_919 + 17) % SEED_MOD
 
 
-def routing_record(engine: RolloutEngine, ids: list) -> torch.Tensor:
-    """Experts the engine's model routes every input position of `ids[:-1]` to. -> [L-1, n_layers, K]"""
-    x = torch.tensor(ids[:-1])[None]                                                   # [1,L-1]
-    with torch.no_grad(), engine.lock:
-        engine.model(x)
-        layers = engine.model.layers
-        return torch.stack([layers[k].ffn.last_indices for k in sorted(layers, key=int)], 1)  # [L-1,n_layers,K]
-
-
-def _generate(client, ids: list, sp: dict, r3_external: bool):
-    if not r3_external:
-        return client.generate(ids, sp)
-    out = client.post(client._pick(), "/generate", {"input_ids": ids, "sampling_params": sp,
-                                                    "return_logprob": True, "return_routed_experts": True})
-    return [parse_generation(it, ids, "") for it in (out if isinstance(out, list) else [out])]
-
-
-def _episodes(gens, problem_ids, position, task, problem, engines, rc) -> list:
+def _episodes(gens, prompt_ids, position, task, problem, n_layers: int, topk: int) -> list:
     rs = task.reward([problem] * len(gens), [g.output_ids for g in gens])
     out = []
     for g, r in zip(gens, rs):
         rx = None
-        if rc.routing_replay:
-            if engines:
-                rx = routing_record(engines[0], problem_ids + g.output_ids)
-            elif "routed_experts" in g.meta_info:
-                rx = torch.as_tensor(g.meta_info["routed_experts"], dtype=torch.int64)
-            else:
-                raise ValueError("routing replay is on but the server returned no routed_experts")
-        out.append(grpo.Episode(problem_ids, g.output_ids, g.logprobs, float(r), position, g.finish_reason or "stop",
+        if "routed_experts" in g.meta_info:  # R3: the experts the engine chose, per input position and layer
+            rx = decode_routed_experts(g.meta_info, n_layers, topk)
+        out.append(grpo.Episode(prompt_ids, g.output_ids, g.logprobs, float(r), position, g.finish_reason or "stop",
                                 rx))
     return out
 
 
-def collect(client, engines, task: Task, pos: int, gc, rc, seed: int, bar=None) -> tuple[list, list, int, dict]:
+def collect(client, task: Task, pos: int, gc, rc, seed: int, mcfg, bar=None) -> tuple[list, list, int, dict]:
     """Dynamic-sampling rollout. Returns (kept episodes, all episodes, new data position, counters)."""
-    G, n = gc.n_prompts, gc.group_size
+    G, n, n_layers, topk = gc.n_prompts, gc.group_size, mcfg.n_layers, mcfg.n_activated_experts
     sp = {"n": n, "temperature": rc.temperature, "top_p": rc.top_p, "max_new_tokens": rc.max_new_tokens,
           "stop_token_ids": list(task.stop_ids)}
     kept, seen, rounds = [], [], 0
@@ -157,10 +147,10 @@ def collect(client, engines, task: Task, pos: int, gc, rc, seed: int, bar=None) 
             pos += k
             probs = [task.train[p % len(task.train)] for p in positions]
             ids = [task.encode(p) for p in probs]
-            futs = [pool.submit(_generate, client, i, {**sp, "sampling_seed": request_seed(seed, p)},
-                                rc.routing_replay and not engines) for i, p in zip(ids, positions)]
+            futs = [pool.submit(client.generate, i, {**sp, "sampling_seed": request_seed(seed, p)},
+                                return_routed_experts=rc.routing_replay) for i, p in zip(ids, positions)]
             for fut, i, p, prob in zip(futs, ids, positions, probs):
-                eps = _episodes(fut.result(), i, p, task, prob, engines, rc)
+                eps = _episodes(fut.result(), i, p, task, prob, n_layers, topk)
                 seen += eps
                 kept += grpo.filter_groups(eps, n) if gc.dynamic_sampling else eps
                 if bar is not None:

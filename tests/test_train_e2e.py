@@ -1,0 +1,117 @@
+"""End to end: `python train.py --recipe smoke` on the tiny model through the embedded server.
+
+One uninterrupted 3-step run in matched precision (fp32 trainer, fp32 engine) is compared with a run stopped
+after step 2 and resumed for step 3: same metrics, same weights and optimizer state, bit for bit. The same
+runs check that the train/rollout log-prob difference is exactly 0 in matched mode, and that the metrics
+JSONL, checkpoints, eval records and plots are written. A last run checks FP8 rollouts with routing replay.
+
+Run: `pytest tests/test_train_e2e.py -q` (about a minute on 2 cores).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanoflash.cli import parse_args
+from nanoflash.config import preset
+from nanoflash.metrics import read_jsonl
+from nanoflash.parallel.checkpoint import latest_checkpoint, load_checkpoint
+from nanoflash.parallel.dims import ParallelDims
+from nanoflash.plots import linear_fit, moving_average
+from nanoflash import trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMING_KEYS = {"rollout_s", "train_s", "sync_s", "step_s", "eval_s", "time_s", "rollout_tokens_per_s",
+               "train_tokens_per_s"}
+
+
+def run_train(out: str, *extra: str) -> str:
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--recipe", "smoke", "--out", out,
+           "--train.progress", "false", "--train.plots", "false", *extra]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"train.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+def _state(out: str):
+    cfg = parse_args(["--recipe", "smoke"])
+    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, 0, torch.float32)
+    opt = trainer.make_optimizer(model, cfg.optim)
+    meta = load_checkpoint(latest_checkpoint(os.path.join(out, "checkpoints")), model, opt, ParallelDims())
+    return meta, model.state_dict(), opt.state_dict()
+
+
+def _no_timing(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k not in TIMING_KEYS}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("train")
+    full, split = str(base / "full"), str(base / "split")
+    run_train(full, "--rollout.weights", "fp32")
+    run_train(split, "--rollout.weights", "fp32", "--steps", "2")
+    with open(os.path.join(split, "metrics.jsonl"), "a") as f:  # a record the crashed run wrote after its
+        f.write(json.dumps({"kind": "train", "step": 3, "reward_mean": -1.0}) + "\n")  # last checkpoint
+    resumed_out = run_train(split, "--rollout.weights", "fp32", "--steps", "3")
+    return full, split, resumed_out
+
+
+def test_metrics_checkpoints_and_eval_are_written(runs):
+    full, _, _ = runs
+    train = read_jsonl(os.path.join(full, "metrics.jsonl"), "train")
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for r in train:
+        assert 0.0 <= r["reward_mean"] <= 1.0 and r["groups_seen"] >= 4, r
+    assert any(r["groups_kept"] > 0 and "grad_norm" in r for r in train), train  # at least one GRPO update
+    assert [r["step"] for r in read_jsonl(os.path.join(full, "metrics.jsonl"), "eval")] == [0, 2, 3]
+    assert [r["step"] for r in read_jsonl(os.path.join(full, "metrics.jsonl"), "warmup")][-1] == 19
+    meta, _, _ = _state(full)
+    assert meta["step"] == 3 and meta["extra"]["data_pos"] > 0
+    assert sorted(os.listdir(os.path.join(full, "checkpoints"))) == ["step_00000002", "step_00000003"]
+
+
+def test_matched_precision_logprob_diff_is_exactly_zero(runs):
+    full, _, _ = runs
+    trained = [r for r in read_jsonl(os.path.join(full, "metrics.jsonl"), "train") if "grad_norm" in r]
+    assert trained
+    for r in trained:
+        assert r["train_rollout_logprob_abs_diff"] == 0.0, r
+        assert r["train_rollout_kl"] == 0.0, r
+
+
+def test_resume_continues_from_the_right_step_with_identical_state(runs):
+    full, split, resumed_out = runs
+    assert "resumed from" in resumed_out and "step 2" in resumed_out
+    a = read_jsonl(os.path.join(full, "metrics.jsonl"), "train")
+    b = read_jsonl(os.path.join(split, "metrics.jsonl"), "train")
+    assert [r["step"] for r in b] == [1, 2, 3]  # the stale step-3 record was dropped, step 3 redone once
+    assert [_no_timing(r) for r in a] == [_no_timing(r) for r in b]
+    meta_a, model_a, opt_a = _state(full)
+    meta_b, model_b, opt_b = _state(split)
+    assert meta_a["step"] == meta_b["step"] == 3 and meta_a["extra"] == meta_b["extra"]
+    for k in model_a:
+        assert torch.equal(model_a[k], model_b[k]), k
+    assert set(opt_a) == set(opt_b) and opt_a["step"] == opt_b["step"] > 0
+    for k, v in opt_a.items():
+        assert torch.equal(v, opt_b[k]) if torch.is_tensor(v) else v == opt_b[k], k
+
+
+def test_fp8_rollout_with_routing_replay(tmp_path):
+    """FP8 engine: the push quantizes, so |dlogp| > 0; R3 records travel and the step still trains."""
+    out = str(tmp_path / "fp8")
+    run_train(out, "--rollout.weights", "fp8", "--rollout.routing_replay", "true", "--steps", "2",
+              "--eval.every", "0")
+    trained = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl"), "train") if "grad_norm" in r]
+    assert trained
+    for r in trained:
+        assert 0.0 < r["train_rollout_logprob_abs_diff"] < 0.5, r
+
+
+def test_plot_helpers_against_hand_values():
+    assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    a, b = linear_fit([0.0, 1.0, 2.0], [1.0, 3.0, 5.0])
+    assert (a, b) == (1.0, 2.0)
