@@ -25,8 +25,9 @@ The push (`push_weights`), per SGLang's documented order (rl_and_sglang.md §4.2
 Transports: "tensor" sends a safetensors payload (the embedded server's safe encoding; real SGLang needs its
 own pickled `FlattenedTensorBucket` of CUDA tensors, built by `sglang_flattened_payload` when SGLang is
 installed); "distributed" joins a gloo/NCCL group as rank 0 and broadcasts each tensor while the server's
-`/update_weights_from_distributed` call receives it (gloo moves raw bytes, NCCL the real dtype, as SGLang
-receives it); "disk"
+`/update_weights_from_distributed` call receives it (gloo moves raw bytes, NCCL the real dtype: SGLang 0.5.16's
+`model_runner_components/weight_updater.py` allocates `torch.empty(shape, dtype)` per name and broadcasts each
+from rank 0, in order); "disk"
 writes one safetensors file per bucket and calls `/update_weights_from_disk`.
 
 Not done here: gathering a PP/EP-sharded model (`dims` must be None: one process holds every tensor).
