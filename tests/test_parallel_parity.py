@@ -8,13 +8,11 @@ import pytest
 import torch
 
 from conftest import run_ranks
-from nanoflash.config import preset
+from nanoflash.config import OptimConfig, ParallelConfig, preset
 from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
-from nanoflash.parallel.expert import apply_expert_parallel
 from nanoflash.parallel.optim import AdamW, trainable_parameters
-from nanoflash.parallel.pipeline import build_stage
-from nanoflash.parallel.train_step import global_count, token_nll_loss, train_step
+from nanoflash.parallel.train_step import global_count, make_optimizer, parallelize, train_step
 
 N_SEQ, SEQ_LEN, SEED = 4, 16, 0
 LR = 1e-3        # large enough that one step visibly moves every parameter
@@ -56,12 +54,13 @@ def reference():
 
 def _rank_fn(rank, world, pp, ep, layer_split, mbs_per_rank, recompute):
     dims = ParallelDims(pp=pp, ep=ep)
-    model = fresh_model()
-    model.recompute = recompute
-    trainable_parameters(model)
-    apply_expert_parallel(model, dims)
-    build_stage(model, dims, layer_split)
-    opt = AdamW([(n, p) for n, p in model.named_parameters() if p.requires_grad], lr=LR, eps=ADAM_EPS)
+    with torch.device("meta"):  # the production order: build on meta, parallelize, materialise, load
+        model = parallelize(Transformer(preset("tiny")), dims, ParallelConfig(pp, ep, None, layer_split,
+                                                                               recompute=recompute))
+    model.to_empty(device="cpu")
+    full = fresh_model()
+    model.load_state_dict({k: v for k, v in full.state_dict().items() if k in model.state_dict()})
+    opt = make_optimizer(model, OptimConfig(lr=LR, eps=ADAM_EPS))
     batch = make_batch()
     per = N_SEQ // dims.data_world
     shard = {k: v[dims.data_rank * per:(dims.data_rank + 1) * per] for k, v in batch.items()}

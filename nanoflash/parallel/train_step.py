@@ -27,8 +27,9 @@ from torch import nn
 from nanoflash.model import chunked_logprobs
 from nanoflash.parallel.comm import all_reduce_
 from nanoflash.parallel.dims import ParallelDims
-from nanoflash.parallel.expert import expert_param_names
-from nanoflash.parallel.pipeline import forward_backward
+from nanoflash.parallel.expert import apply_expert_parallel, expert_param_names
+from nanoflash.parallel.optim import AdamW, trainable_parameters
+from nanoflash.parallel.pipeline import build_stage, forward_backward
 
 CLIP_EPS = 1e-6  # added to the norm in the clip factor (as torch.nn.utils.clip_grad_norm_)
 
@@ -89,6 +90,25 @@ def clip_gradients_(model: nn.Module, dims: ParallelDims, max_norm: float) -> to
             if p.grad is not None:
                 p.grad.mul_(factor.to(p.grad.device, p.grad.dtype))
     return norm
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, par, train_mtp: bool = False) -> nn.Module:
+    """Apply a `ParallelConfig` to a built model (meta or real), in place: freeze the RL-frozen parameters,
+    keep this EP rank's experts, keep this PP stage's layers, set the recompute switch. Materialise / load
+    weights afterwards (`to_empty` + `load_hf_checkpoint` or `load_checkpoint`), then `make_optimizer`."""
+    trainable_parameters(model, train_mtp)
+    apply_expert_parallel(model, dims)
+    build_stage(model, dims, par.layer_split)
+    model.recompute = par.recompute
+    return model
+
+
+def make_optimizer(model: nn.Module, opt, offload: bool = False) -> AdamW:
+    """AdamW (an `OptimConfig`) over the trainable parameters this rank holds; call after weights are real."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert not any(p.is_meta for _, p in params), "make_optimizer needs materialised weights (still on meta)"
+    return AdamW(params, lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                 offload=offload)
 
 
 def train_step(model, dims: ParallelDims, microbatches, optimizer, loss_scale: float | None,
