@@ -11,12 +11,11 @@ activation fit, and the AdamW step with and without host offload.
 
 Run on a GPU: PYTHONPATH=. python bench/parallel_memory.py
 """
-import dataclasses
 import time
 
 import torch
 
-from nanoflash.config import ParallelConfig, preset
+from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.parallel.optim import AdamW, trainable_parameters

@@ -31,9 +31,8 @@ def _run(model, opt, steps=3):
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_adamw_matches_torch(offload):
-    ref, ours = _toy(), _toy()
+    ours = _toy()
     kw = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-8)
-    _run(ref, torch.optim.AdamW(ref.parameters(), foreach=False, **kw))
     # torch decays every parameter; ours only matrices, so compare with decay on biases switched off there:
     ref2 = _toy()
     groups = [{"params": [p for p in ref2.parameters() if p.ndim >= 2]},

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from types import SimpleNamespace
 
 import torch
 
@@ -145,7 +144,6 @@ def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 block(h, torch.zeros(1, S, dtype=torch.long, device=device))
             measured.append(sum(seen.values()))
-            del seen
         (s1, s2), (m1, m2) = seq_lens, measured  # solve m = a S + b pairs(S) at both lengths
         p1, p2 = attention_pairs(cfg, ratio, s1), attention_pairs(cfg, ratio, s2)
         b = (m2 * s1 - m1 * s2) / (p2 * s1 - p1 * s2)
