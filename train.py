@@ -100,6 +100,7 @@ client, engines, httpds = None, [], []
 if rank0:
     client, engines, httpds = (SGLangClient(list(rc.urls)), [], []) if rc.urls else \
         ep.start_embedded(shadow, rc.n_servers, rc.weights, tc.seed)
+broadcaster = ep.make_broadcaster(client, rc) if rank0 else None
 
 
 def sync_weights(version: int) -> dict:
@@ -109,7 +110,7 @@ def sync_weights(version: int) -> dict:
         return {}
     if shadow is not model:
         shadow.load_state_dict(full)
-    info = ep.push(client, shadow, rc, version, os.path.join(tc.out_dir, "sync"))
+    info = ep.push(client, shadow, rc, version, os.path.join(tc.out_dir, "sync"), broadcaster)
     return {"sync_s": time.time() - t0, "sync_tensors": info["tensors"], "sync_buckets": info["buckets"]}
 
 

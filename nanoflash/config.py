@@ -286,6 +286,7 @@ class RolloutConfig:
     max_workers: int = 8              # concurrent /generate requests from the trainer
     bucket_bytes: int = 1 << 30       # weight-sync bucket size (V4 recipe: 1 GiB)
     transport: str = "tensor"         # weight push: tensor | disk | distributed
+    sync_addr: str = "127.0.0.1:29600"  # host:port of the trainer's rank 0 for transport=distributed (NCCL/gloo group)
     verify: bool = True               # compare /weights_checker checksums after every push
     routing_replay: bool = False      # R3: replay the rollout engine's expert choices in the trainer forward
     max_rounds: int = 8               # over-sampling rounds per step before training on what was kept

@@ -36,7 +36,7 @@ from nanoflash import data, grpo, rewards
 from nanoflash.rollout.client import SGLangClient, decode_routed_experts
 from nanoflash.rollout.engine import RolloutEngine, sample
 from nanoflash.rollout.server import serve
-from nanoflash.rollout.weight_sync import iter_sglang_buckets, push_weights
+from nanoflash.rollout.weight_sync import Broadcaster, iter_sglang_buckets, push_weights
 
 SEED_MOD = 2 ** 62  # SGLang sampling seeds are int64; keep them positive
 # single-digit arithmetic has only 200 expressions: hold out a quarter (57) so the eval is not 24 problems
@@ -109,11 +109,19 @@ def start_embedded(model, n: int, weights: str, seed: int):
     return client, engines, httpds
 
 
-def push(client, model, rc, version: int, disk_dir: str) -> dict:
+def make_broadcaster(client, rc):
+    """transport=distributed: join one process group with every server's ranks (rank 0 = the trainer)."""
+    if rc.transport != "distributed":
+        return None
+    host, _, port = rc.sync_addr.rpartition(":")
+    return Broadcaster(client, host, int(port), backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def push(client, model, rc, version: int, disk_dir: str, broadcaster=None) -> dict:
     """Full weight push (FP8 blocks when the engines run FP8, else the trainer's dtypes) with verification."""
     buckets = iter_sglang_buckets(model, fp8=rc.weights == "fp8", bucket_bytes=rc.bucket_bytes)
     return push_weights(client, buckets, version=version, transport=rc.transport, verify=rc.verify,
-                        disk_dir=disk_dir)
+                        disk_dir=disk_dir, broadcaster=broadcaster)
 
 
 # ---------------------------------------------------------------------------------------------- rollout
