@@ -84,6 +84,7 @@ LAYOUTS = {  # name: (world, pp, ep, layer_split, micro-batches per data rank, r
     "PP4": (4, 4, 1, None, 4, False),
     "PP2xEP2": (4, 2, 2, (1, 3), 2, False),
     "DP2": (2, 1, 1, None, 2, False),
+    "DP2xEP2": (4, 1, 2, None, 1, False),        # expert grads summed over DP only, dense over DP x EP
 }
 
 
