@@ -7,5 +7,7 @@ Reading order: dims (the grid) -> comm (collectives) -> expert (EP dispatcher) -
 from nanoflash.parallel.dims import ParallelDims, init_distributed
 from nanoflash.parallel.expert import apply_expert_parallel
 from nanoflash.parallel.pipeline import build_stage, forward_backward
+from nanoflash.parallel.train_step import make_optimizer, parallelize, train_step
 
-__all__ = ["ParallelDims", "init_distributed", "apply_expert_parallel", "build_stage", "forward_backward"]
+__all__ = ["ParallelDims", "init_distributed", "apply_expert_parallel", "build_stage", "forward_backward",
+           "parallelize", "make_optimizer", "train_step"]
