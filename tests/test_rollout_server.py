@@ -76,7 +76,8 @@ def test_generate_logprobs_equal_trainer_exactly(stock):
     assert len(gens) == 3 and all(len(g.output_ids) == 10 and g.finish_reason == "length" for g in gens)
     for g in gens:
         ref = trainer_logprobs(trainer, PROMPT, g.output_ids, 0.8)
-        assert torch.equal(ref, torch.tensor(g.logprobs, dtype=torch.float32)), (ref - torch.tensor(g.logprobs)).abs().max()
+        got = torch.tensor(g.logprobs, dtype=torch.float32)
+        assert torch.equal(ref, got), (ref - got).abs().max()
 
 
 def test_stop_token_and_greedy_determinism(stock):

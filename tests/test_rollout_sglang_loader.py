@@ -5,7 +5,8 @@ Needs a separate ~6 GB environment; build it and run the check in one command:
     python -m nanoflash.rollout.sglang_check --build-env .venv-sglang --sglang 0.5.23
 
 This test runs the same check with the interpreter named by `NANOFLASH_SGLANG_PYTHON` (default
-`.venv-sglang/bin/python`) and is skipped when that does not exist. Run: `pytest -m sglang tests/test_rollout_sglang_loader.py`.
+`.venv-sglang/bin/python`) and is skipped when that does not exist.
+Run: `pytest -m sglang tests/test_rollout_sglang_loader.py`.
 """
 from __future__ import annotations
 

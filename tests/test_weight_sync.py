@@ -81,7 +81,8 @@ def test_fp8_stream_dtypes_follow_sglang(model):
     for n in fp8:
         assert sent[n + "_scale_inv"].dtype == torch.float32
     must_fp8 = ["self_attn.wq_a.weight", "self_attn.wkv.weight", "self_attn.wq_b.weight", "self_attn.wo_b.weight",
-                "self_attn.indexer.wq_b.weight", "mlp.experts.3.gate_proj.weight", "mlp.shared_experts.down_proj.weight"]
+                "self_attn.indexer.wq_b.weight", "mlp.experts.3.gate_proj.weight",
+                "mlp.shared_experts.down_proj.weight"]
     for s in must_fp8:
         assert f"model.layers.1.{s}" in fp8, s
     keep = {"self_attn.wo_a.weight": torch.bfloat16, "self_attn.compressor.wkv.weight": torch.bfloat16,
@@ -156,7 +157,8 @@ def test_safe_codec_round_trip_and_refuses_pickle():
     named = [("b", torch.arange(6, dtype=torch.int64).view(2, 3)), ("a", torch.randn(3).to(torch.float8_e4m3fn))]
     back = decode_tensors(encode_tensors(named))
     assert [n for n, _ in back] == ["b", "a"]
-    assert torch.equal(back[0][1], named[0][1]) and torch.equal(back[1][1].view(torch.uint8), named[1][1].view(torch.uint8))
+    assert torch.equal(back[0][1], named[0][1])
+    assert torch.equal(back[1][1].view(torch.uint8), named[1][1].view(torch.uint8))
     import base64
     import pickle
     with pytest.raises(ValueError, match="never unpickles"):

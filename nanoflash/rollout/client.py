@@ -113,7 +113,7 @@ def decode_routed_experts(meta_info: dict, n_layers: int, topk: int):
     arr = np.frombuffer(raw, dtype=np.int32)
     if arr.size % (n_layers * topk):
         raise ValueError(f"routed_experts holds {arr.size} ids, not a multiple of n_layers*topk = {n_layers * topk}")
-    return torch.from_numpy(arr.copy()).to(torch.int64).view(-1, n_layers, topk)
+    return torch.from_numpy(arr.copy()).to(torch.int64).view(-1, n_layers, topk)  # [T-1,n_layers,K]
 
 
 def parse_version(v: str) -> tuple:

@@ -90,7 +90,8 @@ KEEP_BF16_IN_FP8 = ("attn.wo_a.weight",)
 # (first half, second half, fused name) of SGLang's atomic pairs, as HF-style suffixes
 PAIRS = [("self_attn.wq_a.weight", "self_attn.wkv.weight", "self_attn.wqkv_a.weight"),
          ("self_attn.wq_a.weight_scale_inv", "self_attn.wkv.weight_scale_inv", "self_attn.wqkv_a.weight_scale_inv"),
-         ("self_attn.compressor.wkv.weight", "self_attn.compressor.wgate.weight", "self_attn.compressor.wkv_gate.weight"),
+         ("self_attn.compressor.wkv.weight", "self_attn.compressor.wgate.weight",
+          "self_attn.compressor.wkv_gate.weight"),
          ("self_attn.indexer.compressor.wkv.weight", "self_attn.indexer.compressor.wgate.weight",
           "self_attn.indexer.compressor.wkv_gate.weight")]
 _PAIR_OF = {}

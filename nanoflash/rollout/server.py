@@ -51,7 +51,8 @@ from nanoflash.rollout.weight_sync import (SAFE_FORMAT, decode_blob, decode_tens
 
 MAX_BODY = 4 << 30   # refuse request bodies above 4 GiB
 VERSION = "0.5.16"   # the SGLang release whose request/response shapes this server follows
-COMMON = {"/health": "GET", "/health_generate": "GET", "/get_server_info": "GET", "/server_info": "GET", "/get_model_info": "GET",
+COMMON = {"/health": "GET", "/health_generate": "GET", "/get_server_info": "GET", "/server_info": "GET",
+          "/get_model_info": "GET",
           "/get_weight_version": "GET", "/openapi.json": "GET", "/generate": "POST", "/abort_request": "POST",
           "/pause_generation": "POST", "/continue_generation": "POST", "/flush_cache": "GET,POST",
           "/update_weights_from_tensor": "POST", "/update_weights_from_disk": "POST",

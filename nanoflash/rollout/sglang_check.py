@@ -38,7 +38,8 @@ SMALL = dict(vocab_size=512, dim=256, moe_inter_dim=128, n_layers=4, n_hash_laye
              index_head_dim=128, index_topk=16, hc_mult=4)
 NOT_PUSHED = ("attn_mqa.k_scale", "attn_mqa.v_scale")  # attention KV-cache scales, not model weights
 # sglang version -> (torch, torchvision, transformers, extra imports it needs) -- sglang is installed --no-deps
-PINS = {"0.5.23": ("2.14.1", "0.29.1", "5.19.0", []), "0.5.16": ("2.11.0", "0.26.0", "5.12.1", ["xgrammar", "zstandard"])}
+PINS = {"0.5.23": ("2.14.1", "0.29.1", "5.19.0", []),
+        "0.5.16": ("2.11.0", "0.26.0", "5.12.1", ["xgrammar", "zstandard"])}
 EXTRA = ("orjson psutil pybase64 requests msgspec pyzmq IPython aiohttp dill apache-tvm-ffi==0.1.11 "
          "sentencepiece compressed-tensors gguf openai partial_json_parser uvicorn fastapi setproctitle "
          "starlette safetensors einops numpy").split()
@@ -162,7 +163,8 @@ def via_payload(bucket: list) -> list:
     from nanoflash.rollout.weight_sync import sglang_flattened_payload
     payload = sglang_flattened_payload(bucket)
     data = MultiprocessingSerializer.deserialize(payload["serialized_named_tensors"][0])
-    named = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]).reconstruct_tensors()
+    fb = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+    named = fb.reconstruct_tensors()
     if [n for n, _ in named] != [n for n, _ in bucket]:
         raise AssertionError("flattened bucket changed the tensor order")
     return named
@@ -235,7 +237,7 @@ def main(argv=None):
     os.environ["SGLANG_OPT_FP8_WO_A_GEMM"] = "0"                     # Miles' setting: wo_a BF16, re-loadable
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29633", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
         os.environ.setdefault(k, v)
-    failures = run_check(fp8=False, bucket_bytes=args.bucket_bytes) + run_check(fp8=True, bucket_bytes=args.bucket_bytes)
+    failures = sum(run_check(fp8=fp8, bucket_bytes=args.bucket_bytes) for fp8 in (False, True))
     print("OK: every SGLang parameter is what nanoflash meant" if failures == 0 else f"FAILED: {failures} problem(s)")
     sys.exit(1 if failures else 0)
 

@@ -193,7 +193,7 @@ def broadcast_tensor(pg, backend: str, t: torch.Tensor, opts) -> None:
     """Rank 0's side. gloo moves the raw bytes (any dtype); NCCL moves the real dtype, as SGLang receives it."""
     buf = t.detach().contiguous()
     if backend == "gloo":
-        buf = buf.cpu().reshape(-1).view(torch.uint8)
+        buf = buf.cpu().reshape(-1).view(torch.uint8)                           # [nbytes]
     elif not buf.is_cuda:
         buf = buf.cuda()
     pg.broadcast([buf], opts).wait()
@@ -206,7 +206,7 @@ def recv_tensor(pg, backend: str, dtype: torch.dtype, shape: list, device, opts)
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         buf = torch.empty(n, dtype=torch.uint8)
         pg.broadcast([buf], opts).wait()
-        return buf.view(dtype).reshape(shape)
+        return buf.view(dtype).reshape(shape)                                   # [*shape]
     buf = torch.empty(shape, dtype=dtype, device=device)
     pg.broadcast([buf], opts).wait()
     return buf
