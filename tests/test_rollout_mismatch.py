@@ -25,7 +25,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def setup():
     trainer = tiny()
-    httpd, url = serve(RolloutEngine(tiny(), weights="fp32"))
+    httpd, url = serve(RolloutEngine(tiny(), weights="fp32", decode="cache"))
     yield trainer, httpd.rollout.engine, SGLangClient(url, retry_s=1.0)
     httpd.shutdown()
 

@@ -172,7 +172,7 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(stock):
 
 def test_session_protocol_order_is_enforced_and_api_key_required():
     trainer = tiny()
-    httpd, url = serve(RolloutEngine(tiny(), weights="fp32"), protocol="session", api_key="k")
+    httpd, url = serve(RolloutEngine(tiny(), weights="fp32", decode="cache"), protocol="session", api_key="k")
     try:
         anon = SGLangClient(url, retry_s=1.0)
         assert anon.protocol(url) == "session"
@@ -211,7 +211,7 @@ def fp8_reference(model):
 
 def test_fp8_mode_bounded_and_stale_post_process_is_caught():
     trainer = tiny()
-    httpd, url = serve(RolloutEngine(tiny(), weights="fp8"), protocol="post_process")
+    httpd, url = serve(RolloutEngine(tiny(), weights="fp8", decode="cache"), protocol="post_process")
     try:
         client = SGLangClient(url, retry_s=1.0)
         perturb(trainer, 11)
@@ -311,15 +311,15 @@ def test_pause_in_place_holds_requests_and_abort_ends_them(stock):
 
 def test_bf16_engine_matches_bf16_trainer_exactly_and_fp32_within_bound():
     trainer = tiny().cast_(torch.bfloat16)
-    httpd, url = serve(RolloutEngine(tiny().cast_(torch.bfloat16), weights="bf16"))
+    httpd, url = serve(RolloutEngine(tiny().cast_(torch.bfloat16), weights="bf16", decode="cache"))
     try:
         client = SGLangClient(url, retry_s=1.0)
         perturb(trainer, 21)
         push_weights(client, buckets(trainer))
-        assert probe_logprobs(client, trainer, PROMPT)["max"] == 0.0
+        assert probe_logprobs(client, trainer, PROMPT, max_new_tokens=4)["max"] == 0.0
         fp32 = tiny()
         fp32.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in trainer.state_dict().items()})
-        d = probe_logprobs(client, fp32, PROMPT)
+        d = probe_logprobs(client, fp32, PROMPT, max_new_tokens=4)
         print(f"\nbf16 engine vs fp32 trainer (same weights): mean |dlogp| {d['mean']:.2e}, max {d['max']:.2e}")
         assert d["mean"] < BF16_MEAN_DLOGP_BOUND
     finally:
