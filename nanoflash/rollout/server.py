@@ -248,6 +248,10 @@ class RolloutServer:
         return {"success": True}
 
     def r_weights_checker(self, body):
+        with self.engine.lock:  # never hash a store that an update is writing
+            return self._weights_checker(body)
+
+    def _weights_checker(self, body):
         action = body.get("action", "checksum")  # SGLang's CheckWeightsReqInput default
         if action == "checksum":
             info = {"checksums": self.engine.store.checksums(), "derived_checksum": self.engine.derived_checksum(),
