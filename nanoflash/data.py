@@ -143,7 +143,7 @@ def _read_rows(path_or_name: str) -> list:
         raise FileNotFoundError(f"{path_or_name!r} is neither a local file nor a loadable hub dataset: {e}") from e
 
 
-def load_dapo(path_or_name: str = "/work/shared/data/dapo_math_17k.parquet") -> tuple[list[Problem], int]:
+def load_dapo(path_or_name: str) -> tuple[list[Problem], int]:
     """DAPO-Math-17K with the DAPO `Answer:` instruction re-added. Returns (problems, n_skipped)."""
     return _rows_to_problems(_read_rows(path_or_name), "dapo", add_dapo_instruction=True)
 

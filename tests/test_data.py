@@ -4,6 +4,7 @@ Run: pytest tests/test_data.py -q
 """
 import json
 import os
+from pathlib import Path
 import re
 
 import pytest
@@ -13,7 +14,8 @@ from nanoflash.config import preset
 from nanoflash.data import (BOS, DAPO_TAIL, CharTokenizer, Problem, V4Tokenizer, arithmetic_problems, load_dapo,
                             load_jsonl_problems, render_chat)
 
-DATA = "/work/shared/data"
+# The data files sit beside the checkout (../shared/data); NANOFLASH_DATA overrides.
+DATA = os.environ.get("NANOFLASH_DATA", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
 needs_data = pytest.mark.skipif(not os.path.exists(f"{DATA}/aime24.jsonl"), reason="shared/data not present")
 BOXED_TAIL = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
