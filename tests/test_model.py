@@ -161,3 +161,17 @@ def test_model_py_style():
         if isinstance(node, ast.FunctionDef):
             assert node.end_lineno - node.lineno < 60, f"{node.name} is {node.end_lineno - node.lineno} lines"
     assert "torch.distributed" not in src and "dist." not in src
+
+
+def test_decode_real_window_and_c128_boundary():
+    """The published geometry of the sequence axis: window 128 (ring wrap) and a true 128:1 compressor, decoding
+    across position 255, where the first C128 entry beyond w=0 completes."""
+    cfg = preset("tiny", window_size=128, compress_ratios=(0, 4, 128, 4, 0), index_topk=64)
+    torch.manual_seed(0)
+    m = Transformer(cfg).init_weights(0, std=0.2).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 262))
+    with torch.no_grad():
+        full, cache = m(ids), m.new_cache()
+        parts = [m(ids[:, :240], 0, cache)] + [m(ids[:, t:t + 1], t, cache) for t in range(240, 262)]
+    assert len(cache["2"].comp[0]) == 2, "two complete C128 windows after 262 tokens"
+    assert (torch.cat(parts, 1) - full).abs().max().item() <= DECODE_TOL * full.abs().max().item()
