@@ -88,6 +88,23 @@ def test_rope_matches_reference_and_inverts():
         assert_close(apply_rope(y, cos, sin, inverse=True), x, 1e-6, "inverse rope")
 
 
+def test_linear_matches_reference():
+    """y = x W^T; with qat_input the input is first FP8-rounded per 1x128 block (pow2 scale, e4m3)."""
+    from nanoflash.model import Linear
+    from nanoflash.quant import fp8_sim
+    lin = randomize(Linear(256, 24))
+    x = torch.randn(3, 256, requires_grad=True)
+    check_fwd_bwd(lin, lambda: lin(x), lambda: x.double() @ lin.weight.double().T, x, "Linear")
+    q = Linear(256, 24, qat_input=True)
+    q.load_state_dict(lin.state_dict())
+    xs = x.detach()
+    blocks = xs.view(3, 2, 128)
+    scale = 2.0 ** torch.ceil(torch.log2(blocks.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448))
+    want = ((blocks / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).view(3, 256)
+    assert torch.equal(fp8_sim(xs, 128), want), "official act_quant rounding"
+    assert_close(q(xs), want.double() @ lin.weight.double().T, FWD_TOL, "Linear with FP8 input QAT")
+
+
 # ------------------------------------------------------------------------------------------------ compressor
 @pytest.mark.parametrize("ratio", [4, 8])
 def test_compressor_matches_reference(ratio):
