@@ -12,7 +12,8 @@ from nanoflash.config import OptimConfig, ParallelConfig, preset
 from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.parallel.optim import AdamW, trainable_parameters
-from nanoflash.parallel.train_step import global_count, make_optimizer, parallelize, train_step
+from nanoflash.parallel.pipeline import forward_only
+from nanoflash.parallel.train_step import global_count, make_optimizer, parallelize, stage_logprobs, train_step
 
 N_SEQ, SEQ_LEN, SEED = 4, 16, 0
 LR = 1e-3        # large enough that one step visibly moves every parameter
@@ -27,6 +28,7 @@ RTOL, ATOL = 1e-5, 1e-9
 # lr * (dg_abs / eps + dg_rel / 4), so the parameter tolerance follows from the gradient tolerance. eps=1e-6
 # (instead of 1e-8) keeps that bound meaningful for near-zero gradients.
 ADAM_EPS = 1e-6
+LOGP_ATOL = 1e-5  # log-probs of ~-5.5 from differently batched fp32 matmuls (observed < 1e-6)
 PARAM_ATOL = LR * (ATOL / ADAM_EPS + RTOL)
 
 
@@ -47,8 +49,10 @@ def reference():
     model = fresh_model()
     opt = AdamW(trainable_parameters(model), lr=LR, eps=ADAM_EPS)
     batch = make_batch()
+    logprobs = model.token_logprobs(batch["input_ids"], batch["targets"]).detach()
     out = train_step(model, ParallelDims(), [batch], opt, 1.0 / float(batch["loss_mask"].sum()), grad_clip=CLIP)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    out["logprobs"] = logprobs
     return out, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
@@ -67,8 +71,10 @@ def _rank_fn(rank, world, pp, ep, layer_split, mbs_per_rank, recompute):
     mbs = [{k: v.chunk(mbs_per_rank)[i] for k, v in shard.items()} for i in range(mbs_per_rank)]
     z = global_count(shard["loss_mask"].sum(), dims)
     first = dims.is_first_stage  # data and loss scale only where the data is read; the rest travels
+    logp = forward_only(model, dims, mbs if first else None, lambda m, h, mb: stage_logprobs(m, h, mb["targets"]))
     out = train_step(model, dims, mbs if first else None, opt, 1.0 / z if first else None, grad_clip=CLIP)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    out["logprobs"] = (dims.data_rank, torch.cat(logp))
     return out, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
@@ -99,6 +105,10 @@ def runs():
     return results
 
 
+def world_of(layout: str) -> int:
+    return LAYOUTS[layout][0]
+
+
 LAYOUTS = {  # name: (world, pp, ep, layer_split, micro-batches per data rank, recompute)
     "EP2": (2, 1, 2, None, 2, False),
     "EP4+recompute": (4, 1, 4, None, 1, True),   # the all-to-all runs again inside the recomputed forward
@@ -118,6 +128,10 @@ def test_layout_matches_single_process(layout, ref, runs):
     for rank, (out, grads, params) in enumerate(results):
         assert out["loss"] == pytest.approx(ref_out["loss"], rel=RTOL), f"{layout} rank {rank} loss"
         assert out["grad_norm"] == pytest.approx(ref_out["grad_norm"], rel=RTOL), f"{layout} rank {rank} norm"
+        data_rank, logp = out["logprobs"]  # forward_only: the last stage's log-probs, on every stage
+        per = N_SEQ // (world_of(layout) // LAYOUTS[layout][1])
+        torch.testing.assert_close(logp, ref_out["logprobs"][data_rank * per:(data_rank + 1) * per],
+                                   rtol=RTOL, atol=LOGP_ATOL)
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
         for name, p in params.items():

@@ -25,6 +25,9 @@ broadcasts the micro-batch shapes once per step over the PP group, so every buff
 At most p - r micro-batches are alive on stage r; the bubble is (p-1)/m of the ideal step. Each
 "send forward + receive backward" pair is posted as one batch of P2P ops, so neighbours never deadlock.
 
+`forward_only` runs the same stages without backward (GRPO's old-policy log-probs) and broadcasts the last
+stage's per-micro-batch results to the whole pipeline.
+
 Loss scaling: `loss_fn` returns the *sum* of per-token (or per-sample) losses of one micro-batch; it is
 multiplied by `loss_scale` (1 / global normaliser of the whole step) before backward, so gradients do not
 depend on how the global batch is split across micro-batches, DP or EP ranks.
@@ -193,3 +196,26 @@ def forward_backward(model: nn.Module, dims: ParallelDims, microbatches, loss_fn
         p2p_exchange([], recvs)
         p2p_exchange(sch.send_backward(sch.backward(dy)), [])
     return sch.loss_sum.double() * sch.loss_scale
+
+
+@torch.no_grad()
+def forward_only(model: nn.Module, dims: ParallelDims, microbatches, fn) -> list:
+    """Inference through the pipeline (e.g. the old-policy log-probs of GRPO): each micro-batch flows
+    stage to stage, `fn(model, h [B,S,M,D], mb)` runs on the last stage, and its per-micro-batch results are
+    broadcast to every stage of the pipeline (they are small, e.g. [B,S] log-probs). Returns that list."""
+    sch = _Schedule(model, dims, microbatches, loss_fn=None, loss_scale=1.0 if dims.is_first_stage else None)
+    results = []
+    for i in range(len(sch.meta["fields"])):
+        h_in, mb, recvs = sch.recv_forward(i)
+        p2p_exchange([], recvs)
+        ids = mb["input_ids"]
+        h = model.run_layers(model.embed_streams(ids) if dims.is_first_stage else h_in, ids)
+        p2p_exchange(sch.send_forward(h, mb), [])
+        if dims.is_last_stage:
+            results.append(fn(model, h, mb).cpu())
+    if dims.pp > 1:
+        box = [results if dims.is_last_stage else None]
+        dist.broadcast_object_list(box, src=dims.pp_ranks[-1], group=dims.pp_group, device=dims.device)
+        results = box[0]
+    return results
+

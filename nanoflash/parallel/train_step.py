@@ -34,12 +34,18 @@ from nanoflash.parallel.pipeline import build_stage, forward_backward
 CLIP_EPS = 1e-6  # added to the norm in the clip factor (as torch.nn.utils.clip_grad_norm_)
 
 
+def stage_logprobs(model: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    """log softmax(logits / T)[targets] from the last stage's streams (the pipeline form of
+    `Transformer.token_logprobs`, chunked so full-vocabulary logits never exist). h [B,S,M,D] -> [B,S] fp32"""
+    return chunked_logprobs(model.hidden(h), model.head.weight, targets, temperature)
+
+
 def token_nll_loss(model: nn.Module, h: torch.Tensor, mb: dict) -> torch.Tensor:
     """Sum over tokens of -log p(targets) * loss_mask on the last stage (the pretraining / SFT loss).
 
     Shapes: h [B,S,M,D], mb["targets"] [B,S] int64, mb["loss_mask"] [B,S] (optional) -> scalar
     """
-    logp = chunked_logprobs(model.hidden(h), model.head.weight, mb["targets"])  # [B,S] fp32
+    logp = stage_logprobs(model, h, mb["targets"])  # [B,S] fp32
     mask = mb.get("loss_mask")
     return -(logp if mask is None else logp * mask.float()).sum()
 
