@@ -9,6 +9,7 @@ from conftest import run_ranks
 from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
+from nanoflash.parallel.expert import apply_expert_parallel
 from nanoflash.parallel.microbatch import equalize_count, pack_microbatches
 from nanoflash.parallel.optim import trainable_parameters
 from nanoflash.parallel.pipeline import forward_backward
@@ -51,7 +52,7 @@ def test_pack_rejects_bad_samples():
         pack_microbatches(_samples([3, 50]), 40)
     bad = _samples([4])
     bad[0]["loss_mask"] = torch.ones(3)
-    with pytest.raises(ValueError, match="sample 0: every field"):
+    with pytest.raises(ValueError, match=r"sample 0: every field must be \[L,...\]"):
         pack_microbatches(bad, 40)
 
 
@@ -82,14 +83,27 @@ def test_right_padding_keeps_logprobs_and_any_budget_gives_same_grads():
 
 def _equalize(rank, world):
     dims = ParallelDims(ep=2)
+    model = apply_expert_parallel(Transformer(preset("tiny")).init_weights(0), dims)
     lengths = [4, 4, 4, 4, 4, 4] if rank == 0 else [8]
-    mbs, groups = pack_microbatches(_samples(lengths), 8)  # rank 0: 3 micro-batches of 2, rank 1: one of 1
+    samples = _samples(lengths)
+    for s in samples:  # a multi-dim per-token field, like the routing-replay experts [L, layers, K]
+        s["routed"] = torch.zeros(len(s["input_ids"]), 4, 2, dtype=torch.long)
+    mbs, groups = pack_microbatches(samples, 8)  # rank 0: 3 micro-batches of 2, rank 1: one of 1
+    try:  # unequal counts: a clear error on every rank instead of a deadlocked all-to-all
+        forward_backward(model, dims, mbs, token_nll_loss, 1.0)
+        raise AssertionError("forward_backward accepted unequal micro-batch counts under EP")
+    except ValueError as e:
+        err = str(e)
     mbs, groups = equalize_count(mbs, groups, dims)
-    return [tuple(mb["input_ids"].shape) for mb in mbs], groups, [float(mb["loss_mask"].sum()) for mb in mbs]
+    forward_backward(model, dims, mbs, token_nll_loss, 1.0)  # now runs
+    shapes = [{k: tuple(v.shape) for k, v in mb.items()} for mb in mbs]
+    return shapes, groups, [float(mb["loss_mask"].sum()) for mb in mbs], err
 
 
 def test_equalize_count_over_ep_group():
-    (s0, g0, m0), (s1, g1, m1) = run_ranks(_equalize, 2)
+    (s0, g0, m0, e0), (s1, g1, m1, e1) = run_ranks(_equalize, 2)
+    assert "EP ranks hold between 1 and 3 micro-batches" in e0 and e0 == e1
     assert len(s0) == len(s1) == 3
     assert sorted(sum(g0, [])) == list(range(6)) and g1[0] == [0] and g1[1:] == [[], []]
-    assert s1[1:] == [(1, 1), (1, 1)] and m1[1:] == [0.0, 0.0]  # dummies carry no loss
+    assert s1[1]["input_ids"] == (1, 1) and s1[1]["routed"] == (1, 1, 4, 2) and s0[0]["routed"] == (2, 4, 4, 2)
+    assert m1[1:] == [0.0, 0.0]  # dummies carry no loss

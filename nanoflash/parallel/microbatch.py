@@ -28,12 +28,12 @@ from nanoflash.parallel.dims import ParallelDims
 
 
 def _stack(samples: list[dict], idx: list[int]) -> dict:
-    """Right-pad the 1-D fields of samples[idx] to a common length. -> {field: [B,S_max]}"""
+    """Right-pad the [L,...] fields of samples[idx] to a common length. -> {field: [B,S_max,...]}"""
     S = max(len(samples[i]["input_ids"]) for i in idx)
     out = {}
     for k in samples[idx[0]]:
         rows = [samples[i][k] for i in idx]
-        buf = rows[0].new_zeros((len(rows), S))  # [B,S_max]
+        buf = rows[0].new_zeros((len(rows), S, *rows[0].shape[1:]))  # [B,S_max,...]
         for r, t in enumerate(rows):
             buf[r, : len(t)] = t
         out[k] = buf
@@ -45,9 +45,9 @@ def pack_microbatches(samples: list[dict], max_tokens: int) -> tuple[list[dict],
     each), so per-sample results (e.g. log-probs) can be mapped back to the input order."""
     for i, s in enumerate(samples):
         L = len(s["input_ids"])
-        bad = {k: len(v) for k, v in s.items() if v.dim() != 1 or len(v) != L}
+        bad = {k: tuple(v.shape) for k, v in s.items() if v.dim() == 0 or len(v) != L}
         if bad:
-            raise ValueError(f"sample {i}: every field must be 1-D of length len(input_ids)={L}; got {bad}")
+            raise ValueError(f"sample {i}: every field must be [L,...] with L = len(input_ids) = {L}; got {bad}")
         if L > max_tokens:
             raise ValueError(f"sample {i} has {L} tokens, more than the micro-batch budget {max_tokens}")
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i]["input_ids"]))
@@ -77,6 +77,6 @@ def equalize_count(mbs: list[dict], groups: list[list[int]], dims: ParallelDims)
             groups += [g[:half], g[half:]]
         else:
             template = mbs[0] if mbs else {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
-            mbs.append({k: v.new_zeros((1, 1)) for k, v in template.items()})
+            mbs.append({k: v.new_zeros((1, *(1 for _ in v.shape[1:2]), *v.shape[2:])) for k, v in template.items()})
             groups.append([])
     return mbs, groups

@@ -97,6 +97,12 @@ def _share_meta(model, dims: ParallelDims, microbatches, loss_scale):
         box = [meta]
         dist.broadcast_object_list(box, src=dims.pp_ranks[0], group=dims.pp_group, device=dims.device)
         meta = box[0]
+    if dims.ep_group is not None:  # every MoE layer is an EP collective: the group must run the same count
+        m = torch.tensor([len(meta["fields"]), -len(meta["fields"])], device=dims.device)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=dims.ep_group)
+        if int(m[0]) != -int(m[1]):
+            raise ValueError(f"EP ranks hold between {-int(m[1])} and {int(m[0])} micro-batches this step; they "
+                             f"must agree (nanoflash.parallel.microbatch.equalize_count), else the all-to-alls deadlock")
     return meta
 
 
@@ -109,7 +115,8 @@ class _Schedule:
         self.loss_scale = self.meta["loss_scale"]
         self.microbatches = microbatches
         self.device = dims.device if model.embed is None else model.embed.weight.device
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.metrics: dict[str, torch.Tensor] = {}   # summed over micro-batches (last stage)
         self.inflight = deque()   # (h_in, out, mb) in forward order
 
     def act_buffer(self, i: int, requires_grad: bool = False) -> torch.Tensor:
@@ -150,7 +157,10 @@ class _Schedule:
         out = self.model.run_layers(h, ids)
         if self.dims.is_last_stage:
             loss = self.loss_fn(self.model, out, mb)
-            self.loss_sum += loss.detach().float()
+            loss, metrics = loss if isinstance(loss, tuple) else (loss, {})
+            self.loss_sum += loss.detach().double()
+            for k, v in metrics.items():
+                self.metrics[k] = self.metrics.get(k, 0.0) + v.detach().double()
             out = loss * self.loss_scale
         self.inflight.append((h_in, out, mb))
         return out, mb
@@ -166,8 +176,8 @@ def forward_backward(model: nn.Module, dims: ParallelDims, microbatches, loss_fn
 
     `microbatches`: list of dicts of `[B,S,...]` tensors with at least `input_ids`, and `loss_scale`: both are
     needed on the first stage only (other stages may pass None; they receive them). `loss_fn(model,
-    h [B,S,M,D], mb) -> scalar` runs on the last stage. Returns loss_scale * sum of `loss_fn` over the
-    micro-batches on the last stage, zero elsewhere.
+    h [B,S,M,D], mb) -> scalar | (scalar, {name: scalar})` runs on the last stage. Returns (loss_scale * sum
+    of the losses, {name: sum of the metrics}) over the micro-batches on the last stage; (0, {}) elsewhere.
     """
     sch = _Schedule(model, dims, microbatches, loss_fn, loss_scale)
     m, p, r = len(sch.meta["fields"]), dims.pp, dims.pp_rank
@@ -195,7 +205,7 @@ def forward_backward(model: nn.Module, dims: ParallelDims, microbatches, loss_fn
         dy, recvs = sch.recv_backward(i)
         p2p_exchange([], recvs)
         p2p_exchange(sch.send_backward(sch.backward(dy)), [])
-    return sch.loss_sum.double() * sch.loss_scale
+    return sch.loss_sum * sch.loss_scale, sch.metrics
 
 
 @torch.no_grad()

@@ -123,13 +123,30 @@ def train_step(model, dims: ParallelDims, microbatches, optimizer, loss_scale: f
 
     `loss_scale` = 1 / global normaliser (e.g. 1 / global_count(loss tokens) over the first stage's data
     group); like `microbatches` it is only read on the first pipeline stage. The returned loss is the global
-    objective sum(loss_fn) * loss_scale, identical on every rank.
+    objective sum(loss_fn) * loss_scale, identical on every rank; metrics returned by `loss_fn` (as a
+    (loss, {name: scalar}) pair) come back summed over micro-batches and data shards. GRPO fits as
+    `loss_fn = lambda m, h, mb: grpo.policy_loss(stage_logprobs(m, h, mb["targets"]), ..., denom=D)` with D
+    the global `grpo.loss_denominator` and loss_scale=1 (its metrics are already divided by D).
     """
     optimizer.zero_grad()
-    loss = forward_backward(model, dims, microbatches, loss_fn, loss_scale)
+    loss, metrics = forward_backward(model, dims, microbatches, loss_fn, loss_scale)
     reduce_gradients(model, dims)
     norm = clip_gradients_(model, dims, grad_clip)
     optimizer.step()
-    if dims.world_size > 1:  # only last stages hold a loss; summing over the world adds all data shards
-        dist.all_reduce(loss)
-    return {"loss": float(loss), "grad_norm": float(norm)}
+    out = sum_over_data({"loss": loss, **metrics}, dims)
+    out["grad_norm"] = float(norm)
+    return out
+
+
+def sum_over_data(values: dict, dims: ParallelDims) -> dict:
+    """Last stage's {name: scalar} -> the same dict on every rank, summed over the data shards (DP x EP).
+    (Broadcast along the pipeline first: only last stages hold the values, and only they know the names.)"""
+    if dims.pp > 1:
+        box = [{k: float(v) for k, v in values.items()} if dims.is_last_stage else None]
+        dist.broadcast_object_list(box, src=dims.pp_ranks[-1], group=dims.pp_group, device=dims.device)
+        values = box[0]
+    names = sorted(values)
+    t = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=dims.device)
+    if dims.data_group is not None:
+        dist.all_reduce(t, group=dims.data_group)
+    return dict(zip(names, t.tolist()))
