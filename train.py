@@ -153,6 +153,8 @@ while step < tc.steps:
                                                         std_normalize=gc.std_normalize), task.pad_id)
         batch.old_logprobs = trainer.recompute_logprobs(model, dims, batch, par, rc.temperature, matched,
                                                         rc.routing_replay)
+        optimizer.lr = oc.lr * min(1.0, step / tc.lr_warmup_steps) if tc.lr_warmup_steps else oc.lr
+        m["lr"] = optimizer.lr
         m.update(trainer.grpo_step(model, dims, batch, optimizer, gc, oc, par, rc.temperature, rc.routing_replay))
         m.update(train_s=time.time() - t1, train_tokens_per_s=float(batch.mask.sum()) / (time.time() - t1))
     m.update(sync_weights(step))
