@@ -1,5 +1,6 @@
 """Checkpoints: resume after SIGKILL (in the middle of a save) reproduces the uninterrupted run exactly;
-a PP2 checkpoint loads into a single-process (PP1) model; a malformed checkpoint gives one clear error.
+PP2 and EP2 checkpoints load into a single-process (PP1, EP1) model and export to the HF layout; a malformed
+checkpoint gives one clear error.
 
 Run: pytest tests/test_parallel_checkpoint.py -q
 """
@@ -15,6 +16,7 @@ from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.parallel import checkpoint as ckpt
 from nanoflash.parallel.dims import ParallelDims
+from nanoflash.parallel.expert import apply_expert_parallel
 from nanoflash.parallel.optim import AdamW, trainable_parameters
 from nanoflash.parallel.pipeline import build_stage
 from nanoflash.parallel.train_step import token_nll_loss, train_step
@@ -98,3 +100,27 @@ def test_load_rejects_uncommitted_and_mismatched(tmp_path):
     bigger = Transformer(preset("tiny", n_routed_experts=16))
     with pytest.raises(ValueError, match="cannot load .*step_00000000"):
         ckpt.load_checkpoint(path, bigger, None, dims)
+
+
+def _train_ep2(rank, world, root):
+    dims = ParallelDims(ep=2)
+    model = apply_expert_parallel(Transformer(preset("tiny")).init_weights(0), dims)
+    opt = AdamW([(n, p) for n, p in trainable_parameters(model)], lr=1e-3)
+    batch = _batch(rank)
+    train_step(model, dims, [batch], opt, 1.0 / float(batch["loss_mask"].sum()), token_nll_loss)
+    ckpt.save_checkpoint(root, 0, model, opt, dims)
+    return {n: t.clone() for n, t in model.state_dict().items()}, opt.state_dict()
+
+
+def test_ep2_checkpoint_loads_into_one_process(tmp_path):
+    parts = run_ranks(_train_ep2, 2, str(tmp_path))
+    model = Transformer(preset("tiny"))
+    opt = AdamW(trainable_parameters(model), lr=1e-3)
+    ckpt.load_checkpoint(ckpt.latest_checkpoint(str(tmp_path)), model, opt, ParallelDims())
+    for rank, (state, ostate) in enumerate(parts):
+        for name, t in state.items():  # experts from their owner, dense weights from either replica
+            assert torch.equal(model.state_dict()[name], t), f"{name} (rank {rank})"
+        for key, v in ostate.items():
+            assert (v == opt.state_dict()[key]) if key == "step" else torch.equal(v, opt.state_dict()[key]), key
+    assert any(".experts.7." in n for n in parts[1][0]) and not any(".experts.7." in n for n in parts[0][0])
+

@@ -107,7 +107,10 @@ def _share_meta(model, dims: ParallelDims, microbatches, loss_scale):
 
 
 class _Schedule:
-    """State of one 1F1B step on one stage: micro-batches in flight, their inputs and outputs."""
+    """State of one 1F1B step on one stage: micro-batches in flight, their inputs and outputs.
+
+    Shapes: activations and their gradients [B,S,M,D] in the model's dtype; micro-batch fields [B,S,...].
+    """
 
     def __init__(self, model, dims: ParallelDims, microbatches, loss_fn, loss_scale):
         self.model, self.dims, self.loss_fn = model, dims, loss_fn
