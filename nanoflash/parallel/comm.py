@@ -8,6 +8,9 @@
 
    We use `all_to_all_single` (one flat buffer + per-peer split sizes), never the list form `all_to_all`,
    which gloo does not implement with uneven sizes.
+   `all_to_all_many(tensors, ...)` sends several row-aligned tensors of any dtypes (tokens in bf16 and their
+   fp32 routing weights) packed as bytes in ONE exchange, forward and backward (see `_AllToAllMany` for why
+   one exchange is a correctness requirement, not only a saving).
 2. `exchange_counts(send_counts, group)`: an even all_to_all of int64 counts, so every rank learns how many
    rows it will receive from each peer before the token exchange (the host sync that every pure-PyTorch EP
    implementation pays; DeepEP hides it in a kernel).
