@@ -53,8 +53,9 @@ def cmd_ckpt(a):
     with torch.no_grad():   # trained-looking: random router bias, hash table, mHC bases (asymmetric comb), sinks
         g = torch.Generator(device="cpu").manual_seed(1)
         for n, b in m.named_buffers():
-            if n.endswith("tid2eid"):
-                b.copy_(torch.randint(0, m.cfg.n_routed_experts, b.shape, generator=g))
+            if n.endswith("tid2eid"):   # distinct experts per token, as a real table has
+                rows = torch.rand(b.shape[0], m.cfg.n_routed_experts, generator=g).argsort(-1)[:, :b.shape[1]]
+                b.copy_(rows)
         for n, p in m.named_parameters():
             if n.endswith(("_base", "attn_sink", "gate.bias")):
                 p.copy_(torch.randn(p.shape, generator=g))
