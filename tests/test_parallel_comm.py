@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_ranks
-from nanoflash.parallel.comm import all_reduce_, all_to_all, exchange_counts, p2p_exchange
+from nanoflash.parallel.comm import all_reduce_, all_to_all, all_to_all_many, exchange_counts, p2p_exchange
 from nanoflash.parallel.dims import ParallelDims
 
 
@@ -25,6 +25,13 @@ def _grid_and_comm(rank, world):
     counts = exchange_counts(torch.tensor(in_splits).view(world, 1), None if world == 1 else dist.group.WORLD)
     y = all_to_all(x, out_splits, in_splits, dist.group.WORLD)
     (y * (rank + 1)).sum().backward()  # dL/dy = rank + 1 on this rank
+    # Packed exchange of a bf16 and an fp32 tensor; only the first output is used, like a rank whose experts
+    # got no rows ignoring the routing weights: the backward must still run (and not hang).
+    xb = x.detach().to(torch.bfloat16).requires_grad_()
+    wf = (x.detach()[:, :1] / 7).requires_grad_()  # fp32 [T,1]: exact values must survive the byte packing
+    yb, yw = all_to_all_many([xb, wf], out_splits, in_splits, dist.group.WORLD)
+    yb.float().sum().backward()
+    many = dict(yb=yb.detach(), yw=yw.detach(), dxb=xb.grad, dwf=wf.grad)
     # Pipeline-style P2P: every rank sends its rank to the next and receives from the previous, both at once.
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     buf = torch.empty(2, dtype=torch.int64)
@@ -33,7 +40,7 @@ def _grid_and_comm(rank, world):
     all_reduce_(t, dist.group.WORLD)
     return dict(coords=(dims.pp_rank, dims.dp_rank, dims.ep_rank), groups=group_members, prev=dims.prev_rank,
                 next=dims.next_rank, data_rank=dims.data_rank, x=x.detach(), y=y.detach(), dx=x.grad,
-                counts=counts.view(-1).tolist(), out_splits=out_splits, p2p=buf.tolist(), ar=t)
+                counts=counts.view(-1).tolist(), out_splits=out_splits, p2p=buf.tolist(), ar=t, many=many)
 
 
 def test_grid_groups_all_to_all_and_p2p():
@@ -58,6 +65,8 @@ def test_grid_groups_all_to_all_and_p2p():
         sp = _splits(rank, world)
         want = torch.cat([torch.full((n, 3), float(j + 1)) for j, n in enumerate(sp)])
         assert torch.equal(r["dx"], want), f"rank {rank} all_to_all backward"
+        assert torch.equal(r["many"]["yb"], r["y"].to(torch.bfloat16)) and torch.equal(r["many"]["yw"], r["y"][:, :1] / 7)
+        assert torch.equal(r["many"]["dxb"], torch.ones_like(r["many"]["dxb"])) and not r["many"]["dwf"].any()
         assert r["p2p"] == [(rank - 1) % world, 7]
         assert torch.equal(r["ar"][0], torch.full((2,), 6.0)) and torch.equal(r["ar"][1], torch.full((3,), 4))
 
