@@ -79,10 +79,13 @@ def layer_act_bytes(cfg, ratio: int, tokens: int, fit: dict) -> float:
     return a * tokens + b * attention_pairs(cfg, ratio, tokens)
 
 
-def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: bool = False) -> list[dict]:
-    """One row per (pp_rank, ep_rank): bytes of params, grads, optimizer state and activations."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
+def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: bool = False,
+         model=None) -> list[dict]:
+    """One row per (pp_rank, ep_rank): bytes of params, grads, optimizer state and activations.
+    `model`: an already built full meta model of `cfg` to reuse (it is cast to `dtype`)."""
+    if model is None:
+        with torch.device("meta"):
+            model = Transformer(cfg)
     model.cast_(dtype)
     dp = par.dp or 1
     rows = {(s, e): dict(pp_rank=s, ep_rank=e, params=0, param_bytes=0, grad_bytes=0, optim_bytes=0)
