@@ -157,16 +157,19 @@ def to_dict(cfg: RunConfig) -> dict:
 STORAGE_BYTES = {"fp8": 1.0, "fp4": 0.5, "bf16": 2.0, "fp32": 4.0, "int64": 8.0}  # per element, release storage
 
 
-def rollout_weight_bytes(mcfg) -> float:
+def rollout_weight_bytes(mcfg, push: bool = False) -> float:
     """Bytes of the released checkpoint's tensors (FP8 linears, FP4 experts, BF16/F32 rest; scales ignored),
-    counted on a meta-built model: what one rollout engine must hold, split over its GPUs."""
+    counted on a meta-built model: what one rollout engine must hold, split over its GPUs. push=True counts
+    what a weight push sends instead: experts re-packed FP8 (one byte, as Miles on Hopper), no MTP block."""
     import torch
 
     from nanoflash.checkpoint_names import storage_kind
     from nanoflash.model import Transformer
     with torch.device("meta"):
         model = Transformer(mcfg)
-    return sum(t.numel() * STORAGE_BYTES.get(storage_kind(n, mcfg), 2.0) for n, t in model.state_dict().items())
+    per = dict(STORAGE_BYTES, fp4=STORAGE_BYTES["fp8"] if push else STORAGE_BYTES["fp4"])
+    return sum(t.numel() * per.get(storage_kind(n, mcfg), 2.0) for n, t in model.state_dict().items()
+               if not (push and n.startswith("mtp.")))
 
 
 def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2) -> str:
@@ -184,13 +187,13 @@ def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2)
     with contextlib.redirect_stdout(io.StringIO()):
         plan = planner.main(argv)
     n_train = par.pp * par.ep * (par.dp or 1)
-    w = rollout_weight_bytes(mcfg)
+    w, w_push = rollout_weight_bytes(mcfg), rollout_weight_bytes(mcfg, push=True)
     lines = [f"dry run: {tc.preset} | trainer {n_train} GPUs = PP{par.pp} x EP{par.ep} x DP{par.dp or 1} (TP1) on "
              f"{-(-n_train // gpus_per_node)} node(s) | rollout: {rollout_nodes} node(s) x {gpus_per_node} GPUs "
              f"serving SGLang", "", "trainer, per GPU (parallel.planner):", plan, "",
              f"rollout, per engine: release weights {w / 2**30:.1f} GiB (FP8 linears, FP4 experts) -> "
              f"{w / gpus_per_node / 2**30:.1f} GiB per GPU at TP/EP {gpus_per_node}; the rest is KV cache "
              f"(SGLang --mem-fraction-static)",
-             f"weight sync per step: {w / 2**30:.1f} GiB pushed to each of {rollout_nodes} engines "
-             f"in {cfg.rollout.bucket_bytes / 2**30:.2f} GiB buckets"]
+             f"weight sync per step: {w_push / 2**30:.1f} GiB (FP8 blocks, experts re-packed FP8, no MTP) "
+             f"to each of {rollout_nodes} engines in {cfg.rollout.bucket_bytes / 2**30:.2f} GiB buckets"]
     return "\n".join(lines)

@@ -160,9 +160,10 @@ def collect(client, task: Task, pos: int, gc, rc, seed: int, mcfg, bar=None) -> 
             for fut, i, p, prob in zip(futs, ids, positions, probs):
                 eps = _episodes(fut.result(), i, p, task, prob, n_layers, topk)
                 seen += eps
-                kept += grpo.filter_groups(eps, n) if gc.dynamic_sampling else eps
-                if bar is not None:
-                    bar.update(1)
+                good = grpo.filter_groups(eps, n) if gc.dynamic_sampling else eps
+                kept += good
+                if bar is not None and good and len(kept) <= G * n:
+                    bar.update(1)  # the bar counts kept groups against the target G
             rounds += 1
     return kept[:G * n], seen, pos, {"rounds": rounds, "groups_kept": min(len(kept) // n, G),
                                      "groups_seen": len(seen) // n}

@@ -207,8 +207,8 @@ def grpo_step(model, dims, batch, optimizer, gc, oc, par, temperature: float, re
 # ---------------------------------------------------------------------------------------------- warm-up
 def sft_step(model, dims, optimizer, problems: list, task, par, oc) -> float:
     """One supervised step on reference answers: -mean log p(answer + eos | prompt) over answer tokens."""
-    eps = [grpo.Episode(task.encode(p), [*_answer_ids(task, p)], [0.0] * len(_answer_ids(task, p)), 0.0, i)
-           for i, p in enumerate(problems)]
+    answers = [_answer_ids(task, p) for p in problems]
+    eps = [grpo.Episode(task.encode(p), a, [0.0] * len(a), 0.0, i) for i, (p, a) in enumerate(zip(problems, answers))]
     batch = grpo.pack(eps, torch.zeros(len(eps)), task.pad_id)
     a, b = shard_rows(len(batch), dims)
     mbs = [{"input_ids": mb["input_ids"], "targets": mb["targets"], "loss_mask": mb["mask"]}

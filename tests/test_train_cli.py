@@ -17,7 +17,7 @@ def test_override_types_and_precedence():
     assert cfg.rollout.urls == ("http://a:1", "http://b:2")
     assert cfg.grpo.clip_c is None and cfg.train.resume is False and cfg.train.dry_run is True
     assert cfg.train.steps == 7                      # command line beats the recipe's train.steps
-    assert cfg.optim.lr == 1e-3                      # the recipe beats the default
+    assert cfg.optim.lr == 3e-4                      # the recipe beats the default
     assert cfg.model == {"vocab_size": 18, "max_seq_len": 32, "dim": 32}
     assert cfg.parallel.layer_split == (1, 3)        # re-validated: the strings became ints
 
