@@ -122,7 +122,8 @@ def run_eval(at: int) -> None:
     gen = lambda prompts, n: ep.sample_batched(shadow, prompts, n, ec.max_new_tokens, ec.temperature,  # noqa: E731
                                                task.stop_ids, ep.request_seed(tc.seed + 1, at))
     res = evaluate(task.heldout, gen, ec.k_samples, task.reward, ec.max_new_tokens, task.encode)
-    res.pop("per_problem_correct")
+    acc = torch.tensor(res.pop("per_problem_correct"), dtype=torch.float64) / ec.k_samples  # [P] per-problem accuracy
+    res["pass@1_se"] = float(acc.std() / len(acc) ** 0.5) if len(acc) > 1 else 0.0  # standard error over problems
     print0(f"eval step {at}: " + " ".join(f"{k}={v:.3f}" for k, v in res.items() if k.startswith("pass@")))
     log.log("eval", at, {**res, "eval_s": time.time() - t0})
 

@@ -88,7 +88,7 @@ def write_plots(run_dir: str, window: int = 5) -> list[str]:
             ax.set_yscale("log")
         ax.set(xlabel="step", ylabel="mean |logp_train - logp_rollout|", title="train/rollout log-prob mismatch")
         save(fig, "logprob.png")
-    ks = sorted({k for rec in ev for k in rec if k.startswith("pass@")}, key=lambda k: int(k[5:]))
+    ks = sorted({k for rec in ev for k in rec if k.startswith("pass@") and k[5:].isdigit()}, key=lambda k: int(k[5:]))
     if ks:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for k in ks:

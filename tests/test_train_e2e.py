@@ -138,3 +138,19 @@ def test_plot_helpers_against_hand_values():
     assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
     a, b = linear_fit([0.0, 1.0, 2.0], [1.0, 3.0, 5.0])
     assert (a, b) == (1.0, 2.0)
+
+
+def test_write_plots_reads_metrics_back(tmp_path):
+    """Three PNGs from a metrics file holding an exact-zero mismatch (linear axis) and a pass@1_se field."""
+    pytest.importorskip("matplotlib")
+    from nanoflash.plots import write_plots
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for s in range(3):
+            f.write(json.dumps({"kind": "train", "step": s + 1, "reward_mean": 0.1 * s,
+                                "train_rollout_logprob_abs_diff": 0.0}) + "\n")
+            f.write(json.dumps({"kind": "eval", "step": s, "pass@1": 0.1, "pass@2": 0.2, "pass@1_se": 0.01}) + "\n")
+    paths = write_plots(str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == ["reward.png", "logprob.png", "passk.png"]
+    for p in paths:
+        with open(p, "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
