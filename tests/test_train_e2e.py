@@ -1,7 +1,8 @@
 """End to end: `python train.py --recipe smoke` on the tiny model through the embedded server.
 
-One uninterrupted 3-step run in matched precision (fp32 trainer, fp32 engine) is compared with a run stopped
-after step 2 and resumed for step 3: same metrics, same weights and optimizer state, bit for bit. The same
+One uninterrupted 3-step run in matched precision (fp32 trainer, fp32 engine) is compared with a run killed
+with SIGKILL right after its step-2 checkpoint and resumed: same metrics, same weights and optimizer state,
+bit for bit. The same
 runs check that the train/rollout log-prob difference is exactly 0 in matched mode, and that the metrics
 JSONL, checkpoints, eval records and plots are written. A last run checks FP8 rollouts with routing replay.
 
@@ -9,8 +10,10 @@ Run: `pytest tests/test_train_e2e.py -q` (about a minute on 2 cores).
 """
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -39,6 +42,20 @@ def run_train(out: str, *extra: str) -> str:
     return p.stdout
 
 
+def kill_after_checkpoint(out: str, step: int, *extra: str) -> None:
+    """Start the 3-step run and SIGKILL it as soon as checkpoint `step` is committed (kill -9 mid-run)."""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--recipe", "smoke", "--out", out,
+           "--train.progress", "false", "--train.plots", "false", *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = os.path.join(out, "checkpoints", f"step_{step:08d}", "meta.json")
+    deadline = time.time() + 240
+    while not os.path.exists(target) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert os.path.exists(target), f"checkpoint {step} never appeared (exit code {proc.returncode})"
+
+
 def _state(out: str):
     cfg = parse_args(["--recipe", "smoke"])
     model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, 0, torch.float32)
@@ -56,7 +73,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("train")
     full, split = str(base / "full"), str(base / "split")
     run_train(full, "--rollout.weights", "fp32")
-    run_train(split, "--rollout.weights", "fp32", "--steps", "2")
+    kill_after_checkpoint(split, 2, "--rollout.weights", "fp32")
     with open(os.path.join(split, "metrics.jsonl"), "a") as f:  # a record the crashed run wrote after its
         f.write(json.dumps({"kind": "train", "step": 3, "reward_mean": -1.0}) + "\n")  # last checkpoint
     resumed_out = run_train(split, "--rollout.weights", "fp32", "--steps", "3")
