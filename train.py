@@ -51,7 +51,8 @@ if tc.threads:
 if tc.warmup_steps and tc.task != "arith":
     raise SystemExit(f"train.warmup_steps={tc.warmup_steps}: the supervised warm-up is for task=arith only")
 matched = rc.weights == "fp32" and tc.dtype == "fp32"  # batch-invariant scoring: |dlogp| must be exactly 0
-ckpt_dir, ckpt_is_dcp = os.path.join(tc.out_dir, "checkpoints"), os.path.exists(os.path.join(tc.checkpoint, "meta.json"))
+ckpt_dir = os.path.join(tc.out_dir, "checkpoints")
+ckpt_is_dcp = bool(tc.checkpoint) and os.path.exists(os.path.join(tc.checkpoint, "meta.json"))  # else HF layout
 
 # ---------------------------------------------------------------------------------------------- dist init
 dims = init_distributed(par.pp, par.ep, par.dp)
