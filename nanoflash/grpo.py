@@ -398,3 +398,15 @@ def step_metrics(episodes: list[Episode], group_size: int | None = None) -> dict
         n_groups = len({e.group_id for e in episodes})
         out["zero_std_group_frac"] = 1.0 - len(filter_groups(episodes, group_size)) / group_size / n_groups
     return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one problem with c correct of n samples: 1 - prod_{i=n-c+1}^{n} (1 - k/i)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss

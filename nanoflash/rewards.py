@@ -293,6 +293,18 @@ class MathReward:
             self.pool.close()
 
 
+_DEFAULT_REWARD: MathReward | None = None
+
+
+def math_reward(response: str, answer: str) -> float:
+    """1.0 if the response's answer (the last `\\boxed{}`, else the last `Answer:` line) equals `answer` (exact
+    integers, else math-verify in a worker process with a timeout), 0.0 otherwise. One shared pool per process."""
+    global _DEFAULT_REWARD
+    if _DEFAULT_REWARD is None:
+        _DEFAULT_REWARD = MathReward()
+    return _DEFAULT_REWARD([response], [answer])[0]
+
+
 def arith_reward(responses: Sequence[str], answers: Sequence[str]) -> list[float]:
     """Synthetic task: 1 if the whole (stripped) response is the reference integer, else 0."""
     if len(responses) != len(answers):
