@@ -33,6 +33,7 @@ from nanoflash.checkpoint import load_hf_checkpoint
 from nanoflash.cli import dry_run_text, parse_args, to_dict
 from nanoflash.config import ModelConfig, preset
 from nanoflash.evaluate import evaluate
+from nanoflash import metrics
 from nanoflash.metrics import MetricsLog, progress
 from nanoflash.model import Transformer
 from nanoflash.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -146,7 +147,7 @@ while step < tc.steps:
     bar.close()
     kept, seen, pos, counts = trainer.broadcast(got, dims)
     t_roll = time.time() - t0
-    m = {**grpo.step_metrics(seen, gc.group_size), **counts, "rollout_s": t_roll,
+    m = {**metrics.step_metrics(seen, gc.group_size), **counts, "rollout_s": t_roll,
          "rollout_tokens_per_s": sum(len(e.response_ids) for e in seen) / t_roll}
     step += 1
     if kept:  # advantages -> recompute old log-probs -> one GRPO step

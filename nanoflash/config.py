@@ -211,17 +211,18 @@ class GRPOConfig:
     clip_high: float = 0.28           # PPO ratio clip above 1, DAPO clip-higher (--eps-clip-high)
     clip_c: float | None = None       # dual-clip bound for negative advantages (--eps-clip-c); None = off
     use_tis: bool = False             # truncated importance sampling on exp(old - rollout) (--use-tis, Miles default off)
-    tis_clip: float = 2.0             # TIS upper clamp (--tis-clip)
+    tis_cap: float = 2.0              # TIS upper clamp (Miles --tis-clip)
     kl_coef: float = 0.0              # k3 KL-to-reference loss coefficient (V4 recipe: 0, so no ref model)
     kl_type: str = "low_var_kl"       # KL estimator: k1 | k2 | k3 | low_var_kl
     entropy_coef: float = 0.0         # entropy bonus coefficient (recipe: 0)
-    agg: str = "sample_mean"          # loss aggregation: sample_mean (Miles default) | token_mean (DAPO)
+    aggregation: str = "seq-mean-token-mean"  # loss aggregation: seq-mean-token-mean (Miles) | token-mean (DAPO)
     dynamic_sampling: bool = True     # drop groups whose rewards are all equal
     over_sampling_batch_size: int = 512  # prompts submitted per chunk while too few groups are kept
 
     def __post_init__(self):
-        if self.agg not in ("sample_mean", "token_mean"):
-            raise ValueError(f"GRPOConfig.agg must be sample_mean or token_mean, got {self.agg!r}")
+        if self.aggregation not in ("seq-mean-token-mean", "token-mean"):
+            raise ValueError(f"GRPOConfig.aggregation must be seq-mean-token-mean or token-mean, "
+                             f"got {self.aggregation!r}")
         if self.group_size < 1 or self.n_prompts < 1:
             raise ValueError(f"GRPOConfig: n_prompts={self.n_prompts}, group_size={self.group_size} must be >= 1")
 

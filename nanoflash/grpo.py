@@ -12,8 +12,8 @@ The algorithm, one rollout step (rl_and_sglang.md §2):
    optionally times a truncated importance weight for the train/rollout engine mismatch (TIS)
        w_t = clip(exp(old_logp_t - rollout_logp_t), 0, C)                         C = 2
    plus `kl_coef * k3(logp || ref_logp)` and `- entropy_coef * H_t`.
-4. Aggregate: Miles' default is the mean over samples of each sample's token mean ("sample_mean", every
-   sequence weighs the same); `agg="token_mean"` is DAPO's global token mean. Both are written as
+4. Aggregate: Miles' default is the mean over samples of each sample's token mean ("seq-mean-token-mean", every
+   sequence weighs the same); `aggregation="token-mean"` is DAPO's global token mean. Both are written as
    `sum / denom` with `denom` passed in, so a trainer splitting a global batch into micro-batches passes the
    global denominator (`loss_denominator` summed over micro-batches and ranks) and gets the full-batch gradient.
 
@@ -38,7 +38,7 @@ LOG_RATIO_CLAMP = 20.0  # |log ratio| cap before exp (Miles `_safe_clamp_log_rat
 LOW_VAR_KL_CLAMP = 10.0  # per-token cap of the `low_var_kl` estimator (Miles `compute_approx_kl`)
 FILTER_MIN_STD = 1e-8  # a group is kept iff std(rewards) > this (Miles `check_reward_nonzero_std`)
 ESS_MIN_SUM_SQ = 1e-8  # floor of sum(w^2) in the ESS ratio, as Miles, so an all-masked sample gives 0 not NaN
-AGGREGATIONS = ("sample_mean", "token_mean")
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
 FINISH_REASONS = ("stop", "length", "abort")  # SGLang `meta_info.finish_reason.type`; "length" = truncated
 
 
@@ -164,23 +164,27 @@ def _pack_routed_experts(episodes: list[Episode], S: int) -> Tensor | None:
 
 
 # ---------------------------------------------------------------------------------------------- advantages
-def group_advantages(rewards, group_size: int, eps: float = 1e-6, std_normalize: bool = True) -> Tensor:
-    """A_i = (r_i - mean_g r) / (std_g r + eps) over consecutive groups of `group_size` rewards.
+def group_advantages(rewards, group_size: int | None = None, eps: float = 1e-6,
+                     std_normalize: bool = True) -> Tensor:
+    """A_i = (r_i - mean_g r) / (std_g r + eps) per group of samples of one prompt.
 
     Variant (Miles `train_data_conversion.py`): std is the unbiased (n-1) estimator (`torch.Tensor.std`); the
-    division happens only where std > 0, so an all-equal group gets A = 0; `std_normalize=False` is Dr.GRPO
-    (A_i = r_i - mean). The KL term is not folded into the reward for GRPO.
-    Shapes: rewards [G*n] -> advantages [G*n] fp32.
+    division happens only where std > 0, so an all-equal group (or a group of one sample) gets A = 0;
+    `std_normalize=False` is Dr.GRPO (A_i = r_i - mean). The KL term is not folded into the reward for GRPO.
+    Shapes: rewards [G,n] -> [G,n], or flat [G*n] with `group_size` n -> [G*n]; fp32 out.
     """
     r = torch.as_tensor(rewards, dtype=torch.float64)  # fp64: keeps near-equal groups at zero mean
-    if r.ndim != 1 or group_size < 1 or r.numel() % group_size:
+    flat = r.ndim == 1
+    if flat and (group_size is None or group_size < 1 or r.numel() % group_size):
         raise ValueError(f"group_advantages: rewards shape {tuple(r.shape)} do not split into groups of {group_size}")
-    g = r.view(-1, group_size)  # [G,n]
+    if not flat and r.ndim != 2:
+        raise ValueError(f"group_advantages: rewards must be [groups, samples] or flat, got {tuple(r.shape)}")
+    g = r.view(-1, group_size) if flat else r  # [G,n]
     centered = g - g.mean(dim=1, keepdim=True)  # [G,n]
-    if std_normalize and group_size > 1:
+    if std_normalize and g.shape[1] > 1:
         std = g.std(dim=1, keepdim=True)  # [G,1] unbiased
         centered = torch.where(std > 0, centered / (std + eps), centered)
-    return centered.reshape(-1).float()  # [G*n]
+    return (centered.reshape(-1) if flat else centered).float()
 
 
 def episode_advantages(episodes: list[Episode], group_size: int, **kwargs) -> Tensor:
@@ -197,28 +201,28 @@ def episode_advantages(episodes: list[Episode], group_size: int, **kwargs) -> Te
 
 
 # ---------------------------------------------------------------------------------------------- reduction
-def loss_denominator(mask: Tensor, agg: str = "sample_mean") -> float:
-    """The normaliser of `masked_reduce` for this (micro-)batch: B samples (sample_mean) or sum(mask) tokens.
+def loss_denominator(mask: Tensor, aggregation: str = "seq-mean-token-mean") -> float:
+    """The normaliser of `masked_reduce` for this (micro-)batch: B samples (seq-mean-token-mean) or sum(mask) tokens.
     Sum it over every micro-batch and data-parallel rank of the global batch and pass the sum as `denom` to
     each `policy_loss` call: the micro-batch losses then add up to the global-batch loss, and so do the
     gradients (Miles' `num_microbatches / global_batch_size` scaling). Shapes: mask [B,S].
     """
-    if agg not in AGGREGATIONS:
-        raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
-    return float(mask.shape[0]) if agg == "sample_mean" else float((mask > 0).sum())
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    return float(mask.shape[0]) if aggregation == "seq-mean-token-mean" else float((mask > 0).sum())
 
 
-def masked_reduce(x: Tensor, mask: Tensor, agg: str = "sample_mean", denom: float | None = None) -> Tensor:
+def masked_reduce(x: Tensor, mask: Tensor, aggregation: str = "seq-mean-token-mean", denom: float | None = None) -> Tensor:
     """Reduce per-token values over the mask.
-        sample_mean:  (1/denom) sum_b [ sum_t m_bt x_bt / max(sum_t m_bt, 1) ]     (Miles `sum_of_sample_mean`)
-        token_mean:   (1/denom) sum_bt m_bt x_bt                                   (`--calculate-per-token-loss`)
-    denom defaults to `loss_denominator(mask, agg)` (clamped to >= 1): the plain mean over this batch.
+        seq-mean-token-mean:  (1/denom) sum_b [ sum_t m_bt x_bt / max(sum_t m_bt, 1) ]     (Miles `sum_of_sample_mean`)
+        token-mean:   (1/denom) sum_bt m_bt x_bt                                   (`--calculate-per-token-loss`)
+    denom defaults to `loss_denominator(mask, aggregation)` (clamped to >= 1): the plain mean over this batch.
     Off-mask values never reach the result, even if NaN. Shapes: x, mask [B,S] -> scalar.
     """
-    d = loss_denominator(mask, agg) if denom is None else float(denom)
+    d = loss_denominator(mask, aggregation) if denom is None else float(denom)
     on = mask > 0
     xm = torch.where(on, x, torch.zeros((), dtype=x.dtype, device=x.device))  # [B,S]
-    if agg == "sample_mean":
+    if aggregation == "seq-mean-token-mean":
         per_sample = xm.sum(1) / on.sum(1).clamp(min=1)  # [B]
         return per_sample.sum() / max(d, 1.0)
     return xm.sum() / max(d, 1.0)
@@ -262,15 +266,15 @@ def clipped_surrogate(log_ratio: Tensor, adv: Tensor, clip_low: float, clip_high
     return loss, (clipped_branch > unclipped).float()
 
 
-def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, tis_clip: float | None) -> tuple[Tensor, dict]:
+def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, tis_cap: float | None) -> tuple[Tensor, dict]:
     """Truncated importance weight for the train/rollout engine mismatch, and its per-token stats.
-        tis = exp(old_logp - rollout_logp),   w = clip(tis, 0, tis_clip)   (w = 1 when tis_clip is None)
+        tis = exp(old_logp - rollout_logp),   w = clip(tis, 0, tis_cap)   (w = 1 when tis_cap is None)
     Stats use the pre-clamp ratio: tis, tis_clipfrac = [w != tis], tis_abs = |tis - 1| (Miles `vanilla_tis`).
     Shapes: [B,S] -> (w [B,S] without grad, {name: [B,S]}).
     """
     tis = torch.exp(old_logprobs.detach().float() - rollout_logprobs.float())  # [B,S]
-    w = torch.ones_like(tis) if tis_clip is None else tis.clamp(0.0, tis_clip)
-    return w, {"tis": tis, "tis_clipfrac": (w != tis).float() if tis_clip is not None else torch.zeros_like(tis),
+    w = torch.ones_like(tis) if tis_cap is None else tis.clamp(0.0, tis_cap)
+    return w, {"tis": tis, "tis_clipfrac": (w != tis).float() if tis_cap is not None else torch.zeros_like(tis),
                "tis_abs": (tis - 1).abs()}
 
 
@@ -287,55 +291,57 @@ def ess_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
 
 
 def logprob_mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
-                             agg: str = "sample_mean", denom: float | None = None) -> dict[str, Tensor]:
+                             aggregation: str = "seq-mean-token-mean", denom: float | None = None) -> dict[str, Tensor]:
     """How far the trainer's log-probs are from the rollout engine's at the sampled tokens (Miles §3 metrics).
         train_rollout_logprob_abs_diff = reduce |t - r|               (Miles CI gate; 0 when "true on-policy")
         train_rollout_kl    = reduce low_var_kl(r || t) = reduce [exp(t - r) - 1 - (t - r)]   ~ KL(rollout||train)
         train_rollout_kl_k1 = reduce (r - t)                          (unbiased, high-variance estimator of the same)
-    with t = train log-prob, r = rollout log-prob, reduce = `masked_reduce(., mask, agg, denom)`.
+    with t = train log-prob, r = rollout log-prob, reduce = `masked_reduce(., mask, aggregation, denom)`.
     Shapes: [B,S] -> {name: scalar (detached)}.
     """
     t, r = train_logprobs.detach().float(), rollout_logprobs.detach().float()
     return {
-        "train_rollout_logprob_abs_diff": masked_reduce((t - r).abs(), mask, agg, denom),
-        "train_rollout_kl": masked_reduce(approx_kl(r, t, "low_var_kl"), mask, agg, denom),
-        "train_rollout_kl_k1": masked_reduce(r - t, mask, agg, denom),
+        "train_rollout_logprob_abs_diff": masked_reduce((t - r).abs(), mask, aggregation, denom),
+        "train_rollout_kl": masked_reduce(approx_kl(r, t, "low_var_kl"), mask, aggregation, denom),
+        "train_rollout_kl_k1": masked_reduce(r - t, mask, aggregation, denom),
     }
 
 
-def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                 clip_low: float = 0.2, clip_high: float = 0.28, clip_c: float | None = None,
-                rollout_logprobs: Tensor | None = None, tis_clip: float | None = 2.0,
-                ref_logprobs: Tensor | None = None, kl_coef: float = 0.0, kl_type: str = "low_var_kl",
+                rollout_logp: Tensor | None = None, tis_cap: float | None = 2.0,
+                ref_logp: Tensor | None = None, kl_coef: float = 0.0, kl_type: str = "low_var_kl",
                 entropy: Tensor | None = None, entropy_coef: float = 0.0,
-                agg: str = "sample_mean", denom: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO/PPO policy loss (Miles `policy_loss_function`), reduced by `masked_reduce(., mask, agg, denom)`:
+                aggregation: str = "seq-mean-token-mean", denom: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO/PPO policy loss (Miles `policy_loss_function`), reduced by `masked_reduce(., mask, aggregation, denom)`:
         L = reduce[w_t * clipped_surrogate(logp - old_logp, A)] + kl_coef reduce[KL(logp||ref)] - entropy_coef reduce[H]
-    w_t = TIS weight from (old_logp, rollout_logp) when rollout_logprobs is given and tis_clip is not None; with
-    tis_clip=None the rollout log-probs only feed the mismatch metrics. Off-mask tokens get ratio 1 and A = 0.
+    w_t = TIS weight from (old_logp, rollout_logp) when rollout_logp is given and tis_cap is not None; with
+    tis_cap=None the rollout log-probs only feed the mismatch metrics. Off-mask tokens get ratio 1 and A = 0.
     Metrics (detached scalars, reduced like the loss, so they sum over micro-batches when `denom` is global):
     loss, pg_loss, pg_clipfrac, ppo_kl (= reduce[old - logp]), ess_ratio, ois, tis, tis_clipfrac, tis_abs,
-    train_rollout_*, kl_loss, entropy. Shapes: every tensor [B,S] -> (scalar loss, metrics).
+    train_rollout_*, kl_loss, entropy. Shapes: every tensor [B,S] (advantages [B] or [B,S]) -> (scalar loss, metrics).
     """
     on = mask > 0
-    log_ratio = torch.where(on, logprobs.float() - old_logprobs.float(), 0.0)  # [B,S] = -ppo_kl
+    if advantages.dim() == 1:                       # per-sample advantages [B] -> every token of the sample
+        advantages = advantages[:, None].expand_as(mask)
+    log_ratio = torch.where(on, logp.float() - old_logp.float(), 0.0)  # [B,S] = -ppo_kl
     adv = torch.where(on, advantages.float(), 0.0)  # [B,S]
     pg, clipped = clipped_surrogate(log_ratio, adv, clip_low, clip_high, clip_c)
-    red = lambda x: masked_reduce(x, mask, agg, denom)  # noqa: E731
+    red = lambda x: masked_reduce(x, mask, aggregation, denom)  # noqa: E731
     m = {"pg_clipfrac": red(clipped), "ppo_kl": red(-log_ratio.detach()), "ess_ratio": red(ess_ratio(log_ratio, mask))}
-    if rollout_logprobs is not None:
-        w, tis_stats = tis_weights(old_logprobs, rollout_logprobs, tis_clip)
+    if rollout_logp is not None:
+        w, tis_stats = tis_weights(old_logp, rollout_logp, tis_cap)
         pg = pg * w
         m["ois"] = red(torch.exp(log_ratio.detach()))
         m.update({k: red(v) for k, v in tis_stats.items()})
-        m.update(logprob_mismatch_metrics(old_logprobs, rollout_logprobs, mask, agg, denom))
+        m.update(logprob_mismatch_metrics(old_logp, rollout_logp, mask, aggregation, denom))
     loss = red(pg)
     m["pg_loss"] = loss
     if entropy is not None:
         m["entropy"] = red(entropy.float())
         loss = loss - entropy_coef * m["entropy"]
-    if ref_logprobs is not None:
-        m["kl_loss"] = red(approx_kl(logprobs, ref_logprobs, kl_type))
+    if ref_logp is not None:
+        m["kl_loss"] = red(approx_kl(logp, ref_logp, kl_type))
         loss = loss + kl_coef * m["kl_loss"]
     m["loss"] = loss
     return loss, {k: v.detach() for k, v in m.items()}
@@ -373,31 +379,6 @@ def prompts_to_request(n_kept: int, n_target: int, n_pending: int, over_sampling
                          f"chunk={over_sampling_batch_size}")
     missing = n_target - n_kept - n_pending
     return 0 if missing <= 0 else over_sampling_batch_size * math.ceil(missing / over_sampling_batch_size)
-
-
-def step_metrics(episodes: list[Episode], group_size: int | None = None) -> dict[str, float]:
-    """Rollout-side numbers to log each step (means over episodes; response length in tokens).
-        reward_mean, reward_std (population), response_len_mean / _max, prompt_len_mean, truncated_frac
-        (finish_reason "length"), aborted_frac, rollout_logprob_mean (per token), n_episodes, and with
-        group_size: zero_std_group_frac, the share of groups that dynamic sampling would drop.
-    """
-    if not episodes:
-        raise ValueError("step_metrics: no episodes")
-    r = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
-    R = torch.tensor([len(e.response_ids) for e in episodes], dtype=torch.float64)
-    out = {
-        "reward_mean": float(r.mean()), "reward_std": float(r.std(unbiased=False)),
-        "response_len_mean": float(R.mean()), "response_len_max": float(R.max()),
-        "prompt_len_mean": sum(len(e.prompt_ids) for e in episodes) / len(episodes),
-        "truncated_frac": sum(e.truncated for e in episodes) / len(episodes),
-        "aborted_frac": sum(e.finish_reason == "abort" for e in episodes) / len(episodes),
-        "rollout_logprob_mean": sum(sum(e.rollout_logprobs) for e in episodes) / float(R.sum()),
-        "n_episodes": float(len(episodes)),
-    }
-    if group_size is not None:
-        n_groups = len({e.group_id for e in episodes})
-        out["zero_std_group_frac"] = 1.0 - len(filter_groups(episodes, group_size)) / group_size / n_groups
-    return out
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

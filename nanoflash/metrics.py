@@ -19,6 +19,10 @@ import math
 import os
 import sys
 
+import torch
+
+from nanoflash.grpo import Episode, filter_groups
+
 
 def read_jsonl(path: str, kind: str | None = None) -> list[dict]:
     """Records of `path` (optionally only one kind); a corrupt line (a crash mid-write) is an error naming it."""
@@ -120,3 +124,28 @@ def progress(total: int, desc: str, enabled: bool = True):
         except ImportError:
             pass
     return _NoBar(total=total)
+
+
+def step_metrics(episodes: list[Episode], group_size: int | None = None) -> dict[str, float]:
+    """Rollout-side numbers to log each step (means over episodes; response length in tokens).
+        reward_mean, reward_std (population), response_len_mean / _max, prompt_len_mean, truncated_frac
+        (finish_reason "length"), aborted_frac, rollout_logprob_mean (per token), n_episodes, and with
+        group_size: zero_std_group_frac, the share of groups that dynamic sampling would drop.
+    """
+    if not episodes:
+        raise ValueError("step_metrics: no episodes")
+    r = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
+    R = torch.tensor([len(e.response_ids) for e in episodes], dtype=torch.float64)
+    out = {
+        "reward_mean": float(r.mean()), "reward_std": float(r.std(unbiased=False)),
+        "response_len_mean": float(R.mean()), "response_len_max": float(R.max()),
+        "prompt_len_mean": sum(len(e.prompt_ids) for e in episodes) / len(episodes),
+        "truncated_frac": sum(e.truncated for e in episodes) / len(episodes),
+        "aborted_frac": sum(e.finish_reason == "abort" for e in episodes) / len(episodes),
+        "rollout_logprob_mean": sum(sum(e.rollout_logprobs) for e in episodes) / float(R.sum()),
+        "n_episodes": float(len(episodes)),
+    }
+    if group_size is not None:
+        n_groups = len({e.group_id for e in episodes})
+        out["zero_std_group_frac"] = 1.0 - len(filter_groups(episodes, group_size)) / group_size / n_groups
+    return out

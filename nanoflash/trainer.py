@@ -8,7 +8,7 @@ trains rows [d B / D, (d+1) B / D)):
        (fp32 trainer, fp32 engine) it runs one sequence at a time without padding, the exact call the
        embedded engine makes when it scores a sample, so train_rollout_logprob_abs_diff is exactly 0
     3. GRPO loss (`grpo.policy_loss`) summed per micro-batch (denom 1), scaled by 1 / Z with Z the global
-       normaliser (samples for sample_mean, response tokens for token_mean), through the parallel engine's
+       normaliser (samples for seq-mean-token-mean, response tokens for token-mean), through the parallel engine's
        `train_step`: 1F1B forward/backward -> gradient all-reduce -> global-norm clip -> AdamW
     4. metrics: the policy-loss sums / Z, all-reduced over the world (only last stages contribute)
 
@@ -183,15 +183,15 @@ def grpo_step(model, dims, batch, optimizer, gc, oc, par, temperature: float, re
     """One optimizer step of the GRPO loss on `batch` (old_logprobs filled). Returns global metrics."""
     a, b = shard_rows(len(batch), dims)
     mbs = micro_batches(batch, par.micro_batch_tokens, a, b)
-    Z = grpo.loss_denominator(batch.mask, gc.agg)  # every rank holds the whole batch: Z is already global
+    Z = grpo.loss_denominator(batch.mask, gc.aggregation)  # every rank holds the whole batch: Z is already global
     sums = torch.zeros(len(LOSS_KEYS), dtype=torch.float64)
 
     def loss_fn(m, h, mb):
         lp = chunked_logprobs(m.hidden(h), m.head.weight, mb["targets"], temperature)
         loss, met = grpo.policy_loss(
             lp, mb["old_logprobs"], mb["advantages"], mb["mask"], clip_low=gc.clip_low, clip_high=gc.clip_high,
-            clip_c=gc.clip_c, rollout_logprobs=mb["rollout_logprobs"], tis_clip=gc.tis_clip if gc.use_tis else None,
-            agg=gc.agg, denom=1.0)
+            clip_c=gc.clip_c, rollout_logp=mb["rollout_logprobs"], tis_cap=gc.tis_cap if gc.use_tis else None,
+            aggregation=gc.aggregation, denom=1.0)
         sums.add_(torch.tensor([float(met.get(k, 0.0)) for k in LOSS_KEYS], dtype=torch.float64))
         return loss
     out = train_step(ReplayView(model, _replays(mbs, replay)), dims, mbs, optimizer, 1.0 / max(Z, 1.0),

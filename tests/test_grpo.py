@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoflash.config import GRPOConfig
+from nanoflash.metrics import step_metrics
 from nanoflash.grpo import (
     Episode, episode_advantages, filter_groups, group_advantages, logprob_mismatch_metrics, loss_denominator,
-    masked_reduce, pack, policy_loss, prompts_to_request, step_metrics, tis_weights,
+    masked_reduce, pack, policy_loss, prompts_to_request, tis_weights,
 )
 
 EXACT = 1e-12  # float64 sums of a handful of terms: only rounding differs
@@ -96,10 +97,10 @@ def test_policy_loss_hand():
     loss, m = policy_loss(lp, old, A, mask)
     assert loss.item() == pytest.approx((-1.14 + 0.95 + 2.0 - 0.75) / 6, abs=FP32_TOL)
     assert m["pg_clipfrac"].item() == pytest.approx((0.5 + 0.5) / 6, abs=FP32_TOL)
-    loss_t, m_t = policy_loss(lp, old, A, mask, agg="token_mean")
+    loss_t, m_t = policy_loss(lp, old, A, mask, aggregation="token-mean")
     assert loss_t.item() == pytest.approx((-1.28 - 1 + 0.8 + 1.1 + 2.0 - 0.5 - 1) / 9, abs=FP32_TOL)
     assert m_t["pg_clipfrac"].item() == pytest.approx(2 / 9, abs=FP32_TOL)
-    # gradient d loss / d logp = -rho A / (n_b B) on unclipped tokens, 0 on clipped ones (sample_mean)
+    # gradient d loss / d logp = -rho A / (n_b B) on unclipped tokens, 0 on clipped ones (seq-mean-token-mean)
     loss.backward()
     g = torch.tensor([[0, -1 / 2], [0, 1.1 / 2], [2.0, 0], [-0.5 / 2, -1 / 2], [0, 0], [0, 0]]) / 6
     torch.testing.assert_close(lp.grad, g.double(), atol=FP32_TOL, rtol=0)
@@ -118,9 +119,9 @@ def test_tis_and_mismatch_hand():
     assert mm["train_rollout_kl"].item() == pytest.approx((math.exp(d) - 1 - d) / 2, abs=FP32_TOL)
     assert mm["train_rollout_kl_k1"].item() == pytest.approx(-d / 2, abs=FP32_TOL)
     # inside the loss: A=1, on-policy ratio 1 -> per-token -w; sample mean = -(2 + 1)/2
-    loss, m = policy_loss(old.clone(), old, torch.ones(1, 2), mask, rollout_logprobs=roll)
+    loss, m = policy_loss(old.clone(), old, torch.ones(1, 2), mask, rollout_logp=roll)
     assert loss.item() == pytest.approx(-1.5) and m["tis"].item() == pytest.approx(2.0)
-    loss_off, m_off = policy_loss(old.clone(), old, torch.ones(1, 2), mask, rollout_logprobs=roll, tis_clip=None)
+    loss_off, m_off = policy_loss(old.clone(), old, torch.ones(1, 2), mask, rollout_logp=roll, tis_cap=None)
     assert loss_off.item() == pytest.approx(-1.0) and m_off["tis_clipfrac"].item() == 0.0
 
 
@@ -162,12 +163,12 @@ def naive_policy_loss(lp, old, A, mask, roll, ref, ent, clip_low, clip_high, tis
             d = lp[b, t] - ref[b, t]
             tok = tok + kl_coef * (torch.exp(-d) - 1 + d) - ent_coef * ent[b, t]
             row, n = row + tok, n + 1
-        total = total + (row / max(n, 1) if agg == "sample_mean" else row)
+        total = total + (row / max(n, 1) if agg == "seq-mean-token-mean" else row)
         n_tokens += n
-    return total / (n_samples if agg == "sample_mean" else n_tokens)
+    return total / (n_samples if agg == "seq-mean-token-mean" else n_tokens)
 
 
-@pytest.mark.parametrize("agg", ["sample_mean", "token_mean"])
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
 def test_policy_loss_vs_naive_loop(agg):
     g = torch.Generator().manual_seed(0)
     B, S = 6, 5
@@ -182,8 +183,8 @@ def test_policy_loss_vs_naive_loop(agg):
     kw = dict(clip_low=0.2, clip_high=0.28, tis_clip=2.0, kl_coef=0.1, ent_coef=0.01)
     want = naive_policy_loss(lp, old, A, mask, roll, ref, ent, agg=agg, **kw)
     (g_want,) = torch.autograd.grad(want, lp)
-    got, m = policy_loss(lp.double(), old, A, mask, rollout_logprobs=roll, ref_logprobs=ref, kl_coef=0.1,
-                         kl_type="k3", entropy=ent, entropy_coef=0.01, agg=agg)
+    got, m = policy_loss(lp.double(), old, A, mask, rollout_logp=roll, ref_logp=ref, kl_coef=0.1,
+                         kl_type="k3", entropy=ent, entropy_coef=0.01, aggregation=agg)
     (g_got,) = torch.autograd.grad(got, lp)
     # policy_loss computes in fp32 (as the trainer's logprobs are fp32); the loop runs in fp64
     torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
@@ -208,18 +209,18 @@ def test_group_advantages_property(n_groups, group_size, data):
             assert abs(a[i].std().item() - 1) < 1e-3, f"group {i} std {a[i].std()}"
 
 
-@pytest.mark.parametrize("agg", ["sample_mean", "token_mean"])
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
 def test_on_policy_loss_is_minus_mean_advantage_property(agg):
     g = torch.Generator().manual_seed(1)
     old = -torch.rand(6, 4, generator=g)
     A = group_advantages(torch.rand(6, generator=g), 3)[:, None].expand(6, 4)
     mask = torch.ones(6, 4)
-    loss, m = policy_loss(old.clone(), old, A, mask, agg=agg)
+    loss, m = policy_loss(old.clone(), old, A, mask, aggregation=agg)
     assert loss.item() == pytest.approx(-A[:, 0].mean().item(), abs=FP32_TOL)
     assert m["pg_clipfrac"] == 0 and m["ppo_kl"] == 0 and m["ess_ratio"].item() == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("agg", ["sample_mean", "token_mean"])
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
 def test_micro_batch_split_matches_full_batch_property(agg):
     g = torch.Generator().manual_seed(2)
     eps = []
@@ -228,7 +229,7 @@ def test_micro_batch_split_matches_full_batch_property(agg):
         eps.append(Episode([1] * P, [2] * R, (-torch.rand(R, generator=g)).tolist(), float(i % 3), i // 4))
     batch = pack(eps, episode_advantages(eps, 4))
     logp = (batch.rollout_logprobs.double() + 0.3 * torch.randn(batch.mask.shape, generator=g)).requires_grad_()
-    kw = dict(rollout_logprobs=batch.rollout_logprobs, agg=agg)
+    kw = dict(rollout_logp=batch.rollout_logprobs, aggregation=agg)
     full, m_full = policy_loss(logp, batch.rollout_logprobs + 0.1, batch.advantages, batch.mask, **kw)
     (g_full,) = torch.autograd.grad(full, logp)
     micro = batch.split(3)
@@ -238,7 +239,7 @@ def test_micro_batch_split_matches_full_batch_property(agg):
         lp = logp[row:row + len(mb)].detach().requires_grad_()
         row += len(mb)
         loss, m = policy_loss(lp, mb.rollout_logprobs + 0.1, mb.advantages, mb.mask, denom=denom,
-                              rollout_logprobs=mb.rollout_logprobs, agg=agg)
+                              rollout_logp=mb.rollout_logprobs, aggregation=agg)
         g_micro.append(torch.autograd.grad(loss, lp)[0])
         total += loss.item()
         m_sum = {k: m_sum.get(k, 0.0) + v.item() for k, v in m.items()}
@@ -259,8 +260,8 @@ def test_tis_clamp_property():
         assert stats["tis_clipfrac"].sum() == (~below).sum()
     # the weight carries no gradient: the surrogate's gradient is only scaled by it
     lp = old.clone().requires_grad_()
-    loss, _ = policy_loss(lp, old, torch.ones(4, 6), torch.ones(4, 6), rollout_logprobs=roll, tis_clip=2.0,
-                          agg="token_mean")
+    loss, _ = policy_loss(lp, old, torch.ones(4, 6), torch.ones(4, 6), rollout_logp=roll, tis_cap=2.0,
+                          aggregation="token-mean")
     loss.backward()
     w, _ = tis_weights(old, roll, 2.0)
     torch.testing.assert_close(lp.grad, -w / 24)
@@ -270,7 +271,7 @@ def test_masked_reduce_ignores_off_mask_nan():
     x = torch.tensor([[1.0, float("nan")], [3.0, 5.0]])
     mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     assert masked_reduce(x, mask).item() == pytest.approx((1 + 4) / 2)
-    assert masked_reduce(x, mask, "token_mean").item() == pytest.approx(9 / 3)
+    assert masked_reduce(x, mask, "token-mean").item() == pytest.approx(9 / 3)
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -293,4 +294,13 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="one advantage each"):
         pack(eps, [0.0])
     with pytest.raises(ValueError, match="agg"):
-        GRPOConfig(agg="mean")
+        GRPOConfig(aggregation="mean")
+
+
+def test_group_advantages_2d_api():
+    """The documented form: rewards [groups, samples] -> advantages of the same shape; a 1-sample group gets 0."""
+    A = group_advantages([[1.0, 0.0, 0.0], [0.0, 2.0, 4.0]], eps=0.0)
+    assert A.shape == (2, 3)
+    assert A[1].tolist() == pytest.approx([-1.0, 0.0, 1.0])
+    assert torch.equal(A.flatten(), group_advantages([1.0, 0.0, 0.0, 0.0, 2.0, 4.0], 3, eps=0.0))
+    assert group_advantages([[5.0], [3.0]]).tolist() == [[0.0], [0.0]]

@@ -35,7 +35,7 @@ def test_defaults_are_the_miles_recipe():
     (["--train.resume", "maybe"], "maybe"),
     (["--model.nosuch", "1"], "nosuch"),
     (["--recipe", "nosuch"], "nosuch"),
-    (["--grpo.agg", "median"], "median"),            # caught by GRPOConfig.__post_init__ after parsing
+    (["--grpo.aggregation", "median"], "median"),            # caught by GRPOConfig.__post_init__ after parsing
     (["--rollout.weights", "fp4"], "fp4"),
     (["--steps"], "--steps"),
     (["stray"], "stray"),
