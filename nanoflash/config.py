@@ -312,7 +312,7 @@ class EvalConfig:
     k_samples: int = 4                # samples per problem (pass@1..k)
     temperature: float = 1.0          # eval sampling temperature (Miles: falls back to the rollout temperature)
     max_new_tokens: int = 8           # eval response limit (Miles V4: 4096)
-    data: str = "/work/shared/data/aime24.jsonl"  # eval file for task=dapo (AIME-2024)
+    data: str = "../shared/data/aime24.jsonl"  # eval file for task=dapo (AIME-2024), relative to the cwd
 
 
 @dataclass
@@ -322,7 +322,7 @@ class TrainConfig:
     preset: str = "tiny"              # model preset (ignored when `checkpoint` is a HF directory)
     checkpoint: str = ""              # HF-layout directory or nanoflash DCP checkpoint to start from ("" = init)
     task: str = "arith"               # arith (synthetic, CPU demo) | dapo (DAPO-Math-17K)
-    data: str = "/work/shared/data/dapo_math_17k.parquet"  # DAPO parquet / jsonl / hub name (task=dapo)
+    data: str = "../shared/data/dapo_math_17k.parquet"  # DAPO parquet / jsonl / hub name (task=dapo)
     difficulty: int = 1               # arith operand digits
     steps: int = 20                   # GRPO steps
     seed: int = 1234                  # one seed for init, data order and per-request sampling seeds (Miles 1234)
