@@ -11,7 +11,9 @@ it into prompt token ids. This module provides:
    A row that cannot be read (missing prompt, empty/non-string answer) is skipped and counted, never fatal:
    every loader returns `(problems, n_skipped)`. A missing file or an unknown format is one clear error.
 2. **A synthetic arithmetic task** for the CPU demo: `"37+5="` -> `"42"`, seeded, with a difficulty knob (digits
-   per operand; `*` joins at difficulty >= 3). Train and held-out splits are disjoint *by construction*: an
+   per operand; `*` joins at difficulty >= 3). The `mod10` family asks only for the last digit of a sum,
+   `"37+45="` -> `"2"` = (a + b) mod 10: 10^(2d) expressions but a one-token answer, so a tiny model can learn it
+   in minutes while >= 500 held-out expressions exist (the CPU demo's task). Train and held-out splits are disjoint *by construction*: an
    expression belongs to the held-out split iff `sha256(expr) mod 100 < heldout_percent`, so no seed can leak
    an eval expression into training. `CharTokenizer` is a character-level tokenizer (< 20 ids) that fits the
    `tiny` preset's 256-entry vocabulary.
@@ -164,30 +166,45 @@ def _in_heldout(expr: str, heldout_percent: int) -> bool:
     return int(hashlib.sha256(expr.encode()).hexdigest(), 16) % 100 < heldout_percent
 
 
+MOD10_MAX_ADDEND = 1  # mod10 family: b in 1..this
+ARITH_ANSWERS = ("value", "mod10")  # what the answer of "a op b=" is: the value, or (a + b) mod 10 (ops "+")
+
+
+def arith_expr(a: int, op: str, b: int, difficulty: int, answer: str = "value") -> str:
+    """The text of `a op b` (before "="): zero-padded to `difficulty` digits in the mod10 family."""
+    return f"{a:0{difficulty}d}{op}{b}" if answer == "mod10" else f"{a}{op}{b}"
+
+
 def arithmetic_problems(n: int, split: str = "train", difficulty: int = 1, seed: int = 0,
-                        heldout_percent: int = 10) -> list[Problem]:
+                        heldout_percent: int = 10, answer: str = "value") -> list[Problem]:
     """`n` distinct problems `"a op b="` -> `str(a op b)`; operands have `difficulty` digits at most.
 
-    Ops are `+ -` (difficulty 1-2) and `+ - *` (difficulty >= 3). The split of an expression is a pure function
-    of its text (hash bucket), so train and held-out never overlap, whatever the seeds.
+    Ops are `+ -` (difficulty 1-2) and `+ - *` (difficulty >= 3). answer="mod10": op `+` only, operands
+    zero-padded to `difficulty` digits (`"07+45="`), and the answer is the last digit `(a + b) mod 10` (one token). The split of an expression is a pure function of its text
+    (hash bucket), so train and held-out never overlap, whatever the seeds.
     """
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     if not 1 <= difficulty <= 6:
         raise ValueError(f"difficulty must be in 1..6, got {difficulty}")
-    ops = "+-*" if difficulty >= 3 else "+-"
+    if answer not in ARITH_ANSWERS:
+        raise ValueError(f"answer must be one of {ARITH_ANSWERS}, got {answer!r}")
+    ops = "+" if answer == "mod10" else "+-*" if difficulty >= 3 else "+-"
     hi = 10 ** difficulty
-    n_space = hi * hi * len(ops)
-    rng = random.Random(f"{seed}-{split}-{difficulty}")
+    n_space = hi * (MOD10_MAX_ADDEND if answer == "mod10" else hi * len(ops))
+    rng = random.Random(f"{seed}-{split}-{difficulty}" + ("" if answer == "value" else f"-{answer}"))
     seen, out = set(), []
     for _ in range(50 * n + 1000):
         a, b, op = rng.randrange(hi), rng.randrange(hi), rng.choice(ops)
-        expr = f"{a}{op}{b}"
+        if answer == "mod10":
+            b = rng.randint(1, MOD10_MAX_ADDEND)
+        expr = arith_expr(a, op, b, difficulty, answer)
         if expr in seen or _in_heldout(expr, heldout_percent) != (split == "heldout"):
             continue
         seen.add(expr)
         value = a + b if op == "+" else a - b if op == "-" else a * b
-        out.append(Problem(id=f"arith-{split}-{len(out)}", prompt=expr + "=", answer=str(value), source="arith"))
+        text = str(value % 10) if answer == "mod10" else str(value)
+        out.append(Problem(id=f"arith-{split}-{len(out)}", prompt=expr + "=", answer=text, source="arith"))
         if len(out) == n:
             return out
     raise ValueError(f"could only draw {len(out)} distinct {split} problems of {n} asked "

@@ -57,18 +57,31 @@ class Task:
     pad_id: int
 
 
+def arith_answer(tc) -> str:
+    """The arithmetic family of a task=arith run: `train.data` = "arith:<answer>" (data.ARITH_ANSWERS), else
+    "value" (the file path of task=dapo means nothing to the synthetic task)."""
+    if not tc.data.startswith("arith:"):
+        return "value"
+    answer = tc.data.partition(":")[2]
+    if answer not in data.ARITH_ANSWERS:
+        raise ValueError(f"train.data={tc.data!r}: the arithmetic family must be one of "
+                         f"{['arith:' + a for a in data.ARITH_ANSWERS]}")
+    return answer
+
+
 def make_task(tc, ec, vocab_size: int) -> Task:
     """arith: synthetic `a+b=` problems with CharTokenizer; dapo: DAPO-Math-17K + AIME with the V4 tokenizer."""
     if tc.task == "arith":
         tok = data.CharTokenizer()
         if tok.vocab_size > vocab_size:
             raise ValueError(f"the arithmetic tokenizer needs {tok.vocab_size} ids; the model has {vocab_size}")
-        pct = ARITH_HELDOUT_PERCENT.get(tc.difficulty, 10)
-        n_train, n_held = _arith_split_sizes(tc.difficulty, pct)
-        train = data.arithmetic_problems(n_train, "train", tc.difficulty, seed=0, heldout_percent=pct)
+        answer = arith_answer(tc)
+        pct = ARITH_HELDOUT_PERCENT.get(tc.difficulty, 10) if answer == "value" else 10
+        n_train, n_held = _arith_split_sizes(tc.difficulty, pct, answer)
+        kw = dict(difficulty=tc.difficulty, seed=0, heldout_percent=pct, answer=answer)
+        train = data.arithmetic_problems(n_train, "train", **kw)
         random.Random(tc.seed).shuffle(train)
-        heldout = data.arithmetic_problems(min(ec.n_problems, n_held), "heldout", tc.difficulty, seed=0,
-                                           heldout_percent=pct)
+        heldout = data.arithmetic_problems(min(ec.n_problems, n_held), "heldout", **kw)
         return Task(train, heldout, tok.encode_prompt, tok.decode,
                     rewards.token_reward_fn(tok.decode, rewards.arith_reward), [tok.eos_id], tok.pad_id)
     tok = data.V4Tokenizer()
@@ -82,13 +95,15 @@ def make_task(tc, ec, vocab_size: int) -> Task:
                 rewards.token_reward_fn(lambda ids: tok.decode(ids, True), scorer), [eos], eos)
 
 
-def _arith_split_sizes(difficulty: int, pct: int) -> tuple[int, int]:
-    """(train, held-out) expression counts of one difficulty; enumerated when small, else capped."""
-    if difficulty > 2:
+def _arith_split_sizes(difficulty: int, pct: int, answer: str = "value") -> tuple[int, int]:
+    """(train, held-out) expression counts of one difficulty and family; enumerated when small, else capped."""
+    if difficulty > (2 if answer == "value" else 5):
         return MAX_ARITH_TRAIN, 10 ** 6
-    ops, hi = "+-", 10 ** difficulty
-    held = sum(data._in_heldout(f"{a}{op}{b}", pct) for a in range(hi) for b in range(hi) for op in ops)
-    return min(len(ops) * hi * hi - held, MAX_ARITH_TRAIN), held
+    ops, hi = "+" if answer == "mod10" else "+-", 10 ** difficulty
+    bs = range(1, data.MOD10_MAX_ADDEND + 1) if answer == "mod10" else range(hi)
+    held = sum(data._in_heldout(data.arith_expr(a, op, b, difficulty, answer), pct)
+               for a in range(hi) for b in bs for op in ops)
+    return min(len(ops) * hi * len(bs) - held, MAX_ARITH_TRAIN), held
 
 
 # ---------------------------------------------------------------------------------------------- servers

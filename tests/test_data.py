@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from nanoflash.config import preset
-from nanoflash.data import (BOS, DAPO_TAIL, CharTokenizer, Problem, V4Tokenizer, arithmetic_problems, load_dapo,
-                            load_jsonl_problems, render_chat)
+from nanoflash.data import (BOS, DAPO_TAIL, MOD10_MAX_ADDEND, CharTokenizer, Problem, V4Tokenizer,
+                            arithmetic_problems, load_dapo, load_jsonl_problems, render_chat)
 
 # The data files sit beside the checkout (../shared/data); NANOFLASH_DATA overrides.
 DATA = os.environ.get("NANOFLASH_DATA", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -125,6 +125,19 @@ def test_arithmetic_splits_disjoint_and_seeded():
 def test_arithmetic_exhausted_space_raises():
     with pytest.raises(ValueError, match="distinct heldout"):
         arithmetic_problems(100, "heldout", difficulty=1)  # 1-digit +/-: 200 expressions, ~10% held out
+
+
+@pytest.mark.parametrize("difficulty", [3, 4])
+def test_arithmetic_mod10_family(difficulty):
+    problems = arithmetic_problems(200, "train", difficulty=difficulty, seed=5, answer="mod10")
+    for p in problems:
+        a, b = re.fullmatch(rf"(\d{{{difficulty}}})\+(\d)=", p.prompt).groups()   # zero-padded a, one-digit b
+        assert 1 <= int(b) <= MOD10_MAX_ADDEND and p.answer == str((int(a) + int(b)) % 10), p
+    held = {p.prompt for p in arithmetic_problems(500, "heldout", difficulty=4, seed=0, answer="mod10")}
+    train = {p.prompt for p in arithmetic_problems(5000, "train", difficulty=4, seed=0, answer="mod10")}
+    assert len(held) == 500 and not held & train
+    with pytest.raises(ValueError, match="answer must be one of"):
+        arithmetic_problems(3, answer="last")
 
 
 def test_char_tokenizer_fits_tiny_vocab():
