@@ -166,7 +166,7 @@ def _in_heldout(expr: str, heldout_percent: int) -> bool:
     return int(hashlib.sha256(expr.encode()).hexdigest(), 16) % 100 < heldout_percent
 
 
-MOD10_MAX_ADDEND = 1  # mod10 family: b in 1..this
+MOD10_MAX_ADDEND = 3  # mod10 family: b in 1..this (3: a 30-entry table, learnable by `tiny` in minutes)
 ARITH_ANSWERS = ("value", "mod10")  # what the answer of "a op b=" is: the value, or (a + b) mod 10 (ops "+")
 
 

@@ -17,7 +17,7 @@ def test_override_types_and_precedence():
     assert cfg.rollout.urls == ("http://a:1", "http://b:2")
     assert cfg.grpo.clip_c is None and cfg.train.resume is False and cfg.train.dry_run is True
     assert cfg.train.steps == 7                      # command line beats the recipe's train.steps
-    assert cfg.optim.lr == 3e-4                      # the recipe beats the default
+    assert cfg.optim.lr == 1e-3                      # the recipe beats the default
     assert cfg.model == {"vocab_size": 18, "max_seq_len": 32, "dim": 32}
     assert cfg.parallel.layer_split == (1, 3)        # re-validated: the strings became ints
 
@@ -43,6 +43,25 @@ def test_defaults_are_the_miles_recipe():
 def test_bad_overrides_name_the_culprit(argv, culprit):
     with pytest.raises(ValueError, match=culprit):
         cli.parse_args(argv)
+
+
+@pytest.mark.parametrize("recipe", ["demo", "smoke"])
+def test_demo_task_holds_out_500_unseen_problems(recipe):
+    """Issue 5's bar: the demo evaluates >= 500 held-out problems, none of them in the training stream; the
+    CI smoke runs the same task family."""
+    from nanoflash import episodes
+    cfg = cli.parse_args(["--recipe", recipe])
+    task = episodes.make_task(cfg.train, cli.parse_args(["--recipe", "demo"]).eval, 18)
+    held, train = {p.prompt for p in task.heldout}, {p.prompt for p in task.train}
+    assert len(held) == len(task.heldout) >= 500 and not held & train
+    assert all(len(p.answer) == 1 for p in task.heldout[:50])      # one-token answers (mod10 family)
+
+
+def test_arith_family_typo_names_the_culprit():
+    from nanoflash import episodes
+    cfg = cli.parse_args(["--recipe", "demo", "--train.data", "arith:mod7"])
+    with pytest.raises(ValueError, match="arith:mod7"):
+        episodes.make_task(cfg.train, cfg.eval, 18)
 
 
 def test_to_dict_round_trips_through_json():
