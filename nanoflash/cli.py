@@ -30,10 +30,10 @@ FLAGS = {"--dry-run": ("train.dry_run", "true"), "--no-resume": ("train.resume",
 
 # Named recipes: lists of overrides applied before the command line.
 RECIPES: dict[str, list[str]] = {
-    # CPU demo: tiny model, synthetic "last digit of a + b" ("0527+3=" -> "0", 3,011 held out), a short SFT
+    # CPU demo: tiny model, synthetic "last digit of a + 1" ("0527+1=" -> "8", 1,025 held out), a short SFT
     # warm-up (held-out pass@1 in the 10-40% band), then GRPO through the embedded FP8 server.
     "demo": ["train.preset=tiny", "train.task=arith", "train.data=arith:mod10", "train.difficulty=4",
-             "train.steps=80", "train.warmup_steps=30", "train.warmup_lr=3e-3", "train.out_dir=runs/demo",
+             "train.steps=80", "train.warmup_steps=15", "train.warmup_lr=3e-3", "train.out_dir=runs/demo",
              "train.save_every=10", "train.threads=1", "model.vocab_size=18", "model.max_seq_len=32",
              "grpo.n_prompts=16", "grpo.group_size=8", "grpo.over_sampling_batch_size=16",
              "optim.lr=1e-3", "train.lr_warmup_steps=5", "optim.weight_decay=0.0", "optim.grad_clip=1.0",

@@ -11,12 +11,15 @@ it into prompt token ids. This module provides:
    A row that cannot be read (missing prompt, empty/non-string answer) is skipped and counted, never fatal:
    every loader returns `(problems, n_skipped)`. A missing file or an unknown format is one clear error.
 2. **A synthetic arithmetic task** for the CPU demo: `"37+5="` -> `"42"`, seeded, with a difficulty knob (digits
-   per operand; `*` joins at difficulty >= 3). The `mod10` family asks only for the last digit of a sum,
-   `"37+45="` -> `"2"` = (a + b) mod 10: 10^(2d) expressions but a one-token answer, so a tiny model can learn it
-   in minutes while >= 500 held-out expressions exist (the CPU demo's task). Train and held-out splits are disjoint *by construction*: an
-   expression belongs to the held-out split iff `sha256(expr) mod 100 < heldout_percent`, so no seed can leak
-   an eval expression into training. `CharTokenizer` is a character-level tokenizer (< 20 ids) that fits the
-   `tiny` preset's 256-entry vocabulary.
+   per operand; `*` joins at difficulty >= 3). The `mod10` family asks only for the last digit of a sum
+   with a zero-padded `difficulty`-digit `a` and a small `b` (1..MOD10_MAX_ADDEND): `"0527+1="` -> `"8"` =
+   (a + b) mod 10. 10^d x MOD10_MAX_ADDEND expressions but a one-token answer, so the `tiny` model learns it in
+   minutes while >= 500 held-out expressions exist (the CPU demo's task). Measured on `tiny`: 2-digit + 2-digit
+   stays at chance (10%) after 300 SFT steps, b in 1..9 reaches 11% after 80; b in 1..3 learns, but 80 GRPO
+   steps gained only +12 points on one of two seeds; b = 1 is what the demo uses.
+   Train and held-out splits are disjoint *by construction*: an expression belongs to the held-out split iff
+   `sha256(expr) mod 100 < heldout_percent`, so no seed can leak an eval expression into training.
+   `CharTokenizer` is a character-level tokenizer (< 20 ids) that fits the `tiny` preset's 256-entry vocabulary.
 3. **The DeepSeek-V4 chat format** (facts from DeepSeek's `encoding/encoding_dsv4.py`; no Jinja template
    exists for V4). For a conversation without tools:
 
@@ -166,7 +169,7 @@ def _in_heldout(expr: str, heldout_percent: int) -> bool:
     return int(hashlib.sha256(expr.encode()).hexdigest(), 16) % 100 < heldout_percent
 
 
-MOD10_MAX_ADDEND = 3  # mod10 family: b in 1..this (3: a 30-entry table, learnable by `tiny` in minutes)
+MOD10_MAX_ADDEND = 1  # mod10 family: b in 1..this (1 = "last digit of a + 1", the demo task)
 ARITH_ANSWERS = ("value", "mod10")  # what the answer of "a op b=" is: the value, or (a + b) mod 10 (ops "+")
 
 
@@ -179,8 +182,9 @@ def arithmetic_problems(n: int, split: str = "train", difficulty: int = 1, seed:
                         heldout_percent: int = 10, answer: str = "value") -> list[Problem]:
     """`n` distinct problems `"a op b="` -> `str(a op b)`; operands have `difficulty` digits at most.
 
-    Ops are `+ -` (difficulty 1-2) and `+ - *` (difficulty >= 3). answer="mod10": op `+` only, operands
-    zero-padded to `difficulty` digits (`"07+45="`), and the answer is the last digit `(a + b) mod 10` (one token). The split of an expression is a pure function of its text
+    Ops are `+ -` (difficulty 1-2) and `+ - *` (difficulty >= 3). answer="mod10": op `+` only, `a`
+    zero-padded to `difficulty` digits, `b` in 1..MOD10_MAX_ADDEND (`"0527+1="`), and the answer is the last
+    digit `(a + b) mod 10` (one token). The split of an expression is a pure function of its text
     (hash bucket), so train and held-out never overlap, whatever the seeds.
     """
     if split not in ("train", "heldout"):
