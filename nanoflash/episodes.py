@@ -70,7 +70,8 @@ def arith_answer(tc) -> str:
 
 
 def make_task(tc, ec, vocab_size: int) -> Task:
-    """arith: synthetic `a+b=` problems with CharTokenizer; dapo: DAPO-Math-17K + AIME with the V4 tokenizer."""
+    """arith: synthetic `a+b=` problems with CharTokenizer (`train.data=arith:mod10`: the last-digit family of
+    the CPU demo); dapo: DAPO-Math-17K + AIME with the V4 tokenizer."""
     if tc.task == "arith":
         tok = data.CharTokenizer()
         if tok.vocab_size > vocab_size:

@@ -28,8 +28,7 @@ from nanoflash import trainer
 
 from conftest import free_port
 
-GRAD_NORM_RTOL = 1e-4  # PP2 vs PP1: the same math, gradients summed in another order (fp32 rounding only),
-# amplified by the 20 Adam warm-up steps (Adam rescales tiny gradients); measured 3.1e-5 on the mod10 smoke
+GRAD_NORM_RTOL = 1e-5  # PP2 vs PP1: the same math, gradients summed in another order (fp32 rounding only)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING_KEYS = {"rollout_s", "train_s", "sync_s", "step_s", "eval_s", "time_s", "rollout_tokens_per_s",
                "train_tokens_per_s"}
@@ -121,20 +120,23 @@ def test_resume_continues_from_the_right_step_with_identical_state(runs):
         assert torch.equal(v, opt_b[k]) if torch.is_tensor(v) else v == opt_b[k], k
 
 
-def test_pipeline_parallel_pp2_matches_single_process(runs, tmp_path):
+def test_pipeline_parallel_pp2_matches_single_process(tmp_path):
     """torchrun with 2 gloo ranks at PP2: same rollouts (the warm-up and GRPO step give the same weights up
-    to fp32 summation order), |dlogp| still exactly 0 (the recompute goes through the pipeline)."""
-    full, _, _ = runs
-    out = str(tmp_path / "pp2")
+    to fp32 summation order), |dlogp| still exactly 0 (the recompute goes through the pipeline). Both runs
+    use a 2-step warm-up: the smoke's 20 Adam steps amplify the summation-order rounding (Adam rescales tiny
+    gradients; measured 1.9e-3 relative grad-norm difference at step 2) while 2 steps keep it at 2e-7."""
+    short = ["--rollout.weights", "fp32", "--steps", "2", "--eval.every", "0", "--train.warmup_steps", "2"]
+    full, out = str(tmp_path / "pp1"), str(tmp_path / "pp2")
+    run_train(full, *short)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), os.path.join(ROOT, "train.py"), "--recipe", "smoke", "--out", out,
-           "--parallel.pp", "2", "--rollout.weights", "fp32", "--steps", "2", "--eval.every", "0",
-           "--train.progress", "false", "--train.plots", "false"]
+           "--parallel.pp", "2", "--train.progress", "false", "--train.plots", "false", *short]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"torchrun failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    a = read_jsonl(os.path.join(full, "metrics.jsonl"), "train")[:2]
+    a = read_jsonl(os.path.join(full, "metrics.jsonl"), "train")
     b = read_jsonl(os.path.join(out, "metrics.jsonl"), "train")
     assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
+    assert any("grad_norm" in r for r in a), a                    # at least one GRPO step was compared
     for ra, rb in zip(a, b):
         if "grad_norm" in ra:
             assert rb["train_rollout_logprob_abs_diff"] == 0.0
