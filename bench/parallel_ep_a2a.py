@@ -13,30 +13,13 @@ Goal (issue): dispatch+combine >= 0.6x of the GPU-to-GPU copy bandwidth, count e
 """
 import argparse
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from nanoflash.parallel.dims import init_distributed
+from timing import timed   # bench/timing.py
 from nanoflash.parallel.expert import AllToAllDispatcher, expert_range
-
-
-def timed(fn, iters: int, cuda: bool) -> float:
-    """Median seconds of fn() (barrier before each run so all ranks start together)."""
-    fn()
-    out = []
-    for _ in range(iters):
-        dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 def main():

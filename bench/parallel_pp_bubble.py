@@ -15,8 +15,6 @@ t_mb is measured on each rank alone (no communication) and the slowest stage's v
 """
 import argparse
 import os
-import statistics
-import time
 from types import SimpleNamespace
 
 import torch
@@ -24,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanoflash.parallel.dims import init_distributed
+from timing import timed   # bench/timing.py
 from nanoflash.parallel.pipeline import forward_backward
 
 
@@ -48,22 +47,6 @@ class ToyStage(nn.Module):
 
 def loss_fn(model, h, mb):
     return h.float().square().mean()
-
-
-def timed(fn, iters, cuda):
-    fn()
-    out = []
-    for _ in range(iters):
-        if dist.is_initialized():
-            dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 def main():

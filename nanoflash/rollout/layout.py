@@ -120,32 +120,30 @@ def _fill(pattern: str, nums: list) -> str:
     return ".".join(nums.pop(0) if p == "#" else p for p in pattern.split("."))
 
 
-def to_sglang(name: str) -> str:
-    """Official/nanoflash name -> SGLang HF-style name (a `weight_scale_inv` sibling stays one)."""
+def _rename(name: str, top: dict, block: dict, prefix_in: str, prefix_out: str, unknown: str) -> str:
+    """Shared by both directions: look the name up in `top`, else map its block suffix through `block` and
+    swap the layer prefix; a `.weight_scale_inv` sibling is renamed like its weight."""
     scale = name.endswith(".weight_scale_inv")
     base = name[: -len("_scale_inv")] if scale else name
-    if base in SGLANG_TOP:
-        out = SGLANG_TOP[base]
+    if base in top:
+        out = top[base]
     else:
         prefix, pat, nums = _split(base)
-        if not prefix.startswith("layers.") or pat not in SGLANG_BLOCK:
-            raise KeyError(f"{name!r} has no SGLang name (not a backbone tensor; MTP is not pushed)")
-        out = "model." + prefix + _fill(SGLANG_BLOCK[pat], nums)
+        if not prefix.startswith(prefix_in) or pat not in block:
+            raise KeyError(f"{name!r} {unknown}")
+        out = prefix_out + prefix[len(prefix_in):] + _fill(block[pat], nums)
     return out + ("_scale_inv" if scale else "")
+
+
+def to_sglang(name: str) -> str:
+    """Official/nanoflash name -> SGLang HF-style name (a `weight_scale_inv` sibling stays one)."""
+    return _rename(name, SGLANG_TOP, SGLANG_BLOCK, "layers.", "model.layers.",
+                   "has no SGLang name (not a backbone tensor; MTP is not pushed)")
 
 
 def from_sglang(name: str) -> str:
     """SGLang HF-style name -> official/nanoflash name (inverse of `to_sglang`)."""
-    scale = name.endswith(".weight_scale_inv")
-    base = name[: -len("_scale_inv")] if scale else name
-    if base in _FROM_TOP:
-        out = _FROM_TOP[base]
-    else:
-        prefix, pat, nums = _split(base)
-        if not prefix.startswith("model.layers.") or pat not in _FROM_BLOCK:
-            raise KeyError(f"{name!r} is not a DeepSeek-V4 SGLang weight name")
-        out = prefix[len("model."):] + _fill(_FROM_BLOCK[pat], nums)
-    return out + ("_scale_inv" if scale else "")
+    return _rename(name, _FROM_TOP, _FROM_BLOCK, "model.layers.", "layers.", "is not a DeepSeek-V4 SGLang weight name")
 
 
 def sglang_fp8(name: str, cfg) -> bool:
