@@ -5,16 +5,26 @@
 It returns the list of the ranks' return values (passed back through files, so tensors survive the child's
 exit), re-raises a child's exception with its traceback, and kills every rank after a timeout so that a
 deadlocked collective fails a test instead of hanging CI. Other helpers may append fixtures below.
+
+Randomness is replayable. Every test gets a seed derived from its own node id (`test_seed`), so the same
+test draws the same numbers on every run, on every machine, whatever ran before it or was deselected:
+* `gen` is a `torch.Generator` seeded with it; tests pass `generator=gen` to every draw they make;
+* an autouse fixture seeds torch's, numpy's and `random`'s global generators with it too, so the draws
+  the tests cannot route through `gen` (a module's default parameter init) are replayable as well.
+A failure is replayed by running the same node id again; the seed is printed in the failure report.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 import tempfile
 import time
 import traceback
+import zlib
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -101,3 +111,33 @@ def _wait(procs, deadline, allow_killed):
 def ranks():
     """The `run_ranks` helper as a fixture."""
     return run_ranks
+
+
+def test_seed(nodeid: str) -> int:
+    """The seed of one test: a stable hash of its node id (not Python's salted `hash`)."""
+    return zlib.crc32(nodeid.encode())
+
+
+test_seed.__test__ = False  # a helper, not a test
+
+
+@pytest.fixture(autouse=True)
+def _seed_global_rngs(request):
+    """Seed the global RNGs per test, so module inits and any stray draw replay exactly."""
+    seed = test_seed(request.node.nodeid)
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    request.node.user_properties.append(("seed", seed))
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A CPU `torch.Generator` seeded with this test's seed: pass it as `generator=` to every draw."""
+    return torch.Generator().manual_seed(test_seed(request.node.nodeid))
+
+
+def pytest_runtest_makereport(item, call):
+    """On failure, say which seed the test ran with (it is the same on every run of that node id)."""
+    if call.when == "call" and call.excinfo is not None:
+        item.add_report_section("call", "seed", f"{item.nodeid} ran with seed {test_seed(item.nodeid)}")

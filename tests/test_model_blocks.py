@@ -114,12 +114,18 @@ def test_compressor_matches_reference(ratio):
     check_fwd_bwd(c, lambda: c(x, 0)[0], lambda: ref.compressor(c, x, cfg), x, f"Compressor m={ratio}")
 
 
+# Streamed vs one-pass compressor: the same fp32 math on differently shaped matmuls (other blocking, other
+# summation order), then RMSNorm and RoPE. Measured worst case over 200 seeds: 8 ulps of the output scale;
+# 32 ulps leaves 4x headroom, while a wrong window state or offset moves entries by O(1).
+STREAM_ULPS = 32
+
+
 @pytest.mark.parametrize("ratio", [4, 8])
-def test_compressor_property_entries_and_streaming(ratio):
+def test_compressor_property_entries_and_streaming(ratio, gen):
     """S//m entries; feeding the tokens in pieces (decode) gives the same entries as one pass."""
     cfg = cfg_()
     c = randomize(Compressor(cfg, ratio, cfg.head_dim))
-    x = torch.randn(2, 29, cfg.dim)
+    x = torch.randn(2, 29, cfg.dim, generator=gen)
     full, _ = c(x, 0)
     assert full.shape[1] == 29 // ratio
     parts, state, pos = [], None, 0
@@ -127,7 +133,8 @@ def test_compressor_property_entries_and_streaming(ratio):
         out, state = c(x[:, pos:pos + n], pos, state)
         parts.append(out)
         pos += n
-    assert_close(torch.cat(parts, 1), full, 1e-6, "streamed compressor")
+    tol = STREAM_ULPS * torch.finfo(torch.float32).eps * full.abs().max().item()
+    assert_close(torch.cat(parts, 1), full, tol, "streamed compressor")
 
 
 # ------------------------------------------------------------------------------------------------ indexer
