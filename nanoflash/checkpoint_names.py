@@ -1,32 +1,41 @@
-"""The checkpoint name table: nanoflash FQN <-> official DeepSeek-V4 name <-> transformers name, plus storage.
+"""The one name table: nanoflash FQN <-> official DeepSeek-V4 name <-> transformers name <-> SGLang name, plus storage.
 
-A nanoflash parameter's FQN *is* its official checkpoint name (`layers.3.attn.wq_a.weight`), so the only
-difference between a model's `state_dict()` and the release is storage: the release keeps most linears as
-FP8 E4M3 (128x128 blocks) or packed FP4 (1x32 blocks) with a `.scale` sibling, the model keeps them
-dequantized. This module holds the one table that drives every rename, in both directions:
+A nanoflash parameter's FQN is (today, for every row) its official checkpoint name (`layers.3.attn.wq_a.weight`),
+so the difference between a model's `state_dict()` and the release is storage: the release keeps most linears
+as FP8 E4M3 (128x128 blocks) or packed FP4 (1x32 blocks) with a `.scale` sibling, the model keeps them
+dequantized. `NAME_TABLE` holds every tensor once, in four spellings and one storage kind:
 
-    official (= nanoflash)                    transformers DeepseekV4ForCausalLM (5.24)   storage
-    embed.weight                              model.embed_tokens.weight                   bf16
-    layers.{L}.attn.wq_a.weight               model.layers.{L}.self_attn.q_a_proj.weight  fp8
-    layers.{L}.ffn.experts.{E}.w1.weight      model.layers.{L}.mlp.experts.gate_up_proj   fp4, rows [E, :I]
-    layers.{L}.ffn.experts.{E}.w3.weight      model.layers.{L}.mlp.experts.gate_up_proj   fp4, rows [E, I:]
-    layers.{L}.ffn.experts.{E}.w2.weight      model.layers.{L}.mlp.experts.down_proj      fp4, [E]
-    ...
+    nanoflash = official       transformers 5.24                 SGLang                          storage
+    (block rows: suffixes of   layers.L.  /  model.layers.L.  /  model.layers.L.)
+    attn.wq_a.weight           self_attn.q_a_proj.weight         self_attn.wq_a.weight           fp8
+    ffn.gate.tid2eid           mlp.gate.tid2eid                  mlp.topk.tid2eid                int64
+    ffn.experts.E.w1.weight    mlp.experts.gate_up_proj [E, :I]  mlp.experts.E.gate_proj.weight  fp4
+    (whole names)
+    embed.weight               model.embed_tokens.weight         model.embed_tokens.weight       bf16
+    mtp.K.e_proj.weight        mtp.K.e_proj.weight               (not pushed)                    fp8
 
-Routed experts are the one many-to-one entry: transformers stacks them into `gate_up_proj [E, 2I, D]` (gate
-half first, `nn.Linear` orientation [out, in]) and `down_proj [E, D, I]`, so `official_to_hf` returns an
-`HFName(name, expert, half)` slot and `hf_to_official` takes that slot back. transformers builds no MTP
-module and ignores `mtp.*` on load; MTP names therefore keep their native spelling on the HF side.
+The nanoflash column is separate so that a parameter nanoflash stores differently from the release (stacked
+experts) changes one row, not a second table. The SGLang column is the HF-style spelling of Miles'
+`convert_deepseekv4_to_hf`, which SGLang's `DeepseekV4ForCausalLM.load_weights` accepts (rl_and_sglang.md §4.4);
+MTP has none: SGLang's main model skips `mtp.*`. An FP8 weight's scale travels as `<X>.weight_scale_inv` (fp32).
 
-Lookup is exact, not regex surgery: every numeric path segment is replaced by `#` and the resulting
-pattern is a dict key (`layers.#.attn.wq_a.weight`), the numbers are put back in order.
+Routed experts are the one many-to-one entry on the transformers side: it stacks them into `gate_up_proj
+[E, 2I, D]` (gate half first, `nn.Linear` orientation [out, in]) and `down_proj [E, D, I]`, so `official_to_hf`
+returns an `HFName(name, expert, half)` slot and `hf_to_official` takes that slot back. transformers builds no
+MTP module and ignores `mtp.*` on load; MTP names therefore keep their native spelling on the HF side.
+
+Lookup is exact, not regex surgery: every numeric path segment is replaced by `#` (`name_pattern`) and the
+resulting pattern is a dict key (`layers.#.attn.wq_a.weight`); `fill_pattern` puts the numbers back in order.
+Every module that renames (checkpoint I/O, the weight stream, the embedded server) goes through these two.
+
+Block sizes of the two quantized storages live here and only here (`FP8_BLOCK`, `FP4_BLOCK`); `quant.py` and
+the weight stream import them.
 
 `official_inventory(cfg)` lists every tensor the full model described by `cfg` holds, with its logical
-shape and storage kind (the spec's §3.2 tables, computed); `checkpoint_keys` adds the `.scale` siblings
-(69,187 names for the flash release). SGLang's loader accepts these native names as they are
-(`remap_weight_name_to_dpsk_hf_format`: `.scale` -> `.weight_scale_inv`, w1/w3/w2 -> gate/up/down_proj).
+shape (the spec's §3.2 tables, computed); `checkpoint_keys` adds the `.scale` siblings (69,187 names for the
+flash release).
 
-Tests: `pytest tests/test_checkpoint.py -q`.
+Tests: `pytest tests/test_checkpoint.py tests/test_weight_sync.py -q`.
 """
 from __future__ import annotations
 
@@ -34,76 +43,113 @@ from typing import NamedTuple
 
 import torch
 
-FP8_BLOCK = 128  # FP8 weights: one E8M0 scale per 128x128 block (spec §3.3)
+FP8_BLOCK = 128  # FP8 weights: one scale per 128x128 block (spec §3.3; SGLang's weight_block_size [128, 128])
 FP4_BLOCK = 32   # FP4 experts: one E8M0 scale per 1x32 block of inputs (spec §3.3)
 KINDS = ("fp8", "fp4", "bf16", "fp32", "int64")
 
-# (official suffix, transformers suffix, storage kind) for every tensor of a block (`layers.{L}.` / `mtp.{K}.`).
-BLOCK_TABLE = [
-    ("attn_norm.weight", "input_layernorm.weight", "bf16"),
-    ("ffn_norm.weight", "post_attention_layernorm.weight", "bf16"),
-    ("hc_attn_fn", "attn_hc.fn", "fp32"),
-    ("hc_attn_base", "attn_hc.base", "fp32"),
-    ("hc_attn_scale", "attn_hc.scale", "fp32"),
-    ("hc_ffn_fn", "ffn_hc.fn", "fp32"),
-    ("hc_ffn_base", "ffn_hc.base", "fp32"),
-    ("hc_ffn_scale", "ffn_hc.scale", "fp32"),
-    ("attn.attn_sink", "self_attn.sinks", "fp32"),
-    ("attn.wq_a.weight", "self_attn.q_a_proj.weight", "fp8"),
-    ("attn.q_norm.weight", "self_attn.q_a_norm.weight", "bf16"),
-    ("attn.wq_b.weight", "self_attn.q_b_proj.weight", "fp8"),
-    ("attn.wkv.weight", "self_attn.kv_proj.weight", "fp8"),
-    ("attn.kv_norm.weight", "self_attn.kv_norm.weight", "bf16"),
-    ("attn.wo_a.weight", "self_attn.o_a_proj.weight", "fp8"),  # FP8 in the release; see checkpoint.py
-    ("attn.wo_b.weight", "self_attn.o_b_proj.weight", "fp8"),
-    ("attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight", "bf16"),
-    ("attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight", "bf16"),
-    ("attn.compressor.ape", "self_attn.compressor.position_bias", "fp32"),
-    ("attn.compressor.norm.weight", "self_attn.compressor.kv_norm.weight", "bf16"),
-    ("attn.indexer.wq_b.weight", "self_attn.compressor.indexer.q_b_proj.weight", "fp8"),
-    ("attn.indexer.weights_proj.weight", "self_attn.compressor.indexer.scorer.weights_proj.weight", "bf16"),
-    ("attn.indexer.compressor.wkv.weight", "self_attn.compressor.indexer.kv_proj.weight", "bf16"),
-    ("attn.indexer.compressor.wgate.weight", "self_attn.compressor.indexer.gate_proj.weight", "bf16"),
-    ("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias", "fp32"),
-    ("attn.indexer.compressor.norm.weight", "self_attn.compressor.indexer.kv_norm.weight", "bf16"),
-    ("ffn.gate.weight", "mlp.gate.weight", "bf16"),
-    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias", "fp32"),
-    ("ffn.gate.tid2eid", "mlp.gate.tid2eid", "int64"),
-    ("ffn.experts.#.w1.weight", "mlp.experts.gate_up_proj", "fp4"),  # half 0 of the merged rows
-    ("ffn.experts.#.w3.weight", "mlp.experts.gate_up_proj", "fp4"),  # half 1
-    ("ffn.experts.#.w2.weight", "mlp.experts.down_proj", "fp4"),
-    ("ffn.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight", "fp8"),
-    ("ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight", "fp8"),
-    ("ffn.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight", "fp8"),
+
+class Row(NamedTuple):
+    """One tensor in four spellings. Block rows are suffixes under `layers.{L}.` (nanoflash, official),
+    `model.layers.{L}.` (transformers, SGLang); `#` stands for an expert index. `sglang` None: not pushed."""
+    nanoflash: str
+    official: str
+    hf: str
+    sglang: str | None
+    kind: str
+
+
+def _row(official: str, hf: str, sglang: str | None, kind: str, nanoflash: str | None = None) -> Row:
+    """A row whose nanoflash spelling is the official one unless given."""
+    return Row(nanoflash or official, official, hf, sglang, kind)
+
+
+BLOCK_TABLE = [  # official suffix, transformers suffix, SGLang suffix, release storage
+    _row("attn_norm.weight", "input_layernorm.weight", "input_layernorm.weight", "bf16"),
+    _row("ffn_norm.weight", "post_attention_layernorm.weight", "post_attention_layernorm.weight", "bf16"),
+    _row("hc_attn_fn", "attn_hc.fn", "hc_attn_fn", "fp32"),
+    _row("hc_attn_base", "attn_hc.base", "hc_attn_base", "fp32"),
+    _row("hc_attn_scale", "attn_hc.scale", "hc_attn_scale", "fp32"),
+    _row("hc_ffn_fn", "ffn_hc.fn", "hc_ffn_fn", "fp32"),
+    _row("hc_ffn_base", "ffn_hc.base", "hc_ffn_base", "fp32"),
+    _row("hc_ffn_scale", "ffn_hc.scale", "hc_ffn_scale", "fp32"),
+    _row("attn.attn_sink", "self_attn.sinks", "self_attn.attn_sink", "fp32"),
+    _row("attn.wq_a.weight", "self_attn.q_a_proj.weight", "self_attn.wq_a.weight", "fp8"),
+    _row("attn.q_norm.weight", "self_attn.q_a_norm.weight", "self_attn.q_norm.weight", "bf16"),
+    _row("attn.wq_b.weight", "self_attn.q_b_proj.weight", "self_attn.wq_b.weight", "fp8"),
+    _row("attn.wkv.weight", "self_attn.kv_proj.weight", "self_attn.wkv.weight", "fp8"),
+    _row("attn.kv_norm.weight", "self_attn.kv_norm.weight", "self_attn.kv_norm.weight", "bf16"),
+    _row("attn.wo_a.weight", "self_attn.o_a_proj.weight", "self_attn.wo_a.weight", "fp8"),  # see checkpoint.py
+    _row("attn.wo_b.weight", "self_attn.o_b_proj.weight", "self_attn.wo_b.weight", "fp8"),
+    _row("attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight",
+         "self_attn.compressor.wkv.weight", "bf16"),
+    _row("attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight",
+         "self_attn.compressor.wgate.weight", "bf16"),
+    _row("attn.compressor.ape", "self_attn.compressor.position_bias", "self_attn.compressor.ape", "fp32"),
+    _row("attn.compressor.norm.weight", "self_attn.compressor.kv_norm.weight",
+         "self_attn.compressor.norm.weight", "bf16"),
+    _row("attn.indexer.wq_b.weight", "self_attn.compressor.indexer.q_b_proj.weight",
+         "self_attn.indexer.wq_b.weight", "fp8"),
+    _row("attn.indexer.weights_proj.weight", "self_attn.compressor.indexer.scorer.weights_proj.weight",
+         "self_attn.indexer.weights_proj.weight", "bf16"),
+    _row("attn.indexer.compressor.wkv.weight", "self_attn.compressor.indexer.kv_proj.weight",
+         "self_attn.indexer.compressor.wkv.weight", "bf16"),
+    _row("attn.indexer.compressor.wgate.weight", "self_attn.compressor.indexer.gate_proj.weight",
+         "self_attn.indexer.compressor.wgate.weight", "bf16"),
+    _row("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias",
+         "self_attn.indexer.compressor.ape", "fp32"),
+    _row("attn.indexer.compressor.norm.weight", "self_attn.compressor.indexer.kv_norm.weight",
+         "self_attn.indexer.compressor.norm.weight", "bf16"),
+    _row("ffn.gate.weight", "mlp.gate.weight", "mlp.gate.weight", "bf16"),
+    _row("ffn.gate.bias", "mlp.gate.e_score_correction_bias", "mlp.gate.e_score_correction_bias", "fp32"),
+    _row("ffn.gate.tid2eid", "mlp.gate.tid2eid", "mlp.topk.tid2eid", "int64"),
+    _row("ffn.experts.#.w1.weight", "mlp.experts.gate_up_proj", "mlp.experts.#.gate_proj.weight", "fp4"),  # HF half 0
+    _row("ffn.experts.#.w3.weight", "mlp.experts.gate_up_proj", "mlp.experts.#.up_proj.weight", "fp4"),    # HF half 1
+    _row("ffn.experts.#.w2.weight", "mlp.experts.down_proj", "mlp.experts.#.down_proj.weight", "fp4"),
+    _row("ffn.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight",
+         "mlp.shared_experts.gate_proj.weight", "fp8"),
+    _row("ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight",
+         "mlp.shared_experts.down_proj.weight", "fp8"),
+    _row("ffn.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight",
+         "mlp.shared_experts.up_proj.weight", "fp8"),
 ]
-# Top-level tensors, and the extra tensors of an MTP block (prefix `mtp.{K}.`, same spelling on both sides).
-TOP_TABLE = [
-    ("embed.weight", "model.embed_tokens.weight", "bf16"),
-    ("head.weight", "lm_head.weight", "bf16"),
-    ("norm.weight", "model.norm.weight", "bf16"),
-    ("hc_head_fn", "model.hc_head.hc_fn", "fp32"),
-    ("hc_head_base", "model.hc_head.hc_base", "fp32"),
-    ("hc_head_scale", "model.hc_head.hc_scale", "fp32"),
+TOP_TABLE = [  # whole names
+    _row("embed.weight", "model.embed_tokens.weight", "model.embed_tokens.weight", "bf16"),
+    _row("head.weight", "lm_head.weight", "lm_head.weight", "bf16"),
+    _row("norm.weight", "model.norm.weight", "model.norm.weight", "bf16"),
+    _row("hc_head_fn", "model.hc_head.hc_fn", "model.hc_head_fn", "fp32"),
+    _row("hc_head_base", "model.hc_head.hc_base", "model.hc_head_base", "fp32"),
+    _row("hc_head_scale", "model.hc_head.hc_scale", "model.hc_head_scale", "fp32"),
 ]
-MTP_EXTRA = [("e_proj.weight", "fp8"), ("h_proj.weight", "fp8"), ("enorm.weight", "bf16"),
-             ("hnorm.weight", "bf16"), ("norm.weight", "bf16"), ("hc_head_fn", "fp32"),
-             ("hc_head_base", "fp32"), ("hc_head_scale", "fp32")]
+# The extra tensors of an MTP block (prefix `mtp.{K}.`), same spelling on the HF side, never pushed.
+MTP_EXTRA = [_row(o, o, None, k) for o, k in [
+    ("e_proj.weight", "fp8"), ("h_proj.weight", "fp8"), ("enorm.weight", "bf16"), ("hnorm.weight", "bf16"),
+    ("norm.weight", "bf16"), ("hc_head_fn", "fp32"), ("hc_head_base", "fp32"), ("hc_head_scale", "fp32")]]
 _HALF = {"w1": 0, "w3": 1}  # position of each expert matrix inside transformers' gate_up_proj rows
 
 
-def _rows():
-    """(official pattern, hf pattern, kind) over the whole model; `#` stands for a layer/expert/MTP index."""
+def _whole(r: Row, mine: str, hf: str, sglang: str | None) -> Row:
+    return Row(mine + r.nanoflash, mine + r.official, hf + r.hf, None if sglang is None else sglang + r.sglang,
+               r.kind)
+
+
+def _table() -> list[Row]:
+    """NAME_TABLE: every row with whole-name patterns; `#` stands for a layer / expert / MTP index."""
     rows = list(TOP_TABLE)
-    rows += [("layers.#." + o, "model.layers.#." + h, k) for o, h, k in BLOCK_TABLE]
-    rows += [("mtp.#." + o, "mtp.#." + o, k) for o, _, k in BLOCK_TABLE]
-    rows += [("mtp.#." + o, "mtp.#." + o, k) for o, k in MTP_EXTRA]
+    rows += [_whole(r, "layers.#.", "model.layers.#.", "model.layers.#.") for r in BLOCK_TABLE]
+    rows += [_whole(Row(r.nanoflash, r.official, r.official, None, r.kind), "mtp.#.", "mtp.#.", None)
+             for r in BLOCK_TABLE + MTP_EXTRA]
     return rows
 
 
-_TO_HF = {o: (h, k) for o, h, k in _rows()}
+NAME_TABLE = _table()
+_BY_OFFICIAL = {r.official: r for r in NAME_TABLE}
+_BY_NANOFLASH = {r.nanoflash: r for r in NAME_TABLE}
+_BY_SGLANG = {r.sglang: r for r in NAME_TABLE if r.sglang is not None}
 _TO_OFFICIAL = {}
-for _o, _h, _k in _rows():
-    _TO_OFFICIAL.setdefault(_h, []).append(_o)  # gate_up_proj has two official patterns (w1, w3)
+for _r in NAME_TABLE:
+    _TO_OFFICIAL.setdefault(_r.hf, []).append(_r.official)  # gate_up_proj has two official patterns (w1, w3)
+assert len(_BY_OFFICIAL) == len(_BY_NANOFLASH) == len(NAME_TABLE), "NAME_TABLE spells a tensor twice"
+assert len(_BY_SGLANG) == sum(r.sglang is not None for r in NAME_TABLE), "two rows share an SGLang name"
 
 
 class HFName(NamedTuple):
@@ -113,42 +159,77 @@ class HFName(NamedTuple):
     half: int | None = None    # gate_up_proj only: 0 = gate (w1), 1 = up (w3)
 
 
-def _pattern(name: str) -> tuple[str, list[str]]:
+def name_pattern(name: str) -> tuple[str, list[str]]:
     """`layers.3.ffn.experts.7.w1.weight` -> (`layers.#.ffn.experts.#.w1.weight`, ["3", "7"])."""
     parts = name.split(".")
     nums = [p for p in parts if p.isdigit()]
     return ".".join("#" if p.isdigit() else p for p in parts), nums
 
 
-def _fill(pattern: str, nums: list[str]) -> str:
-    out = []
-    for p in pattern.split("."):
-        out.append(nums.pop(0) if p == "#" else p)
-    return ".".join(out)
+def fill_pattern(pattern: str, nums: list[str]) -> str:
+    """Inverse of `name_pattern`: put the numbers back into the `#` slots, in order."""
+    nums = list(nums)
+    return ".".join(nums.pop(0) if p == "#" else p for p in pattern.split("."))
 
 
 def _lookup(name: str) -> tuple[str, list[str]]:
-    pat, nums = _pattern(name)
-    if pat not in _TO_HF:
+    pat, nums = name_pattern(name)
+    if pat not in _BY_OFFICIAL:
         raise KeyError(f"{name!r} is not a DeepSeek-V4 checkpoint name (pattern {pat!r} is not in the table)")
     return pat, nums
+
+
+def official_name(nanoflash_name: str) -> str:
+    """nanoflash FQN -> official checkpoint name (the nanoflash column -> the official column)."""
+    pat, nums = name_pattern(nanoflash_name)
+    if pat not in _BY_NANOFLASH:
+        raise KeyError(f"{nanoflash_name!r} is not a nanoflash parameter name (pattern {pat!r} not in the table)")
+    return fill_pattern(_BY_NANOFLASH[pat].official, nums)
+
+
+def nanoflash_name(official: str) -> str:
+    """Official checkpoint name -> nanoflash FQN (inverse of `official_name`)."""
+    pat, nums = _lookup(official)
+    return fill_pattern(_BY_OFFICIAL[pat].nanoflash, nums)
+
+
+SCALE_INV = "_scale_inv"  # SGLang's FP8 scale sibling of X.weight is X.weight_scale_inv
+
+
+def to_sglang(name: str) -> str:
+    """Official name -> SGLang HF-style name; `X.weight_scale_inv` (the scale of official X.weight) stays one."""
+    scale = name.endswith(".weight" + SCALE_INV)
+    pat, nums = name_pattern(name[: -len(SCALE_INV)] if scale else name)
+    row = _BY_OFFICIAL.get(pat)
+    if row is None or row.sglang is None:
+        raise KeyError(f"{name!r} has no SGLang name (not a backbone tensor; MTP is not pushed)")
+    return fill_pattern(row.sglang, nums) + (SCALE_INV if scale else "")
+
+
+def from_sglang(name: str) -> str:
+    """SGLang HF-style name -> official name (inverse of `to_sglang`)."""
+    scale = name.endswith(".weight" + SCALE_INV)
+    pat, nums = name_pattern(name[: -len(SCALE_INV)] if scale else name)
+    if pat not in _BY_SGLANG:
+        raise KeyError(f"{name!r} is not a DeepSeek-V4 SGLang weight name")
+    return fill_pattern(_BY_SGLANG[pat].official, nums) + (SCALE_INV if scale else "")
 
 
 def official_to_hf(name: str) -> HFName:
     """Official/nanoflash name -> transformers name (+ expert slot for routed experts)."""
     pat, nums = _lookup(name)
-    hf_pat, _ = _TO_HF[pat]
+    hf_pat = _BY_OFFICIAL[pat].hf
     if pat.startswith("layers.") and ".experts.#." in pat:  # merged on the HF side (MTP is not)
         layer, expert = nums
         leaf = pat.split(".")[-2]
-        return HFName(_fill(hf_pat, [layer]), int(expert), _HALF.get(leaf))
-    return HFName(_fill(hf_pat, nums))
+        return HFName(fill_pattern(hf_pat, [layer]), int(expert), _HALF.get(leaf))
+    return HFName(fill_pattern(hf_pat, nums))
 
 
 def hf_to_official(hf: HFName | str) -> str:
     """transformers name (an `HFName` slot for merged experts) -> official/nanoflash name."""
     hf = HFName(hf) if isinstance(hf, str) else hf
-    pat, nums = _pattern(hf.name)
+    pat, nums = name_pattern(hf.name)
     if pat not in _TO_OFFICIAL:
         raise KeyError(f"{hf.name!r} is not a transformers DeepseekV4ForCausalLM tensor name")
     cands = _TO_OFFICIAL[pat]
@@ -157,14 +238,14 @@ def hf_to_official(hf: HFName | str) -> str:
             raise KeyError(f"{hf.name!r} is a merged expert tensor: give expert (and half for gate_up_proj), got {hf}")
         leaf = "w2" if hf.name.endswith("down_proj") else ("w1", "w3")[hf.half]
         (off,) = [c for c in cands if c.split(".")[-2] == leaf]
-        return _fill(off, nums + [str(hf.expert)])
-    return _fill(cands[0], nums)
+        return fill_pattern(off, nums + [str(hf.expert)])
+    return fill_pattern(cands[0], nums)
 
 
 def release_kind(name: str) -> str:
     """Storage of `name` in the official FP8+FP4 release: fp8 | fp4 | bf16 | fp32 | int64."""
     pat, _ = _lookup(name)
-    return _TO_HF[pat][1]
+    return _BY_OFFICIAL[pat].kind
 
 
 def storage_kind(name: str, cfg) -> str:

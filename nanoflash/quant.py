@@ -48,10 +48,10 @@ import functools
 
 import torch
 
+from nanoflash.checkpoint_names import FP4_BLOCK, FP8_BLOCK  # noqa: F401  (defined once: 128x128 and 1x32)
+
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 E2M1_MAX = 6.0  # largest FP4 e2m1 value
-FP8_BLOCK = 128  # FP8 weight blocks are 128x128
-FP4_BLOCK = 32  # FP4 weight/activation blocks are 1x32 along the input dim
 # nibble -> value; bit 3 is the sign (codes 8..15 are the negatives of 0..7, 8 is -0)
 FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)

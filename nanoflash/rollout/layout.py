@@ -12,9 +12,9 @@ Two jobs:
        layers.L.ffn.experts.E.w1|w3|w2 -> ...mlp.experts.E.gate_proj|up_proj|down_proj
        FP8 scale of X.weight -> X.weight_scale_inv (fp32, the dequant multiplier)
 
-   `SGLANG_BLOCK` / `SGLANG_TOP` are the explicit table (official suffix -> SGLang suffix); its rows are
-   checked against `checkpoint_names.BLOCK_TABLE` so a new tensor cannot be forgotten. MTP (`mtp.*`) is not
-   pushed: SGLang's main model skips those names silently (sglang_loader_check.md).
+   The spellings are the SGLang column of the one name table, `checkpoint_names.NAME_TABLE`; `to_sglang` /
+   `from_sglang` live there and are re-exported here. MTP (`mtp.*`) has no SGLang name and is not pushed:
+   SGLang's main model skips those names silently (sglang_loader_check.md).
 
 2. **The loader's internal layout** (`LoaderState.load`, one call = one `load_weights` call = one bucket):
 
@@ -45,45 +45,8 @@ import hashlib
 
 import torch
 
-from nanoflash.checkpoint_names import BLOCK_TABLE, storage_kind
+from nanoflash.checkpoint_names import from_sglang, name_pattern, storage_kind, to_sglang  # noqa: F401 (re-exported)
 
-# official block suffix -> SGLang HF-style suffix (Miles `convert_deepseekv4_to_hf`), prefix layers.L.
-SGLANG_BLOCK = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "hc_attn_fn": "hc_attn_fn", "hc_attn_base": "hc_attn_base", "hc_attn_scale": "hc_attn_scale",
-    "hc_ffn_fn": "hc_ffn_fn", "hc_ffn_base": "hc_ffn_base", "hc_ffn_scale": "hc_ffn_scale",
-    "attn.attn_sink": "self_attn.attn_sink",
-    "attn.wq_a.weight": "self_attn.wq_a.weight", "attn.q_norm.weight": "self_attn.q_norm.weight",
-    "attn.wq_b.weight": "self_attn.wq_b.weight", "attn.wkv.weight": "self_attn.wkv.weight",
-    "attn.kv_norm.weight": "self_attn.kv_norm.weight", "attn.wo_a.weight": "self_attn.wo_a.weight",
-    "attn.wo_b.weight": "self_attn.wo_b.weight",
-    "attn.compressor.wkv.weight": "self_attn.compressor.wkv.weight",
-    "attn.compressor.wgate.weight": "self_attn.compressor.wgate.weight",
-    "attn.compressor.ape": "self_attn.compressor.ape",
-    "attn.compressor.norm.weight": "self_attn.compressor.norm.weight",
-    "attn.indexer.wq_b.weight": "self_attn.indexer.wq_b.weight",
-    "attn.indexer.weights_proj.weight": "self_attn.indexer.weights_proj.weight",
-    "attn.indexer.compressor.wkv.weight": "self_attn.indexer.compressor.wkv.weight",
-    "attn.indexer.compressor.wgate.weight": "self_attn.indexer.compressor.wgate.weight",
-    "attn.indexer.compressor.ape": "self_attn.indexer.compressor.ape",
-    "attn.indexer.compressor.norm.weight": "self_attn.indexer.compressor.norm.weight",
-    "ffn.gate.weight": "mlp.gate.weight",
-    "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
-    "ffn.gate.tid2eid": "mlp.topk.tid2eid",
-    "ffn.experts.#.w1.weight": "mlp.experts.#.gate_proj.weight",
-    "ffn.experts.#.w3.weight": "mlp.experts.#.up_proj.weight",
-    "ffn.experts.#.w2.weight": "mlp.experts.#.down_proj.weight",
-    "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
-    "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
-    "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
-}
-SGLANG_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
-              "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head_fn",
-              "hc_head_base": "model.hc_head_base", "hc_head_scale": "model.hc_head_scale"}
-assert set(SGLANG_BLOCK) == {o for o, _, _ in BLOCK_TABLE}, "SGLANG_BLOCK must cover checkpoint_names.BLOCK_TABLE"
-_FROM_BLOCK = {v: k for k, v in SGLANG_BLOCK.items()}
-_FROM_TOP = {v: k for k, v in SGLANG_TOP.items()}
 # SGLang keeps these BF16/F32 even in an FP8 deployment (rl_and_sglang.md §4.5): only wo_a differs from the
 # release's storage kinds (the release has it FP8; SGLang with SGLANG_OPT_FP8_WO_A_GEMM=0 builds it BF16).
 KEEP_BF16_IN_FP8 = ("attn.wo_a.weight",)
@@ -105,45 +68,13 @@ _STACKED = {"gate_proj.weight": ("w13_weight", 0), "up_proj.weight": ("w13_weigh
 
 
 def _split(name: str):
-    """`layers.3.attn.wq_a.weight` -> ("layers.3.", "attn.wq_a.weight") with expert ids turned into `#`."""
-    parts = name.split(".")
-    if parts[0] == "layers" or parts[:2] == ["model", "layers"]:
-        k = 2 if parts[0] == "layers" else 3
-        rest = parts[k:]
-        nums = [p for p in rest if p.isdigit()]
-        return ".".join(parts[:k]) + ".", ".".join("#" if p.isdigit() else p for p in rest), nums
-    return "", name, []
-
-
-def _fill(pattern: str, nums: list) -> str:
-    nums = list(nums)
-    return ".".join(nums.pop(0) if p == "#" else p for p in pattern.split("."))
-
-
-def _rename(name: str, top: dict, block: dict, prefix_in: str, prefix_out: str, unknown: str) -> str:
-    """Shared by both directions: look the name up in `top`, else map its block suffix through `block` and
-    swap the layer prefix; a `.weight_scale_inv` sibling is renamed like its weight."""
-    scale = name.endswith(".weight_scale_inv")
-    base = name[: -len("_scale_inv")] if scale else name
-    if base in top:
-        out = top[base]
-    else:
-        prefix, pat, nums = _split(base)
-        if not prefix.startswith(prefix_in) or pat not in block:
-            raise KeyError(f"{name!r} {unknown}")
-        out = prefix_out + prefix[len(prefix_in):] + _fill(block[pat], nums)
-    return out + ("_scale_inv" if scale else "")
-
-
-def to_sglang(name: str) -> str:
-    """Official/nanoflash name -> SGLang HF-style name (a `weight_scale_inv` sibling stays one)."""
-    return _rename(name, SGLANG_TOP, SGLANG_BLOCK, "layers.", "model.layers.",
-                   "has no SGLang name (not a backbone tensor; MTP is not pushed)")
-
-
-def from_sglang(name: str) -> str:
-    """SGLang HF-style name -> official/nanoflash name (inverse of `to_sglang`)."""
-    return _rename(name, _FROM_TOP, _FROM_BLOCK, "model.layers.", "layers.", "is not a DeepSeek-V4 SGLang weight name")
+    """`model.layers.3.mlp.experts.5.gate_proj.weight` -> ("model.layers.3.", "mlp.experts.#.gate_proj.weight",
+    ["5"]): the layer prefix kept, the other indices turned into `#` (official `layers.3.` names alike)."""
+    pat, nums = name_pattern(name)
+    for lead in ("layers.#.", "model.layers.#."):
+        if pat.startswith(lead):
+            return lead.replace("#", nums[0]), pat[len(lead):], nums[1:]
+    return "", pat, nums
 
 
 def sglang_fp8(name: str, cfg) -> bool:
