@@ -70,6 +70,7 @@ class ModelConfig:
     # nanoflash switches.
     qat: bool = False                 # simulate the official FP8/FP4 activation quantization (straight-through)
     attn_chunk: int = 1024            # queries per attention chunk (memory knob; results do not depend on it)
+    kernels: str = "auto"             # attention path: auto (Triton on CUDA bf16 training) | reference | triton
 
     def __post_init__(self):
         self.compress_ratios = tuple(int(r) for r in self.compress_ratios)
@@ -89,6 +90,8 @@ class ModelConfig:
             raise ValueError(f"V4 has exactly one shared expert, got n_shared_experts={self.n_shared_experts}")
         if self.score_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
             raise ValueError(f"unknown score_func {self.score_func!r}")
+        if self.kernels not in ("auto", "reference", "triton"):
+            raise ValueError(f"ModelConfig.kernels must be auto|reference|triton, got {self.kernels!r}")
 
     # ---------------------------------------------------------------- loading
     @classmethod

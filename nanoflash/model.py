@@ -17,6 +17,8 @@ How this differs from the official inference code (`inference/model.py`):
   `cfg.qat` is on; off by default, giving a "clean" reference.
 * Attention is a dense masked softmax over [window keys | compressed keys] computed in query chunks; the
   official code gathers the selected keys in a TileLang kernel. Same set of keys, same single softmax.
+  `cfg.kernels` (`use_kernels`) hands training forwards on CUDA to `nanoflash.kernels` (Triton), which
+  gathers the same keys and computes the indexer's top-k without the [S,heads,C] tensor.
 * Decoding: `new_cache()` + `forward(ids, start_pos, cache)` feeds the same functions with the kept window,
   compressor remainder and compressed entries; there is no second implementation of the math.
 * No distributed code: expert / pipeline parallelism are applied to a built model by `nanoflash.parallel`.
@@ -240,7 +242,8 @@ class Indexer(nn.Module):
 
     Top-k is not differentiable: the indexer gets no gradient (as in every V4 trainer).
 
-    Shapes: x [B,S,D], qr [B,S,q_lora_rank] -> keep mask [B,S,C] bool (+ keys [B,C,dI] for the cache)
+    Shapes: x [B,S,D], qr [B,S,q_lora_rank] -> keep mask [B,S,C] bool (+ keys [B,C,dI] for the cache);
+            with fast=True the kept entries as an index list [B,S,min(k,C)] int32, -1 = none
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -250,7 +253,7 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.dim, cfg.index_n_heads)
         self.compressor = Compressor(cfg, 4, cfg.index_head_dim, rotate=True)
 
-    def forward(self, x, qr, start_pos: int, keys_before: Optional[torch.Tensor], state=None):
+    def forward(self, x, qr, start_pos: int, keys_before: Optional[torch.Tensor], state=None, fast=False):
         cfg, (B, S, _) = self.cfg, x.shape
         pos = torch.arange(start_pos, start_pos + S, device=x.device)
         q = self.wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))    # [B,S,HI,dI]
@@ -260,6 +263,9 @@ class Indexer(nn.Module):
         new_keys, state = self.compressor(x, start_pos, state)
         keys = new_keys if keys_before is None else torch.cat([keys_before, new_keys], 1)  # [B,C,dI]
         w = self.weights_proj(x).float() * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+        if fast:   # nanoflash.kernels: fused scores, torch.topk on [B,S,C], the same tie-break
+            from nanoflash.kernels import indexer_topk
+            return indexer_topk(q, keys, w.detach(), start_pos, cfg.index_topk), keys, state
         with torch.no_grad():
             score = torch.einsum("bshd,bcd->bshc", q.float(), keys.float()).relu()     # [B,S,HI,C]
             score = (score * w.detach()[..., None]).sum(2)                              # [B,S,C]
@@ -295,6 +301,16 @@ def sink_attention(q, keys, key_mask, sink, scale):
     sink_col = sink.float()[None, :, None, None].expand(*logits.shape[:3], 1)         # [B,H,s,1]
     p = torch.cat([logits, sink_col], -1).softmax(-1)[..., :-1]                        # [B,H,s,L]
     return torch.einsum("bhsl,bld->bshd", p, keys.float()).to(q.dtype)
+
+
+def use_kernels(cfg: ModelConfig, q: torch.Tensor, cache: Optional[LayerCache]) -> bool:
+    """The attention seam: True hands the indexer top-k and the attention to `nanoflash.kernels` (Triton).
+    cfg.kernels "auto": bf16/fp16 on CUDA without a decode cache (training forward and backward);
+    "triton": wherever there is no decode cache (the CPU tests run it under TRITON_INTERPRET=1);
+    "reference": never (matched precision; deterministic backward). Decoding always keeps the reference."""
+    if cfg.kernels == "reference" or cache is not None:
+        return False
+    return cfg.kernels == "triton" or (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16))
 
 
 class Attention(nn.Module):
@@ -335,10 +351,11 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)                            # [B,S,Dh]
         if cfg.qat:
             kv = fp8_sim_nope(kv, cfg.rope_head_dim)
+        fast = use_kernels(cfg, q, cache)
         cache = cache if cache is not None else LayerCache()
         window = kv if cache.window is None else torch.cat([cache.window, kv], 1)      # [B,Lw,Dh]
-        comp, keep = self.compressed_keys(x, qr, start_pos, cache)
-        o = self.attend(q, start_pos, window, comp, keep)                               # [B,S,H,Dh]
+        comp, keep = self.compressed_keys(x, qr, start_pos, cache, fast)
+        o = self.attend(q, start_pos, window, comp, keep, fast)                         # [B,S,H,Dh]
         cache.window = window[:, -(cfg.window_size - 1):] if cfg.window_size > 1 else window[:, :0]
         o = apply_rope(o, cos, sin, inverse=True)
         o = o.flatten(2).unflatten(-1, (cfg.o_groups, -1))                              # [B,S,G,H*Dh/G]
@@ -346,8 +363,9 @@ class Attention(nn.Module):
         z = torch.einsum("bsgd,grd->bsgr", o.to(wo_a.dtype), wo_a)                     # [B,S,G,r_o]
         return self.wo_b(z.flatten(2))
 
-    def compressed_keys(self, x, qr, start_pos, cache: LayerCache):
-        """Compressed entries (cached + new) and which of them each query keeps. -> [B,C,Dh], [B|1,S,C]"""
+    def compressed_keys(self, x, qr, start_pos, cache: LayerCache, fast=False):
+        """Compressed entries (cached + new) and which of them each query keeps. -> [B,C,Dh], [B|1,S,C] bool
+        (fast: the kept entries as an index list [B|1,S,K], -1 padded)"""
         if not self.ratio:
             return None, None
         new, cache.comp_state = self.compressor(x, start_pos, cache.comp_state)
@@ -355,14 +373,21 @@ class Attention(nn.Module):
         cache.comp = comp
         if self.ratio == 4:
             keep, cache.index_keys, cache.index_state = self.indexer(
-                x, qr, start_pos, cache.index_keys, cache.index_state)
+                x, qr, start_pos, cache.index_keys, cache.index_state, fast)
         else:
             pos = torch.arange(start_pos, start_pos + x.shape[1], device=x.device)
             keep = (torch.arange(comp.shape[1], device=x.device)[None] < (pos[:, None] + 1) // self.ratio)[None]
+            if fast:
+                keep = torch.where(keep, torch.arange(comp.shape[1], device=x.device), -1)   # [1,S,C]
         return comp, keep
 
-    def attend(self, q, start_pos: int, window, comp, keep):
-        """Chunk the queries; each chunk sees its window slice and the compressed entries it keeps."""
+    def attend(self, q, start_pos: int, window, comp, keep, fast=False):
+        """Chunk the queries; each chunk sees its window slice and the compressed entries it keeps.
+        fast (no decode cache, so window = this call's kv): the kernel gathers the same keys instead."""
+        if fast:
+            from nanoflash.kernels import sparse_attention
+            return sparse_attention(q, window, self.attn_sink, self.cfg.head_dim ** -0.5, self.cfg.window_size,
+                                    comp, keep)
         W, S, out = self.cfg.window_size, q.shape[1], []
         first = start_pos + S - window.shape[1]                       # position of window[:, 0]
         for a in range(0, S, self.cfg.attn_chunk):

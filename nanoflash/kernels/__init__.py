@@ -1,0 +1,21 @@
+"""Triton kernels for the two hot spots of V4 attention; `nanoflash/model.py` stays the readable reference.
+
+    attention.py  sparse_attention: one softmax with a per-head sink over, per query, the sliding window
+                  [t-W+1, t] of the shared K=V head plus a -1 padded list of selected compressed entries;
+                  forward and backward (dQ, dKV, dComp, dSink), bf16 MMA with fp32 accumulation.
+    indexer.py    indexer_topk: the lightning indexer's scores for each query's visible entries, fused
+                  (no [S, heads, C] tensor), then top-k with the reference's tie-break (lower index wins).
+
+Which path runs is one config switch, `ModelConfig.kernels` (read by `model.use_kernels`):
+    "auto"       Triton on CUDA for bf16/fp16 training forwards (no decode cache), the reference elsewhere;
+    "reference"  always model.py (matched precision forces this: train.py sets it);
+    "triton"     these kernels wherever there is no decode cache, also on CPU under TRITON_INTERPRET=1 (tests).
+
+Triton reads TRITON_INTERPRET when it is first imported, so this package imports it lazily inside the
+modules below and the CPU tests run the kernels in a subprocess (`tests/test_kernels_attention.py`).
+"""
+from nanoflash.kernels.attention import sparse_attention, window_and_selection_mask
+from nanoflash.kernels.indexer import index_scores, indexer_topk, topk_lower_index_wins
+
+__all__ = ["sparse_attention", "window_and_selection_mask", "index_scores", "indexer_topk",
+           "topk_lower_index_wins"]

@@ -1,0 +1,279 @@
+"""V4 sparse attention in Triton: each query attends to its window and to a list of compressed entries.
+
+What one query t (of B*S) and head h compute -- the same function as `model.sink_attention` over the keys
+`model.Attention.attend` masks in, but touching only the keys that are used:
+
+    keys(t)  = kv[t-W+1 .. t]  (the sliding window, rows < 0 dropped)  U  comp[sel[t, :]]  (sel -1 padded)
+    l_j      = scale * q_h . k_j                                   (K = V: one shared head of dim Dh)
+    p_j      = exp(l_j) / (sum_j exp(l_j) + exp(sink_h))           (the sink only adds to the denominator)
+    o_h      = sum_j p_j k_j,        lse_h = log(sum_j exp(l_j) + exp(sink_h))
+
+Forward (`_fwd`): one program per (query, block of heads) loads q [BH, Dh] once and streams the keys in
+blocks of BK rows -- contiguous rows for the window, gathered rows for the selection -- through an online
+softmax that starts from the sink (m = sink, l = 1), so a query with no keys returns 0 and no -inf appears.
+Dots run on the tensor cores in the input dtype (bf16) with fp32 accumulation; p is rounded to the input
+dtype for the p.v dot (as in FlashAttention). Only o and lse [B,S,H] are saved: activation memory is
+O(S (W + k)) (the index list) instead of the reference's O(S^2) masks and logits.
+
+Backward (`_bwd`), with delta_h = dO_h . o_h (computed in the kernel) and ds_j = p_j (dO . k_j - delta):
+
+    dq_h   = scale * sum_j ds_j k_j
+    dkv_j  = sum_h p_j dO_h + scale * ds_j q_h      (V and K are the same tensor: both terms land in one)
+    dsink_h = -sum_t exp(sink_h - lse_h) delta_h    (torch, from the kernel's delta)
+
+dq is accumulated in registers per query. dkv rows are shared by many queries, so they are added with fp32
+atomics (`fused=True`: one kernel does both; `fused=False`: a dq kernel and a dkv kernel, which lowers the
+register pressure of each at the cost of recomputing p). Atomics make dkv's last bits depend on the order of
+addition: the deterministic path is the reference (`ModelConfig.kernels="reference"`).
+
+Shapes: q [B,S,H,Dh], kv [B,S,Dh], comp [B,C,Dh], sel [B|1,S,K] int (entries < C, -1 = none), sink [H]
+        -> o [B,S,H,Dh] (q's dtype)
+
+Tests: `pytest tests/test_kernels_attention.py` (CPU, Triton interpreter) and
+`tests/test_kernels_attention_gpu.py` (H200, real geometry). Speed: `bench/bench_attention.py`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+# Launch configurations (BLOCK_H heads x BLOCK_K keys per step, warps, pipeline stages), chosen by
+# bench/bench_attention.py on an H200 at 64 heads x 512 (docs/benchmarks.md); small shapes get small blocks.
+FWD_CONFIG = dict(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2)
+BWD_CONFIG = dict(fused=False, BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=1)
+MIN_DOT = 16   # tl.dot needs every dimension >= 16
+
+
+@triton.jit
+def _keys(SEL, base_sel, t, W, n_sel, n_win, stride_kv, stride_c, blk, BLOCK_K: tl.constexpr):
+    """Block `blk` of query t's key list: window blocks first (rows of kv), then selection blocks (rows of
+    comp). -> (row offsets [BK] int64 times the row stride, valid [BK])"""
+    offs = tl.arange(0, BLOCK_K)
+    if blk < n_win:
+        rows = tl.maximum(t - W + 1, 0) + blk * BLOCK_K + offs
+        valid = rows <= t
+        off = rows.to(tl.int64) * stride_kv
+    else:
+        pos = (blk - n_win) * BLOCK_K + offs
+        valid = pos < n_sel
+        off = tl.load(SEL + base_sel + pos, mask=valid, other=0).to(tl.int64) * stride_c
+    return off, valid
+
+
+@triton.jit
+def _fwd(Q, KV, COMP, SEL, NSEL, SINK, O, LSE,
+         sq_b, sq_s, sq_h, skv_b, skv_s, sc_b, sc_c, ss_b, ss_s, sn_b,
+         S, H, D, W, scale_log2,
+         HAS_COMP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+         PREC: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    b, t = pid // S, pid % S
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h, mask_d = offs_h < H, offs_d < D
+    q_ptr = Q + b * sq_b + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :]
+    q = tl.load(q_ptr, mask=mask_h[:, None] & mask_d[None, :], other=0.0)              # [BH,BD]
+    m = tl.load(SINK + offs_h, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
+    l = tl.full([BLOCK_H], 1.0, tl.float32)                                            # the sink's exp(0)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    n_win = tl.cdiv(t - tl.maximum(t - W + 1, 0) + 1, BLOCK_K)
+    n_sel = 0
+    if HAS_COMP:
+        n_sel = tl.load(NSEL + b * sn_b + t)
+    for blk in range(0, n_win + tl.cdiv(n_sel, BLOCK_K)):
+        off, valid = _keys(SEL, b * ss_b + t * ss_s, t, W, n_sel, n_win, skv_s, sc_c, blk, BLOCK_K)
+        src = KV + b * skv_b if blk < n_win else COMP + b * sc_b
+        k = tl.load(src + off[:, None] + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BK,BD]
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2                  # [BH,BK] log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
+        m = m_new
+    o = acc / l[:, None]
+    o_ptr = O + b * sq_b + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :]
+    tl.store(o_ptr, o.to(O.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(LSE + pid * H + offs_h, m + tl.log2(l), mask=mask_h)                      # log2 units
+
+
+@triton.jit
+def _bwd(Q, KV, COMP, SEL, NSEL, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
+         sq_b, sq_s, sq_h, skv_b, skv_s, sc_b, sc_c, ss_b, ss_s, sn_b,
+         S, H, D, W, scale, scale_log2,
+         HAS_COMP: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, BLOCK_H: tl.constexpr,
+         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    b, t = pid // S, pid % S
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h, mask_d = offs_h < H, offs_d < D
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+    row = b * sq_b + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :]
+    q = tl.load(Q + row, mask=mask_hd, other=0.0)                                       # [BH,BD]
+    do = tl.load(DO + row, mask=mask_hd, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * tl.load(O + row, mask=mask_hd, other=0.0).to(tl.float32), 1)  # [BH]
+    lse = tl.load(LSE + pid * H + offs_h, mask=mask_h, other=0.0)
+    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    n_win = tl.cdiv(t - tl.maximum(t - W + 1, 0) + 1, BLOCK_K)
+    n_sel = 0
+    if HAS_COMP:
+        n_sel = tl.load(NSEL + b * sn_b + t)
+    for blk in range(0, n_win + tl.cdiv(n_sel, BLOCK_K)):
+        off, valid = _keys(SEL, b * ss_b + t * ss_s, t, W, n_sel, n_win, skv_s, sc_c, blk, BLOCK_K)
+        src = KV + b * skv_b if blk < n_win else COMP + b * sc_b
+        k = tl.load(src + off[:, None] + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BK,BD]
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)                   # [BH,BK]
+        dp = tl.dot(do, tl.trans(k), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        if DO_DQ:
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        if DO_DKV:
+            dk = tl.dot(tl.trans(p.to(k.dtype)), do, input_precision=PREC)             # [BK,BD]  (dV)
+            dk = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, dk, input_precision=PREC)  # + dK
+            dst = DKV + b * skv_b if blk < n_win else DCOMP + b * sc_b                      # fp32, same strides
+            tl.atomic_add(dst + off[:, None] + offs_d[None, :], dk, mask=valid[:, None] & mask_d[None, :],
+                          sem="relaxed")
+    if DO_DQ:
+        tl.store(DQ + row, (dq * scale).to(DQ.dtype.element_ty), mask=mask_hd)
+        tl.store(DELTA + pid * H + offs_h, delta, mask=mask_h)
+
+
+def _blocks(H: int, D: int, cfg: dict) -> dict:
+    """The launch config, shrunk to the problem (tests use a few heads of small dim)."""
+    bh = max(MIN_DOT, min(cfg["BLOCK_H"], triton.next_power_of_2(H)))
+    return dict(cfg, BLOCK_H=bh, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(D)))
+
+
+def _strides(q, kv, comp, sel, n_sel):
+    cs = (comp.stride(0), comp.stride(1)) if comp is not None else (0, 0)
+    ss = (sel.stride(0) if sel.shape[0] > 1 else 0, sel.stride(1)) if sel is not None else (0, 0)
+    ns = (n_sel.stride(0) if n_sel.shape[0] > 1 else 0,) if n_sel is not None else (0,)
+    return (q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), *cs, *ss, *ns)
+
+
+def _prec(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"   # fp32 inputs (tests): exact fp32 dots
+
+
+def attention_forward(q, kv, comp, sel, n_sel, sink, scale: float, window: int, config=None):
+    """Launch `_fwd`. -> o [B,S,H,Dh], lse [B,S,H] fp32 in log2 units"""
+    B, S, H, D = q.shape
+    cfg = _blocks(H, D, config or FWD_CONFIG)
+    o = torch.empty_like(q)
+    lse = torch.empty(B, S, H, device=q.device, dtype=torch.float32)
+    dummy = kv  # never read when there is no selection (HAS_COMP=False)
+    grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]))
+    _fwd[grid](q, kv, comp if comp is not None else dummy, sel if sel is not None else dummy,
+               n_sel if n_sel is not None else dummy, sink, o, lse, *_strides(q, kv, comp, sel, n_sel),
+               S, H, D, window, scale * LOG2E, HAS_COMP=comp is not None, PREC=_prec(q.dtype), **cfg)
+    return o, lse
+
+
+def attention_backward(do, q, kv, comp, sel, n_sel, o, lse, scale: float, window: int, config=None):
+    """Launch `_bwd` (once fused, or a dq pass and a dkv pass). -> dq, dkv, dcomp (or None), delta [B,S,H]"""
+    B, S, H, D = q.shape
+    cfg = _blocks(H, D, config or BWD_CONFIG)
+    fused = cfg.pop("fused")
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
+    dcomp = torch.zeros(comp.shape, device=kv.device, dtype=torch.float32) if comp is not None else None
+    delta = torch.empty(B, S, H, device=q.device, dtype=torch.float32)
+    dummy = kv
+    args = (q, kv, comp if comp is not None else dummy, sel if sel is not None else dummy,
+            n_sel if n_sel is not None else dummy, o, do, lse, dq, dkv, dcomp if comp is not None else dkv, delta,
+            *_strides(q, kv, comp, sel, n_sel), S, H, D, window, scale, scale * LOG2E)
+    grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]))
+    for flags in ([(True, True)] if fused else [(True, False), (False, True)]):
+        _bwd[grid](*args, HAS_COMP=comp is not None, DO_DQ=flags[0], DO_DKV=flags[1], PREC=_prec(q.dtype), **cfg)
+    return dq, dkv.to(kv.dtype), dcomp.to(comp.dtype) if comp is not None else None, delta
+
+
+class _SparseAttention(torch.autograd.Function):
+    """autograd seam: saves q, kv, comp, the index list, o and lse; the backward launches `_bwd`."""
+
+    @staticmethod
+    def forward(ctx, q, kv, comp, sel, n_sel, sink, scale, window):
+        o, lse = attention_forward(q, kv, comp, sel, n_sel, sink, scale, window)
+        ctx.save_for_backward(q, kv, comp, sel, n_sel, sink, o, lse)
+        ctx.scale, ctx.window = scale, window
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, kv, comp, sel, n_sel, sink, o, lse = ctx.saved_tensors
+        dq, dkv, dcomp, delta = attention_backward(do.contiguous(), q, kv, comp, sel, n_sel, o, lse,
+                                                   ctx.scale, ctx.window)
+        p_sink = torch.exp2(sink.float() * LOG2E - lse)                                # [B,S,H]
+        dsink = -(p_sink * delta).sum((0, 1)).to(sink.dtype)
+        return dq, dkv, dcomp, None, None, dsink, None, None
+
+
+def compact_selection(sel: torch.Tensor, n_entries: int):
+    """Move each row's entries to the front in ascending order (the kernel walks a valid prefix; ascending
+    rows also read memory in order). Checks the list. sel [B|1,S,K] -> (sel int32, n_sel [B|1,S] int32)"""
+    big = torch.iinfo(torch.int32).max
+    s = torch.where(sel < 0, big, sel.to(torch.int32)).sort(-1).values
+    n_sel = (s != big).sum(-1, dtype=torch.int32)
+    s = torch.where(s == big, -1, s)
+    if s.numel():
+        dup = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any()
+        top, dup = torch.stack([s.amax(), dup.to(s.dtype)]).tolist()                   # one host sync
+        if top >= n_entries or dup:
+            raise ValueError(f"sparse_attention: sel must list entries < comp.shape[1]={n_entries}, each at most "
+                             f"once per query, -1 for none; got max {top}{' and duplicates' if dup else ''}")
+    return s.contiguous(), n_sel.contiguous()
+
+
+def _check(q, kv, sink, window, comp, sel):
+    if q.dim() != 4 or kv.dim() != 3 or kv.shape[0] != q.shape[0] or kv.shape[1:] != (q.shape[1], q.shape[3]):
+        raise ValueError(f"sparse_attention: q [B,S,H,Dh] and kv [B,S,Dh] expected, got q {tuple(q.shape)}, "
+                         f"kv {tuple(kv.shape)}")
+    if sink.shape != (q.shape[2],):
+        raise ValueError(f"sparse_attention: sink must be [H={q.shape[2]}], got {tuple(sink.shape)}")
+    if window < 1:
+        raise ValueError(f"sparse_attention: window={window} must be >= 1 (the query itself)")
+    if (comp is None) != (sel is None):
+        raise ValueError("sparse_attention: comp and sel come together (both or neither)")
+    if comp is not None and (comp.dim() != 3 or comp.shape[0] != q.shape[0] or comp.shape[2] != q.shape[3]):
+        raise ValueError(f"sparse_attention: comp must be [B={q.shape[0]},C,Dh={q.shape[3]}], got {tuple(comp.shape)}")
+    if sel is not None and (sel.dim() != 3 or sel.shape[0] not in (1, q.shape[0]) or sel.shape[1] != q.shape[1]
+                            or sel.dtype.is_floating_point):
+        raise ValueError(f"sparse_attention: sel must be an integer [B|1,S={q.shape[1]},K], got "
+                         f"{tuple(sel.shape)} {sel.dtype}")
+    dts = {t.dtype for t in (q, kv) + ((comp,) if comp is not None else ())}
+    devs = {t.device for t in (q, kv, sink) + ((comp, sel) if comp is not None else ())}
+    if len(dts) != 1 or len(devs) != 1:
+        raise ValueError(f"sparse_attention: q, kv, comp need one dtype and one device, got {dts} on {devs}")
+
+
+def sparse_attention(q, kv, sink, scale: float, window: int, comp=None, sel=None) -> torch.Tensor:
+    """Sink attention of query t over kv[t-W+1..t] and comp[sel[t]] (see the module docstring).
+
+    q [B,S,H,Dh] (query t at position t), kv [B,S,Dh] (the shared K=V head, row t = position t),
+    sink [H], comp [B,C,Dh] and sel [B|1,S,K] (entries of comp, -1 padded) or both None -> [B,S,H,Dh]"""
+    _check(q, kv, sink, window, comp, sel)
+    n_sel = None
+    if comp is not None:
+        sel, n_sel = compact_selection(sel, comp.shape[1])
+        comp = comp.contiguous()
+    return _SparseAttention.apply(q.contiguous(), kv.contiguous(), comp, sel, n_sel, sink, scale, window)
+
+
+def window_and_selection_mask(S: int, window: int, sel=None, n_entries: int = 0) -> torch.Tensor:
+    """The same key lists as a dense mask over [S window keys | C entries], the form `model.sink_attention`
+    takes (tests and the FlexAttention benchmark use it). -> [B|1,S,S+C] bool"""
+    t = torch.arange(S, device=sel.device if sel is not None else None)
+    dist = t[:, None] - t[None, :]
+    mask = ((dist >= 0) & (dist < window))[None]                                       # [1,S,S]
+    if sel is None:
+        return mask
+    chosen = torch.zeros(*sel.shape[:2], n_entries + 1, dtype=torch.bool, device=sel.device)
+    chosen.scatter_(-1, torch.where(sel < 0, n_entries, sel).long(), True)            # -1 -> a spare column
+    return torch.cat([mask.expand(sel.shape[0], -1, -1), chosen[..., :n_entries]], -1)

@@ -1,0 +1,268 @@
+"""nanoflash.kernels against model.py's reference on CPU, forward and backward, under Triton's interpreter.
+
+TRITON_INTERPRET=1 must be set before Triton is first imported, so the kernel cases run in ONE subprocess:
+this file run as a script (`python tests/test_kernels_attention.py OUT.json`) executes every `case_*`
+function and writes {case: "ok" | traceback}; the pytest tests below read that file, one test per case.
+The checks that launch no kernel (input errors, the tie-break, the config switch) run in-process.
+
+References (deliberately naive): `model.sink_attention` in float64 over a dense mask built here with Python
+loops from the same window and selection lists; the indexer score as a float64 einsum; the top-k as the
+reference's stable descending sort.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import pytest
+import torch
+
+# fp32 kernels vs float64: the interpreter's dots are exact fp32 (numpy), so only a few dozen fp32
+# roundings of O(1) values remain (measured <= 1.1e-6 relative to the largest output / gradient, 3 seeds).
+FP32_TOL = 1e-5
+# bf16 inputs: the kernel rounds p and ds to bf16 before their dots and o / dq / dkv to bf16 at the end
+# (2^-8 relative each), as on the GPU; measured <= 1.4e-2 relative to the largest value (dq), 3 seeds.
+BF16_TOL = 3e-2
+# Indexer scores: fp32 dots in another summation order than the float64 einsum.
+SCORE_TOL = 1e-5
+INTERP_TIMEOUT_S = 240  # the whole case list takes ~25 s on the 2-core CI box; 10x headroom
+
+
+# ------------------------------------------------------------------------------------------ shared helpers
+def rel_err(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def dense_mask(S, W, sel=None, C=0):
+    """[B|1,S,S+C] bool by loops: key j of the window iff 0 <= t-j < W; entry u iff u in sel[b,t]."""
+    B = 1 if sel is None else sel.shape[0]
+    m = torch.zeros(B, S, S + C, dtype=torch.bool)
+    for b in range(B):
+        for t in range(S):
+            for j in range(max(0, t - W + 1), t + 1):
+                m[b, t, j] = True
+            if sel is not None:
+                for u in sel[b, t].tolist():
+                    if u >= 0:
+                        m[b, t, S + u] = True
+    return m
+
+
+def random_selection(B, S, C, K, g, p_none=0.3):
+    """Per query K distinct entries of C in random order, each replaced by -1 with probability p_none."""
+    sel = torch.stack([torch.stack([torch.randperm(C, generator=g)[:K] for _ in range(S)]) for _ in range(B)])
+    return torch.where(torch.rand(sel.shape, generator=g) < p_none, -1, sel)
+
+
+# ------------------------------------------------------------------------------------------ interpreter cases
+def _patch_interpreter():
+    """Two bugs of Triton 3.6's interpreter, patched here (tests only; the GPU compiler is unaffected):
+    * it converts its one-element scalar arrays with int(), which numpy >= 2.4 rejects, so every loop with a
+      run-time bound fails (triton-lang/triton#9171, fixed after 3.6): index through the element instead;
+    * its dot multiplies bf16's uint16 storage as integers: widen bf16 operands to fp32 first (exact, as the
+      tensor cores' bf16 products are), then accumulate in fp32 as before."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+    patch_tensor, dot = ti._patch_lang_tensor, ti.InterpreterBuilder.create_dot
+
+    def patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return ti.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    ti._patch_lang_tensor = patch_lang_tensor
+    ti.InterpreterBuilder.create_dot = lambda self, a, b, d, *args: dot(self, widen(a), widen(b), d, *args)
+
+
+def _attention_case(B, S, H, D, W, C, K, dtype, g, batch_sel=True, fused=None):
+    from nanoflash.kernels import attention as ka
+    from nanoflash.model import sink_attention
+    q = torch.randn(B, S, H, D, generator=g).to(dtype).requires_grad_()
+    kv = torch.randn(B, S, D, generator=g).to(dtype).requires_grad_()
+    sink = torch.randn(H, generator=g).requires_grad_()
+    comp = sel = None
+    leaves = [q, kv, sink]
+    if C:
+        comp = torch.randn(B, C, D, generator=g).to(dtype).requires_grad_()
+        sel = random_selection(B if batch_sel else 1, S, C, K, g)
+        sel[:, 3] = -1                                       # a query that keeps no entry at all
+        leaves.append(comp)
+    if fused is not None:
+        ka.BWD_CONFIG = dict(ka.BWD_CONFIG, fused=fused)
+    out = ka.sparse_attention(q, kv, sink, D ** -0.5, W, comp, sel)
+    keys = kv if comp is None else torch.cat([kv, comp], 1)
+    ref = sink_attention(q.double(), keys.double(), dense_mask(S, W, sel, C), sink.double(), D ** -0.5)
+    cot = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad((out.float() * cot).sum(), leaves)
+    want = torch.autograd.grad((ref * cot.double()).sum(), leaves)
+    return [("o", out, ref)] + [(n, a, b) for n, a, b in zip(["dq", "dkv", "dsink", "dcomp"], got, want)]
+
+
+def _assert_all(pairs, tol, what):
+    for name, a, b in pairs:
+        err = rel_err(a, b)
+        assert err <= tol, f"{what}: {name} relative error {err:.2e} > {tol:.0e}"
+
+
+def case_window_only_fp32(g):
+    """Sliding layer: window that wraps (S > W), heads and head dim not powers of two (masked lanes)."""
+    _assert_all(_attention_case(2, 37, 5, 24, 8, 0, 0, torch.float32, g), FP32_TOL, "window only")
+
+
+def case_window_and_selection_fp32(g):
+    """Window + selection, -1 anywhere in the list, unsorted, one list per batch row and one shared."""
+    _assert_all(_attention_case(2, 30, 4, 32, 8, 9, 5, torch.float32, g), FP32_TOL, "per-batch selection")
+    _assert_all(_attention_case(2, 30, 4, 32, 1, 9, 5, torch.float32, g, batch_sel=False), FP32_TOL,
+                "shared selection, window 1")
+
+
+def case_bf16_split_and_fused_backward(g):
+    """bf16 inputs through both backward launch modes (dq + dkv kernels, or one fused kernel)."""
+    for fused in (False, True):
+        _assert_all(_attention_case(2, 26, 4, 32, 8, 7, 4, torch.bfloat16, g, fused=fused), BF16_TOL,
+                    f"bf16 fused={fused}")
+
+
+def case_index_scores(g):
+    """Fused indexer scores vs a float64 einsum, incl. start_pos > 0 and entries that are not yet visible."""
+    from nanoflash.kernels import index_scores
+    B, S, HI, DI, C = 2, 23, 5, 16, 9
+    q, keys = torch.randn(B, S, HI, DI, generator=g), torch.randn(B, C, DI, generator=g)
+    w = torch.randn(B, S, HI, generator=g)
+    for start_pos in (0, 13):
+        got = index_scores(q, keys, w, start_pos)
+        want = (torch.einsum("bshd,bcd->bshc", q.double(), keys.double()).relu() * w.double()[..., None]).sum(2)
+        vis = torch.arange(C)[None] < (torch.arange(start_pos, start_pos + S)[:, None] + 1) // 4
+        assert torch.equal(torch.isinf(got), ~vis.expand(B, -1, -1)), f"start_pos={start_pos}: -inf pattern"
+        assert rel_err(got[:, vis], want[:, vis]) <= SCORE_TOL, f"start_pos={start_pos}: scores"
+
+
+def case_model_seam(g):
+    """Attention (sliding, C4 with a top-k that drops entries, ratio 8) and Indexer with cfg.kernels="triton"
+    against cfg.kernels="reference": output, and gradients of the input and of every parameter."""
+    import dataclasses
+    from nanoflash.config import preset
+    from nanoflash.model import Attention
+    cfg = preset("tiny", index_topk=3)
+    x = torch.randn(2, 29, cfg.dim, generator=g, requires_grad=True)
+    for lid in (0, 1, 2):
+        a = Attention(lid, cfg)
+        with torch.no_grad():
+            for n, p in a.named_parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if n.endswith(("attn_sink", "ape")) else 0.3))
+        res = {}
+        for mode in ("reference", "triton"):
+            a.cfg = dataclasses.replace(cfg, kernels=mode)
+            if lid == 1:   # the selection itself: an index list that marks exactly the reference's keep mask
+                qr = a.q_norm(a.wq_a(x))
+                keep = a.indexer(x, qr, 0, None, None, False)[0]
+                sel = a.indexer(x, qr, 0, None, None, True)[0]
+                C = keep.shape[-1]
+                mine = torch.zeros(*keep.shape[:2], C + 1, dtype=torch.bool)
+                mine = mine.scatter_(-1, torch.where(sel < 0, C, sel).long(), True)[..., :C]   # -1 -> spare
+                assert torch.equal(mine, keep), "indexer selection differs from the reference"
+            y = a(x)
+            res[mode] = [y] + list(torch.autograd.grad(y.square().sum(), [x] + list(a.parameters()),
+                                                       allow_unused=True))
+        names = ["out", "dx"] + [n for n, _ in a.named_parameters()]
+        for n, mine, ref in zip(names, res["triton"], res["reference"]):
+            if ref is None or mine is None:
+                assert mine is None and ref is None, f"layer {lid} {n}: gradient present in one path only"
+                continue
+            assert rel_err(mine, ref) <= FP32_TOL, f"layer {lid} {n}: relative error {rel_err(mine, ref):.2e}"
+
+
+CASES = {n: f for n, f in dict(globals()).items() if n.startswith("case_")}
+
+
+def _main(out_path):
+    _patch_interpreter()
+    torch.set_num_threads(1)
+    results = {}
+    for name, fn in CASES.items():
+        try:
+            fn(torch.Generator().manual_seed(sum(map(ord, name))))
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+# ------------------------------------------------------------------------------------------ pytest side
+@pytest.fixture(scope="module")
+def interpreted():
+    """Run every case once in a subprocess with TRITON_INTERPRET=1; -> {case: "ok" | traceback}"""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "results.json")
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), path], env=env, capture_output=True,
+                              text=True, timeout=INTERP_TIMEOUT_S)
+        if proc.returncode != 0 or not os.path.exists(path):
+            pytest.fail(f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+        with open(path) as f:
+            return json.load(f)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_under_interpreter(interpreted, case):
+    assert interpreted.get(case) == "ok", interpreted.get(case, "case did not run")
+
+
+def test_topk_lower_index_wins_matches_stable_sort(gen):
+    """Ties (ReLU zeros, +0.0 vs -0.0, repeated values) go to the lower entry index, as the stable sort's."""
+    from nanoflash.kernels import topk_lower_index_wins
+    B, S, C, k = 2, 17, 12, 5
+    score = torch.randint(-3, 4, (B, S, C), generator=gen).float() * 0.5          # many exact ties
+    score[0, 0] = 0.0
+    score[0, 1] = torch.tensor([-0.0, 0.0] * (C // 2))
+    score[1, :, 7:] = float("-inf")                                                # not visible
+    score[1, 2] = float("-inf")                                                    # nothing visible
+    sel = topk_lower_index_wins(score, k)
+    top = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    ref = torch.where(score.gather(-1, top) > float("-inf"), top, -1)
+    assert torch.equal(sel.long(), ref), "top-k set or order differs from the stable sort"
+
+
+def test_sparse_attention_rejects_bad_input():
+    from nanoflash.kernels import sparse_attention
+    q, kv, sink = torch.zeros(1, 6, 2, 16), torch.zeros(1, 6, 16), torch.zeros(2)
+    comp, sel = torch.zeros(1, 4, 16), torch.full((1, 6, 3), -1)
+    bad = [((q, kv[:, :5], sink, 1.0, 4), "kv"), ((q, kv, torch.zeros(3), 1.0, 4), "sink"),
+           ((q, kv, sink, 1.0, 0), "window"), ((q, kv, sink, 1.0, 4, comp), "both or neither"),
+           ((q, kv, sink, 1.0, 4, comp, sel.float()), "integer"),
+           ((q, kv, sink, 1.0, 4, comp, torch.full((1, 6, 3), 4)), "entries < comp.shape"),
+           ((q, kv, sink, 1.0, 4, comp, torch.tensor([[[1, 2, 1]] * 6])), "duplicates"),
+           ((q, kv.double(), sink, 1.0, 4), "one dtype")]
+    for args, culprit in bad:
+        with pytest.raises(ValueError, match=culprit):
+            sparse_attention(*args)
+
+
+def test_config_kernels_switch():
+    """One field picks the path; official / HF configs (no such key) load with the default."""
+    from nanoflash.config import ModelConfig, preset
+    from nanoflash.model import LayerCache, use_kernels
+    with pytest.raises(ValueError, match="kernels"):
+        preset("tiny", kernels="fast")
+    cfg = preset("tiny")
+    assert cfg.kernels == "auto" and ModelConfig.from_dict({"dim": 64}).kernels == "auto"
+    assert ModelConfig.from_dict(cfg.to_hf_dict()["nanoflash"]) == cfg
+    x = torch.zeros(1, 2, 4)
+    assert not use_kernels(cfg, x, None), "auto on CPU keeps the reference"
+    assert use_kernels(preset("tiny", kernels="triton"), x, None)
+    assert not use_kernels(preset("tiny", kernels="triton"), x, LayerCache()), "decode keeps the reference"
+    assert not use_kernels(preset("tiny", kernels="reference"), x, None)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
