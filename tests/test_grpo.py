@@ -106,6 +106,46 @@ def test_policy_loss_hand():
     torch.testing.assert_close(lp.grad, g.double(), atol=FP32_TOL, rtol=0)
 
 
+def _one_token(rho, adv, **kw):
+    """policy_loss of a single token with ratio rho and advantage adv -> (loss, d loss / d logp)."""
+    old = torch.tensor([[-1.0]], dtype=torch.float64)
+    lp = (old + math.log(rho)).requires_grad_()
+    loss, _ = policy_loss(lp, old, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1), **kw)
+    (g,) = torch.autograd.grad(loss, lp)
+    return loss.item(), g.item()
+
+
+@pytest.mark.parametrize("rho,adv,loss,grad", [
+    # each bound on its own token, so swapping eps_low / eps_high cannot cancel (bounds 0.8 and 1.28;
+    # swapped they would be 0.72 and 1.2, the values in brackets)
+    (1.5, +1.0, -1.28, 0.0),      # above 1 + eps_high: clipped            [swapped: -1.2]
+    (1.25, +1.0, -1.25, -1.25),   # inside: d(-rho A)/d logp = -rho A      [swapped: clipped at 1.2, grad 0]
+    (0.5, -1.0, 0.8, 0.0),        # below 1 - eps_low, A < 0: clipped      [swapped: 0.72]
+    (0.75, -1.0, 0.8, 0.0),       # 0.75 < 0.8: still clipped              [swapped: inside, 0.75, grad 0.75]
+    (0.5, +1.0, -0.5, -0.5),      # A > 0 below the band: the unclipped branch is the max, never clipped
+    (2.0, -1.0, 2.0, 2.0),        # A < 0 above the band: likewise
+])
+def test_clip_bounds_each_side_hand(rho, adv, loss, grad):
+    got_loss, got_grad = _one_token(rho, adv)
+    assert got_loss == pytest.approx(loss, abs=FP32_TOL) and got_grad == pytest.approx(grad, abs=FP32_TOL)
+
+
+@pytest.mark.parametrize("rho,adv,loss,grad", [
+    # dual clip, clip_c = 3: l = min(PPO l, -3 A) where A < 0   [min and max swapped, or no A < 0 guard]
+    (5.0, -1.0, 3.0, 0.0),        # PPO l = 5 -> capped at 3, no gradient  [swapped: 5]
+    (2.0, -1.0, 2.0, 2.0),        # PPO l = 2 < 3 -> unchanged             [swapped: 3, grad 0]
+    (5.0, +1.0, -1.28, 0.0),      # A > 0: untouched                       [no guard: min(-1.28, -3) = -3]
+])
+def test_dual_clip_hand(rho, adv, loss, grad):
+    got_loss, got_grad = _one_token(rho, adv, clip_c=3.0)
+    assert got_loss == pytest.approx(loss, abs=FP32_TOL) and got_grad == pytest.approx(grad, abs=FP32_TOL)
+
+
+def test_dual_clip_bound_must_exceed_one():
+    with pytest.raises(ValueError, match="clip_c must be > 1"):
+        _one_token(2.0, -1.0, clip_c=1.0)
+
+
 def test_tis_and_mismatch_hand():
     old = torch.tensor([[-1.0, -2.0]])
     roll = torch.tensor([[-1.0 - math.log(3.0), -2.0]])  # tis = 3 (clamped to 2), 1
