@@ -1,16 +1,24 @@
-"""AdamW with fp32 master weights against torch.optim.AdamW; offload; the RL freeze list; layer splits.
+"""AdamW with fp32 master weights against torch.optim.AdamW; global-norm clipping against
+torch.nn.utils.clip_grad_norm_; offload; the RL freeze list; layer splits.
 Run: pytest tests/test_parallel_optim.py -q"""
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from nanoflash.config import preset
 from nanoflash.model import Transformer
+from nanoflash.parallel.dims import ParallelDims
 from nanoflash.parallel.optim import AdamW, trainable_parameters
 from nanoflash.parallel.pipeline import split_layers
+from nanoflash.parallel.train_step import clip_gradients_, token_nll_loss, train_step
 
 # Same fp32 arithmetic in the same order as torch.optim.AdamW (foreach off): identical up to 1 ulp-level noise.
 ADAM_RTOL, ADAM_ATOL = 1e-6, 1e-9
+# Clipping vs torch.nn.utils.clip_grad_norm_: the same factor max_norm / (||g|| + 1e-6) clamped to 1; only the
+# order of the fp32 sum of squares differs (relative ~1e-7 on the norm, and so on every clipped gradient).
+CLIP_RTOL = 1e-6
 
 
 def _toy(dtype=torch.float32):
@@ -106,3 +114,52 @@ def test_optimizer_state_roundtrip_and_bad_state():
     del sd["2.bias.exp_avg_sq"]
     with pytest.raises(ValueError, match="2.bias.exp_avg_sq"):
         opt2.load_state_dict(sd)
+
+
+def _tiny_with_grads(gen):
+    model = Transformer(preset("tiny")).init_weights(0)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 9), generator=gen)
+    model(ids).logsumexp(-1).mean().backward()
+    return model
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _with_grads(model):
+    """The parameters clip_grad_norm_ is handed (it reads and scales their .grad)."""
+    return [p for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("ratio", [0.1, 10.0])   # max_norm below the norm (scaled down) / above (left alone)
+def test_clip_matches_torch_clip_grad_norm(ratio, gen):
+    model = _tiny_with_grads(gen)
+    ref = copy.deepcopy(model)   # Parameter.__deepcopy__ leaves .grad behind: copy it
+    for p, q in zip(model.parameters(), ref.parameters()):
+        q.grad = None if p.grad is None else p.grad.clone()
+    norm = torch.cat([g.flatten() for g in _grads(model).values()]).norm().item()
+    ref_norm = torch.nn.utils.clip_grad_norm_(_with_grads(ref), ratio * norm)
+    got_norm = clip_gradients_(model, ParallelDims(), ratio * norm)
+    assert got_norm.item() == pytest.approx(ref_norm.item(), rel=CLIP_RTOL)
+    want = _grads(ref)
+    for n, g in _grads(model).items():
+        torch.testing.assert_close(g, want[n], rtol=CLIP_RTOL, atol=0, msg=lambda m: f"{n}: {m}")
+
+
+def test_train_step_clips_like_torch(gen):
+    """train_step's gradients after the step are the plain backward's, clipped by clip_grad_norm_."""
+    model = Transformer(preset("tiny")).init_weights(0)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 10), generator=gen)
+    mb = {"input_ids": ids[:, :-1], "targets": ids[:, 1:]}
+    opt = AdamW(trainable_parameters(model), lr=0.0)     # freezes router / indexer / MTP, as the trainer does
+    ref = copy.deepcopy(model)                           # the same parameters frozen
+    scale = 1.0 / mb["targets"].numel()
+    (token_nll_loss(ref, ref.run_layers(ref.embed_streams(mb["input_ids"]), mb["input_ids"]), mb) * scale).backward()
+    max_norm = 0.1 * torch.cat([g.flatten() for g in _grads(ref).values()]).norm().item()
+    ref_norm = torch.nn.utils.clip_grad_norm_(_with_grads(ref), max_norm)
+    out = train_step(model, ParallelDims(), [mb], opt, scale, grad_clip=max_norm)
+    assert out["grad_norm"] == pytest.approx(ref_norm.item(), rel=CLIP_RTOL)
+    want = _grads(ref)
+    for n, g in _grads(model).items():
+        torch.testing.assert_close(g, want[n], rtol=CLIP_RTOL, atol=1e-12, msg=lambda m: f"{n}: {m}")
