@@ -1,7 +1,7 @@
 """GRPO for DeepSeek-V4 (nanoflash), the whole loop in one file. It reads top to bottom:
 
-    config -> dist init -> build (meta) -> parallelize -> load -> rollout engines -> loop {rollout, advantages,
-    train, sync, log}
+    config -> dist init -> actor (meta build -> parallelize -> materialise on this rank's device -> init/load)
+    -> warm-up -> optimizer -> rollouts -> loop {rollout, advantages, shards, old log-probs, train, sync, log}
 
 Runs (see docs/demo.md):
     python train.py --recipe demo                           # CPU demo: tiny model, arithmetic, embedded FP8 server
@@ -15,8 +15,9 @@ protocol servers with dynamic sampling -> rewards -> group advantages -> the tra
 one GRPO optimizer step (micro-batches by token budget, PP/EP/DP engine) -> FP8 (or matched-precision) weight
 push, verified by checksum -> every N steps an offline pass@k eval on held-out problems -> checkpoint -> JSONL.
 
-Differs from Miles: no Ray; rank 0 drives the rollout servers over HTTP and broadcasts the episodes; one
-optimizer step per rollout (the V4 recipe), no async/partial rollouts, no reference model (KL coef 0).
+Differs from Miles: no Ray; rank 0 drives the rollout servers over HTTP, then sends each first-stage rank
+only its data shard's tensors (the other ranks wait on a gloo side group with a long timeout); one optimizer
+step per rollout (the V4 recipe), no async/partial rollouts, no reference model (KL coef 0).
 
 Tests: `pytest tests/test_train_cli.py tests/test_train_e2e.py -q`.
 """
@@ -29,17 +30,15 @@ import torch
 
 from nanoflash import episodes as ep
 from nanoflash import grpo, trainer
-from nanoflash.checkpoint import load_hf_checkpoint
 from nanoflash.cli import dry_run_text, parse_args, to_dict
 from nanoflash.config import ModelConfig, preset
 from nanoflash.evaluate import evaluate
 from nanoflash import metrics
 from nanoflash.metrics import MetricsLog, progress
 from nanoflash.model import Transformer
-from nanoflash.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from nanoflash.parallel.checkpoint import latest_checkpoint
 from nanoflash.parallel.dims import init_distributed, print0
 from nanoflash.plots import write_plots
-from nanoflash.rollout.client import SGLangClient
 
 # ---------------------------------------------------------------------------------------------- config
 cfg = parse_args(sys.argv[1:])
@@ -56,27 +55,21 @@ ckpt_dir = os.path.join(tc.out_dir, "checkpoints")
 ckpt_is_dcp = bool(tc.checkpoint) and os.path.exists(os.path.join(tc.checkpoint, "meta.json"))  # else HF layout
 
 # ---------------------------------------------------------------------------------------------- dist init
-dims = init_distributed(par.pp, par.ep, par.dp)
+dims = init_distributed(par.pp, par.ep, par.dp, timeout_s=par.timeout_s, wait_timeout_s=par.wait_timeout_s)
 rank0 = dims.rank == 0
-if par.recompute and rc.routing_replay and par.pp > 1:
-    raise SystemExit("routing replay with activation recompute is only supported at PP=1 (see trainer.py)")
 torch.manual_seed(tc.seed)
 
-# ---------------------------------------------------------------------------------------------- build (meta) + parallelize
+# ---------------------------------------------------------------------------------------------- actor: build, place, load
 if tc.checkpoint and not ckpt_is_dcp:
     mcfg = dataclasses.replace(ModelConfig.from_hf_config(tc.checkpoint), **cfg.model)
 else:
     mcfg = preset(tc.preset, **cfg.model)
-dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[tc.dtype]
-model = trainer.build_model(mcfg, dims, par, tc.seed, dtype, init=not tc.checkpoint)
-optimizer = trainer.make_optimizer(model, oc, offload=par.offload_optimizer)
-
-# ---------------------------------------------------------------------------------------------- load / resume
-if tc.checkpoint:
-    (load_checkpoint(tc.checkpoint, model, None, dims) if ckpt_is_dcp else load_hf_checkpoint(model, tc.checkpoint))
+actor = trainer.Actor(cfg, mcfg, dims, tc.checkpoint, ckpt_is_dcp)
+print0(f"actor: {dims}, stage on {actor.device}, {sum(p.numel() for p in actor.model.parameters()) / 1e6:.1f}M "
+       f"parameters on this rank")
 step, pos, latest = 0, 0, latest_checkpoint(ckpt_dir) if tc.resume else None
 if latest:
-    meta = load_checkpoint(latest, model, optimizer, dims)
+    meta = actor.resume(latest)
     step, pos = meta["step"], meta["extra"]["data_pos"]
     print0(f"resumed from {latest}: step {step}, data position {pos}")
 task = ep.make_task(tc, ec, mcfg.vocab_size)
@@ -85,34 +78,33 @@ log = MetricsLog(os.path.join(tc.out_dir, "metrics.jsonl"), resume_step=step if 
 if not latest:
     log.log("info", 0, {"config": to_dict(cfg), "world_size": dims.world_size, "matched": matched})
 if not latest and tc.warmup_steps:  # supervised warm-up on reference answers (fresh runs only)
-    sft_opt, t0 = trainer.make_optimizer(model, oc, lr=tc.warmup_lr), time.time()
+    sft_opt, t0 = trainer.make_optimizer(actor.model, oc, lr=tc.warmup_lr), time.time()
     for i in range(tc.warmup_steps):
         batch_probs = [task.train[(i * tc.warmup_batch + j) % len(task.train)] for j in range(tc.warmup_batch)]
-        nll = trainer.sft_step(model, dims, sft_opt, batch_probs, task, par, oc)
+        nll = actor.sft_step(batch_probs, task, sft_opt)
         if i % 25 == 0 or i == tc.warmup_steps - 1:
             log.log("warmup", i, {"nll": nll, "time_s": time.time() - t0})
     del sft_opt
+if actor.optimizer is None:
+    actor.start_optimizer()  # the fp32 master is taken from the weights as loaded / warmed up, never before
 
-# ---------------------------------------------------------------------------------------------- rollout engines
-shadow = model if dims.world_size == 1 else (Transformer(mcfg) if rank0 else None)  # full weights on rank 0
-full_state = trainer.gather_full_state(model, dims)
-if rank0 and shadow is not model:
+# ---------------------------------------------------------------------------------------------- rollouts
+# TEMPORARY until the per-stage weight sync: rank 0 holds the full weights (`trainer.gather_full_state`).
+full_state = trainer.gather_full_state(actor)
+shadow = actor.model if dims.world_size == 1 else (Transformer(mcfg) if rank0 else None)
+if rank0 and shadow is not actor.model:
     shadow.load_state_dict(full_state)
-client, engines, httpds = None, [], []
-if rank0:
-    client, engines, httpds = (SGLangClient(list(rc.urls)), [], []) if rc.urls else \
-        ep.start_embedded(shadow, rc.n_servers, rc.weights, tc.seed)
-broadcaster = ep.make_broadcaster(client, rc) if rank0 else None
+rollouts = ep.Rollouts(cfg, task, mcfg, shadow) if rank0 else None
 
 
 def sync_weights(version: int) -> dict:
     """Gather (PP/EP) -> rank 0 pushes to every server -> checksum verification."""
-    t0, full = time.time(), trainer.gather_full_state(model, dims)
+    t0, full = time.time(), trainer.gather_full_state(actor)
     if not rank0:
         return {}
-    if shadow is not model:
+    if shadow is not actor.model:
         shadow.load_state_dict(full)
-    info = ep.push(client, shadow, rc, version, os.path.join(tc.out_dir, "sync"), broadcaster)
+    info = rollouts.push(shadow, version, os.path.join(tc.out_dir, "sync"))
     return {"sync_s": time.time() - t0, "sync_tensors": info["tensors"], "sync_buckets": info["buckets"]}
 
 
@@ -131,7 +123,22 @@ def run_eval(at: int) -> None:
 
 
 def save(at: int) -> None:
-    save_checkpoint(ckpt_dir, at, model, optimizer, dims, extra={"data_pos": pos}, keep=tc.keep)
+    actor.save(ckpt_dir, at, extra={"data_pos": pos}, keep=tc.keep)
+
+
+def rollout_batch(at: int):
+    """Rank 0: dynamic-sampling rollout -> advantages -> the packed global batch and the step's metrics."""
+    t0 = time.time()
+    bar = progress(gc.n_prompts, f"rollout {at}/{tc.steps}", tc.progress)
+    kept, seen, new_pos, counts = rollouts.collect(pos, bar)
+    bar.close()
+    t_roll = time.time() - t0
+    m = {**metrics.step_metrics(seen, gc.group_size), **counts, "rollout_s": t_roll,
+         "rollout_tokens_per_s": sum(len(e.response_ids) for e in seen) / t_roll}
+    if not kept:
+        return None, new_pos, m
+    adv = grpo.episode_advantages(kept, gc.group_size, eps=gc.adv_eps, std_normalize=gc.std_normalize)
+    return grpo.pack(kept, adv, task.pad_id), new_pos, m
 
 
 sync_weights(step)
@@ -142,24 +149,19 @@ if not latest:
 # ---------------------------------------------------------------------------------------------- loop
 while step < tc.steps:
     t0 = time.time()
-    bar = progress(gc.n_prompts, f"rollout {step + 1}/{tc.steps}", tc.progress and rank0)
-    got = ep.collect(client, task, pos, gc, rc, tc.seed, mcfg, bar) if rank0 else None
-    bar.close()
-    kept, seen, pos, counts = trainer.broadcast(got, dims)
-    t_roll = time.time() - t0
-    m = {**metrics.step_metrics(seen, gc.group_size), **counts, "rollout_s": t_roll,
-         "rollout_tokens_per_s": sum(len(e.response_ids) for e in seen) / t_roll}
-    step += 1
-    if kept:  # advantages -> recompute old log-probs -> one GRPO step
+    batch, new_pos, m = rollout_batch(step + 1) if rank0 else (None, None, {})
+    shard, head = trainer.scatter_shards(batch, dims, {"pos": new_pos})  # each first stage: its rows only
+    pos, step = head["pos"], step + 1
+    if head["rows"]:  # old log-probs -> one GRPO step (every rank; later stages get the data via the pipeline)
         t1 = time.time()
-        batch = grpo.pack(kept, grpo.episode_advantages(kept, gc.group_size, eps=gc.adv_eps,
-                                                        std_normalize=gc.std_normalize), task.pad_id)
-        batch.old_logprobs = trainer.recompute_logprobs(model, dims, batch, par, rc.temperature, matched,
-                                                        rc.routing_replay)
-        optimizer.lr = oc.lr * min(1.0, step / tc.lr_warmup_steps) if tc.lr_warmup_steps else oc.lr
-        m["lr"] = optimizer.lr
-        m.update(trainer.grpo_step(model, dims, batch, optimizer, gc, oc, par, rc.temperature, rc.routing_replay))
-        m.update(train_s=time.time() - t1, train_tokens_per_s=float(batch.mask.sum()) / (time.time() - t1))
+        old = actor.logprobs(shard)
+        if shard is not None:
+            shard.old_logprobs = old
+        actor.optimizer.lr = oc.lr * min(1.0, step / tc.lr_warmup_steps) if tc.lr_warmup_steps else oc.lr
+        m["lr"] = actor.optimizer.lr
+        m.update(actor.train(shard))
+        n_tok = float(batch.mask.sum()) if batch is not None else 0.0
+        m.update(train_s=time.time() - t1, train_tokens_per_s=n_tok / (time.time() - t1))
     m.update(sync_weights(step))
     if rank0:
         print(f"step {step}: reward {m['reward_mean']:.3f} kept {m['groups_kept']}/{m['groups_seen']} groups "
@@ -176,5 +178,5 @@ if rank0 and tc.plots:
     for path in write_plots(tc.out_dir):
         print(f"wrote {path}")
 log.close()
-for httpd in httpds:
-    httpd.shutdown()
+if rollouts is not None:
+    rollouts.close()

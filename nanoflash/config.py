@@ -245,6 +245,9 @@ class ParallelConfig:
     micro_batch_tokens: int = 8192    # max tokens per micro-batch per GPU (variable-length sequences packed)
     recompute: bool = False           # per-layer activation recomputation (checkpointing)
     offload_optimizer: bool = False   # keep fp32 master weights and Adam moments in host memory
+    device: str = "auto"              # where this rank's stage lives: auto (cuda:LOCAL_RANK under nccl, else cpu) | cpu | cuda
+    timeout_s: int = 1800             # training collectives (NCCL all-to-all, P2P, all-reduce) raise after this
+    wait_timeout_s: int = 7200        # ranks waiting for rank 0's rollout / eval / push (gloo side group)
 
     def __post_init__(self):
         for name in ("pp", "ep"):
@@ -258,6 +261,11 @@ class ParallelConfig:
                 raise ValueError(f"layer_split {self.layer_split} needs pp={self.pp} entries, each >= 1")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"ParallelConfig.micro_batch_tokens={self.micro_batch_tokens} must be >= 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"ParallelConfig.device must be auto|cpu|cuda, got {self.device!r}")
+        if self.timeout_s < 1 or self.wait_timeout_s < 1:
+            raise ValueError(f"ParallelConfig: timeout_s={self.timeout_s}, wait_timeout_s={self.wait_timeout_s} "
+                             f"must be >= 1 second")
 
 
 @dataclass

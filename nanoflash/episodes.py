@@ -140,6 +140,35 @@ def push(client, model, rc, version: int, disk_dir: str, broadcaster=None) -> di
                         disk_dir=disk_dir, broadcaster=broadcaster)
 
 
+class Rollouts:
+    """The rollout side of the loop, on rank 0: the client, the servers (embedded ones it starts itself, or
+    SGLang at `rollout.urls`), the task, and the weight-push transport.
+
+        rollouts.collect(pos, bar) -> (kept, seen, new pos, counters)     rollouts.push(model, version) -> info
+
+    `model` (the full weights for the embedded servers' first copy) is only read when no URLs are given.
+    """
+
+    def __init__(self, cfg, task: Task, mcfg, model):
+        self.cfg, self.task, self.mcfg, rc = cfg, task, mcfg, cfg.rollout
+        if rc.urls:
+            self.client, self.engines, self.httpds = SGLangClient(list(rc.urls)), [], []
+        else:
+            self.client, self.engines, self.httpds = start_embedded(model, rc.n_servers, rc.weights, cfg.train.seed)
+        self.broadcaster = make_broadcaster(self.client, rc)
+
+    def collect(self, pos: int, bar=None):
+        c = self.cfg
+        return collect(self.client, self.task, pos, c.grpo, c.rollout, c.train.seed, self.mcfg, bar)
+
+    def push(self, model, version: int, disk_dir: str) -> dict:
+        return push(self.client, model, self.cfg.rollout, version, disk_dir, self.broadcaster)
+
+    def close(self) -> None:
+        for httpd in self.httpds:
+            httpd.shutdown()
+
+
 # ---------------------------------------------------------------------------------------------- rollout
 def request_seed(run_seed: int, position: int) -> int:
     """Sampling seed of the request for the prompt at `position` of the data stream (resume-stable)."""
@@ -190,15 +219,16 @@ def collect(client, task: Task, pos: int, gc, rc, seed: int, mcfg, bar=None) -> 
 def sample_batched(model, prompts: list, n: int, max_new: int, temperature: float, stop_ids: list, seed: int,
                    rows_per_forward: int = 1024) -> list:
     """n samples per prompt, batched over prompts of equal length. -> per prompt [(ids, finish_reason)] * n"""
-    gen = torch.Generator().manual_seed(seed)
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
     out: list = [None] * len(prompts)
     by_len: dict = {}
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p), []).append(i)
-    stops = torch.tensor(stop_ids)
+    stops = torch.tensor(stop_ids, device=dev)
     for L, idx in sorted(by_len.items()):
-        seqs = torch.tensor([prompts[i] for i in idx for _ in range(n)])              # [R,L]
-        done = torch.zeros(len(seqs), dtype=torch.bool)
+        seqs = torch.tensor([prompts[i] for i in idx for _ in range(n)], device=dev)  # [R,L]
+        done = torch.zeros(len(seqs), dtype=torch.bool, device=dev)
         for _ in range(max_new):
             logits = torch.cat([model(seqs[a:a + rows_per_forward])[:, -1]
                                 for a in range(0, len(seqs), rows_per_forward)])      # [R,V]

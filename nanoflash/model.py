@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -410,8 +411,11 @@ class Attention(nn.Module):
 class Gate(nn.Module):
     """Router (spec §2.4.1): s = sqrt(softplus(x W^T)) in fp32; experts = tid2eid[token id] on hash layers,
     else top-k of (s + bias) (bias for selection only); weights = route_scale * s[idx] / sum s[idx].
+    Routing replay (R3): `replay` [N,K], the experts the rollout engine chose, replaces the top-k on
+    score-routed layers (the weights still come from this model's scores); it arrives as data with the
+    micro-batch (`Transformer.run_layers(..., routed=)`), never as module state.
 
-    Shapes: x [N,D], ids [N] -> weights [N,K] fp32, indices [N,K] int64
+    Shapes: x [N,D], ids [N], replay [N,K] or None -> weights [N,K] fp32, indices [N,K] int64
     """
 
     def __init__(self, layer_id: int, cfg: ModelConfig):
@@ -422,9 +426,8 @@ class Gate(nn.Module):
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.int64))
         else:
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
-        self.replay: Optional[torch.Tensor] = None   # routing replay (R3): [N,K] experts chosen by the rollout
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor):
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, replay: Optional[torch.Tensor] = None):
         logits = F.linear(x.float(), self.weight.float())                              # [N,E]
         if self.cfg.score_func == "softmax":
             s = logits.softmax(-1)
@@ -434,8 +437,8 @@ class Gate(nn.Module):
             s = F.softplus(logits).sqrt()
         if self.hash:
             idx = self.tid2eid[ids]
-        elif self.replay is not None:
-            idx = self.replay.to(x.device)
+        elif replay is not None:
+            idx = replay.to(x.device, torch.int64)
         else:
             idx = (s + self.bias.float()).topk(self.cfg.n_activated_experts, dim=-1).indices
         w = s.gather(1, idx)                                                            # [N,K]
@@ -507,9 +510,9 @@ class MoE(nn.Module):
         self.dispatcher = LocalDispatcher(self.local_experts)
         self.last_indices: Optional[torch.Tensor] = None   # [N,K] experts of the last forward (routing replay)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, replay: Optional[torch.Tensor] = None) -> torch.Tensor:
         xf = x.flatten(0, 1)                                                            # [N,D]
-        weights, indices = self.gate(xf, ids.flatten())
+        weights, indices = self.gate(xf, ids.flatten(), replay)
         self.last_indices = indices.detach()
         xs, ws, counts, ctx = self.dispatcher.dispatch(xf, indices, weights)
         ys, off = [], 0
@@ -571,7 +574,7 @@ class Block(nn.Module):
         x1, post, comb = hc_pre(h);   h = hc_post(Attention(attn_norm(x1)), h, post, comb)
         x2, post, comb = hc_pre(h);   h = hc_post(MoE(ffn_norm(x2)),        h, post, comb)
 
-    Shapes: h [B,S,M,D], ids [B,S] -> [B,S,M,D]
+    Shapes: h [B,S,M,D], ids [B,S], replay [B*S,K] or None (R3 experts for the MoE) -> [B,S,M,D]
     """
 
     def __init__(self, layer_id: int, cfg: ModelConfig):
@@ -596,11 +599,11 @@ class Block(nn.Module):
                                             cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         return hc_collapse(h, pre), post, comb
 
-    def forward(self, h, ids, start_pos: int = 0, cache: Optional[LayerCache] = None):
+    def forward(self, h, ids, start_pos: int = 0, cache: Optional[LayerCache] = None, replay=None):
         x, post, comb = self.hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         h = hc_post(self.attn(self.attn_norm(x), start_pos, cache), h, post, comb)
         x, post, comb = self.hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        return hc_post(self.ffn(self.ffn_norm(x), ids), h, post, comb)
+        return hc_post(self.ffn(self.ffn_norm(x), ids, replay), h, post, comb)
 
 
 class MTPBlock(Block):
@@ -658,15 +661,19 @@ class Transformer(nn.Module):
         e = self.embed(input_ids)
         return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
 
-    def run_layers(self, h, input_ids, start_pos: int = 0, cache: Optional[dict] = None):
-        """Run the layers this module holds, in id order. [B,S,M,D] -> [B,S,M,D]"""
+    def run_layers(self, h, input_ids, start_pos: int = 0, cache: Optional[dict] = None, routed=None):
+        """Run the layers this module holds, in id order. [B,S,M,D] -> [B,S,M,D]
+
+        routed [B,S,n_layers,K] (optional): routing replay, the experts the rollout engine chose per position
+        and layer; layer i's slice is an input of that layer, so a recomputed forward replays it too."""
         for key in sorted(self.layers, key=int):
             layer = self.layers[key]
             c = None if cache is None else cache.setdefault(key, LayerCache())
+            rx = None if routed is None else routed[:, :, int(key)].flatten(0, 1)     # [B*S,K]
             if self.recompute and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, h, input_ids, start_pos, c, use_reentrant=False)
+                h = checkpoint(layer, h, input_ids, start_pos, c, rx, use_reentrant=False)
             else:
-                h = layer(h, input_ids, start_pos, c)
+                h = layer(h, input_ids, start_pos, c, rx)
         return h
 
     def hidden(self, h: torch.Tensor) -> torch.Tensor:
@@ -701,8 +708,11 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ init / dtype
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02):
-        """Deterministic random init (for tests and from-scratch demos; real runs load a checkpoint)."""
-        g = torch.Generator().manual_seed(seed)
+        """Deterministic random init (for tests and from-scratch demos; real runs load a checkpoint).
+
+        Layout-independent: each parameter draws from its own CPU generator seeded by (seed, its official
+        name), so a pipeline stage or an EP rank that holds only some tensors gets exactly the values the
+        full model has, on any device."""
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
@@ -711,6 +721,7 @@ class Transformer(nn.Module):
             elif name.endswith(("_base", "attn_sink", "ape", "gate.bias")):
                 p.zero_()
             else:
+                g = torch.Generator().manual_seed(param_seed(seed, name))
                 p.copy_(torch.randn(p.shape, generator=g, device="cpu") * std)
         for name, b in self.named_buffers():
             if name.endswith("tid2eid"):
@@ -724,6 +735,11 @@ class Transformer(nn.Module):
             if not any(k in name for k in FP32_KEYS):
                 p.data = p.data.to(dtype)
         return self
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Seed of parameter `name`'s init draw: stable across processes (crc32, not Python's salted hash)."""
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (1 << 63)
 
 
 FP32_KEYS = ("hc_", "attn_sink", "ape", "gate.bias", "norm.weight", "compressor.wkv", "compressor.wgate",

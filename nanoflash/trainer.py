@@ -1,223 +1,278 @@
-"""The training side of the GRPO loop: build, micro-batches, log-prob recompute, the GRPO step, warm-up, state.
+"""The training side of the GRPO loop: the `Actor`, which owns this rank's model stage, grid and optimizer.
 
-One GRPO step on a packed batch (`grpo.RolloutBatch`, every rank holds the whole batch; data rank d of D
-trains rows [d B / D, (d+1) B / D)):
+Placement. Every rank builds the full model on the meta device (no memory), applies the parallel layout
+through the engine's one seam (`nanoflash.parallel.parallelize`: freeze list, this EP rank's experts, this PP
+stage's layers, recompute), casts to the training dtype and only then materialises what it kept directly on
+its device (`cuda:LOCAL_RANK` under NCCL, the CPU under gloo). Weights come from a seeded init that is
+layout-independent (`Transformer.init_weights` seeds every tensor by its official name) or from a checkpoint
+(HF layout or DCP), of which each rank reads only its own tensors. The optimizer is created last
+(`start_optimizer`), after the checkpoint load and any supervised warm-up, because AdamW copies its fp32
+master from the weights as they are at that moment.
 
-    1. micro-batches by token budget: consecutive rows while rows x longest row <= micro_batch_tokens
-    2. recompute  old_logp = log_softmax(f_theta(x) / T)[target], no gradient. In matched-precision mode
-       (fp32 trainer, fp32 engine) it runs one sequence at a time without padding, the exact call the
-       embedded engine makes when it scores a sample, so train_rollout_logprob_abs_diff is exactly 0
-    3. GRPO loss (`grpo.policy_loss`) summed per micro-batch (denom 1), scaled by 1 / Z with Z the global
-       normaliser (samples for seq-mean-token-mean, response tokens for token-mean), through the parallel engine's
-       `train_step`: 1F1B forward/backward -> gradient all-reduce -> global-norm clip -> AdamW
-    4. metrics: the policy-loss sums / Z, all-reduced over the world (only last stages contribute)
+One GRPO step on this rank's data shard (`grpo.RolloutBatch` rows [d B / D, (d+1) B / D) of data rank d of
+D = DP x EP, held only by first pipeline stages; later stages receive everything through the pipeline):
 
-Routing replay (R3): `ReplayView` wraps the model for the pipeline schedule; before each micro-batch's
-layers run it loads that micro-batch's recorded experts into every score-routed `Gate.replay` (hash layers
-route by token id anyway). The 1F1B schedule runs forwards in micro-batch order, so a FIFO per stage is
-enough. Replay with activation recompute is only correct at PP=1 (the recomputed forward runs inside the
-backward of the same micro-batch, after which the next one is armed); the trainer refuses PP>1 with both.
+    1. samples -> token-budget micro-batches (`parallel.microbatch.pack_microbatches`, B x S_max <= budget)
+       whose count is equalised over the data group (`equalize_count`: every MoE layer is an EP collective)
+    2. `logprobs`: old_logp = log_softmax(f_theta(x) / T)[target], `parallel.pipeline.forward_only` at any PP.
+       In matched-precision mode (fp32 trainer, fp32 engine) every sample is scored alone without padding,
+       the exact call the embedded engine makes, so train_rollout_logprob_abs_diff is exactly 0
+    3. `train`: GRPO loss (`grpo.policy_loss`, summed per micro-batch, denom 1) through the engine's
+       `train_step` with loss_scale = 1 / Z, Z the global normaliser (samples for seq-mean-token-mean,
+       response tokens for token-mean, summed over the data group): 1F1B -> gradient all-reduce -> clip -> AdamW.
+       The loss metrics come back from `train_step` already summed over shards and divided by Z.
 
-Weights for the rollout engines live in one process: with PP/EP, rank 0 gathers every rank's state dict
-(`gather_full_state`, names are global FQNs so a dict merge rebuilds the full model) into a full-size
-shadow model. Fine for tiny/small; at flash scale Miles streams per-stage buckets instead.
+Routing replay (R3) is data: the rollout's experts `routed_experts` [B,S,n_layers,K] are a micro-batch field,
+travel through the pipeline with the other fields and reach every gate (`Transformer.run_layers(routed=)`),
+so it works at any PP and with activation recompute.
 
-Tests: `pytest tests/test_train_e2e.py -q`.
+Weights for the rollout engines: `state_iter()` yields this rank's (official name, device tensor) pairs.
+TEMPORARY (until per-stage weight sync): `gather_full_state` merges every rank's pieces on rank 0, refused
+above `MAX_GATHER_PARAMS`.
+
+Tests: `pytest tests/test_actor.py tests/test_train_e2e.py -q`.
 """
 from __future__ import annotations
-
-from collections import deque
 
 import torch
 import torch.distributed as dist
 
 from nanoflash import grpo
-from nanoflash.model import Transformer, chunked_logprobs
-from nanoflash.parallel.expert import apply_expert_parallel
-from nanoflash.parallel.optim import AdamW, trainable_parameters
-from nanoflash.parallel.pipeline import build_stage, forward_backward
-from nanoflash.parallel.train_step import global_count, train_step
+from nanoflash.checkpoint import load_hf_checkpoint
+from nanoflash.model import Transformer
+from nanoflash.parallel.checkpoint import load_checkpoint, save_checkpoint
+from nanoflash.parallel.microbatch import equalize_count, pack_microbatches
+from nanoflash.parallel.optim import AdamW
+from nanoflash.parallel.pipeline import forward_only
+from nanoflash.parallel.train_step import global_count, parallelize, stage_logprobs, train_step
 
-LOSS_KEYS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "ess_ratio", "ois", "tis", "tis_clipfrac", "tis_abs",
+LOSS_KEYS = ("pg_loss", "pg_clipfrac", "ppo_kl", "ess_ratio", "ois", "tis", "tis_clipfrac", "tis_abs",
              "train_rollout_logprob_abs_diff", "train_rollout_kl", "train_rollout_kl_k1")
 FIELDS = ("input_ids", "targets", "mask", "advantages", "rollout_logprobs")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# TEMPORARY rank-0 gather for the weight push: a full fp32 copy on one host is fine for tiny / small (2.1B),
+# not for flash (284B: ~1.1 TiB). The per-stage push of the weight-sync issue replaces it.
+MAX_GATHER_PARAMS = 4_000_000_000
 
 
-# ---------------------------------------------------------------------------------------------- build
-def build_model(mcfg, dims, par, seed: int, dtype: torch.dtype, init: bool = True):
-    """Full model -> this rank's stage and experts. init=True: seeded random init (same on every layout);
-    init=False: built on meta and materialised empty (a checkpoint load overwrites every tensor)."""
-    if init:
-        model = Transformer(mcfg).init_weights(seed)
-    else:
-        with torch.device("meta"):
-            model = Transformer(mcfg)
-    model = apply_expert_parallel(build_stage(model, dims, par.layer_split), dims)
-    if not init:
-        model = model.to_empty(device="cpu")
+# ---------------------------------------------------------------------------------------------- placement
+def resolve_device(name: str, dims) -> torch.device:
+    """`ParallelConfig.device` -> this rank's device: auto = cuda:LOCAL_RANK under nccl, else the CPU."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("parallel.device=cuda but no CUDA device is visible")
+        if dims.world_size > 1 and dist.get_backend() != "nccl":
+            raise ValueError("parallel.device=cuda with several ranks needs the nccl backend (gloo is CPU-only here)")
+        return torch.device("cuda", torch.cuda.current_device())
+    return dims.device
+
+
+def build_model(mcfg, dims, par, dtype: torch.dtype, device, seed: int | None = 0, train_mtp: bool = False):
+    """Meta -> parallelize -> cast -> materialise on `device` -> seeded init (seed=None: leave the storage for a
+    checkpoint load, which must overwrite every tensor). Returns this rank's stage, experts and buffers."""
+    with torch.device("meta"):
+        model = Transformer(mcfg)
+    model.full_params = sum(p.numel() for p in model.parameters())  # before the cut: the whole model
+    parallelize(model, dims, par, train_mtp)
     if dtype != torch.float32:
         model.cast_(dtype)
-    model.recompute = par.recompute
+    model.to_empty(device=device)
+    if seed is not None:
+        model.init_weights(seed)
     return model
 
 
 def make_optimizer(model, oc, lr: float | None = None, offload: bool = False) -> AdamW:
-    return AdamW(trainable_parameters(model, oc.train_mtp), lr=oc.lr if lr is None else lr,
-                 weight_decay=oc.weight_decay, betas=(oc.beta1, oc.beta2), eps=oc.eps, offload=offload)
+    """AdamW over the trainable parameters the rank holds; its fp32 master is copied from the weights NOW."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return AdamW(params, lr=oc.lr if lr is None else lr, weight_decay=oc.weight_decay, betas=(oc.beta1, oc.beta2),
+                 eps=oc.eps, offload=offload)
 
 
-def gather_full_state(model, dims) -> dict | None:
-    """Every rank's state dict merged on rank 0 (None elsewhere); the rank's own dict when world size is 1."""
-    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if dims.world_size == 1:
-        return sd
-    parts = [None] * dims.world_size if dims.rank == 0 else None
-    dist.gather_object(sd, parts, dst=0)
-    if dims.rank != 0:
-        return None
-    return {k: v for part in parts for k, v in part.items()}
-
-
-def broadcast(obj, dims, src: int = 0):
-    """Python object from `src` to every rank (the rollout happens on rank 0 only)."""
-    if dims.world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-# ---------------------------------------------------------------------------------------------- replay
-def set_replay(model, rx: torch.Tensor | None) -> None:
-    """Arm (rx [B,S,n_layers,K]) or disarm (None) routing replay on every score-routed gate of `model`."""
-    for key, layer in model.layers.items():
-        gate = layer.ffn.gate
-        if not gate.hash:
-            gate.replay = None if rx is None else rx[:, :, int(key)].reshape(-1, rx.shape[-1])  # [B*S,K]
-
-
-class ReplayView:
-    """The model as the pipeline schedule sees it, arming each micro-batch's replay before its layers run."""
-
-    def __init__(self, model, replays: list):
-        self._model, self._queue = model, deque(replays)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def run_layers(self, h, input_ids, *args):
-        set_replay(self._model, self._queue.popleft())
-        return self._model.run_layers(h, input_ids, *args)
-
-
-# ---------------------------------------------------------------------------------------------- batches
+# ---------------------------------------------------------------------------------------------- micro-batches
 def shard_rows(n: int, dims) -> tuple[int, int]:
-    """Rows [a, b) of an n-row batch that this rank's data shard trains on."""
+    """Rows [a, b) of an n-row global batch that data shard `dims.data_rank` trains on."""
     D, d = dims.data_world, dims.data_rank
     return n * d // D, n * (d + 1) // D
 
 
-def micro_batches(batch: grpo.RolloutBatch, budget: int, start: int, stop: int, per_sample: bool = False) -> list:
-    """Consecutive rows of [start, stop) grouped while rows x longest <= budget (>= 1 row), each trimmed to its
-    longest row. -> list of dicts of [b,s] tensors (+ routed_experts [b,s,L,K], old_logprobs when present)"""
+def batch_samples(batch: grpo.RolloutBatch, fields) -> list[dict]:
+    """Row b of `batch` -> {field: [L_b,...]} trimmed to its real length L_b = P_b + R_b - 1."""
     lens = (batch.prompt_lens + batch.response_lens - 1).tolist()
-    out, a = [], start
-    while a < stop:
-        b = a + 1
-        while not per_sample and b < stop and (b + 1 - a) * max(lens[a:b + 1]) <= budget:
-            b += 1
-        S, part = max(lens[a:b]), batch.rows(a, b)
-        mb = {k: getattr(part, k)[:, :S] for k in FIELDS}
-        for k in ("routed_experts", "old_logprobs"):
-            if getattr(part, k) is not None:
-                mb[k] = getattr(part, k)[:, :S]
-        mb["rows"] = torch.arange(a, b)
-        out.append(mb)
-        a = b
-    return out
+    cols = {k: getattr(batch, k) for k in fields if getattr(batch, k, None) is not None}
+    return [{k: v[b, :L] for k, v in cols.items()} for b, L in enumerate(lens)]
 
 
-def _replays(mbs, on: bool) -> list:
-    return [mb.get("routed_experts") if on else None for mb in mbs]
+def _template(batch: grpo.RolloutBatch, fields) -> dict:
+    """A one-token all-zero sample with `batch`'s fields (a dummy for a shard that holds no rows)."""
+    return {k: getattr(batch, k).new_zeros((1, *getattr(batch, k).shape[2:])) for k in fields
+            if getattr(batch, k, None) is not None}
 
 
-@torch.no_grad()
-def _local_logprobs(model, mbs, temperature: float, replay: bool) -> list:
-    out = []
-    for mb in mbs:
-        set_replay(model, mb.get("routed_experts") if replay else None)
-        out.append(model.token_logprobs(mb["input_ids"], mb["targets"], temperature=temperature))
-    set_replay(model, None)
-    return out
+class Actor:
+    """This rank's trainer: model stage on its device, the `ParallelDims` grid, the optimizer.
 
+        actor.logprobs(shard) -> old_logp [b,S]     actor.train(shard) -> global metrics
+        actor.state_iter()    -> (official name, device tensor) of what this rank holds
 
-def recompute_logprobs(model, dims, batch, par, temperature: float, matched: bool, replay: bool) -> torch.Tensor:
-    """The trainer's log-probs of every response token of this rank's shard (no grad). -> [B,S] fp32
-    (rows of other shards stay 0). PP>1: a pipeline pass whose loss is 0 x logp; the last stage's values are
-    then broadcast over the pipeline group."""
-    a, b = shard_rows(len(batch), dims)
-    mbs = micro_batches(batch, par.micro_batch_tokens, a, b, per_sample=matched)
-    old = torch.zeros_like(batch.rollout_logprobs)
-    if dims.pp == 1:
-        lps = _local_logprobs(model, mbs, temperature, replay)
-    else:
-        lps = []
+    `shard` is this data rank's `grpo.RolloutBatch` on first pipeline stages and None on the others.
+    Shapes: [b,S] rows of the shard; S its padded length.
+    """
 
-        def capture(m, h, mb):
-            lp = chunked_logprobs(m.hidden(h), m.head.weight, mb["targets"], temperature)
-            lps.append(lp.detach())
-            return lp.sum() * 0.0
-        forward_backward(ReplayView(model, _replays(mbs, replay)), dims, mbs, capture, loss_scale=0.0)
-        set_replay(model, None)
-        for p in model.parameters():
-            p.grad = None
-        box = [lps]
-        dist.broadcast_object_list(box, src=dims.pp_ranks[-1], group=dims.pp_group)
-        lps = box[0]
-    for mb, lp in zip(mbs, lps):
-        old[mb["rows"], :lp.shape[1]] = lp.float()
-    return old
+    def __init__(self, cfg, mcfg, dims, checkpoint: str = "", checkpoint_is_dcp: bool = False):
+        tc, par = cfg.train, cfg.parallel
+        self.cfg, self.dims, self.par, self.oc, self.gc = cfg, dims, par, cfg.optim, cfg.grpo
+        self.device, self.dtype = resolve_device(par.device, dims), DTYPES[tc.dtype]
+        self.temperature, self.replay = cfg.rollout.temperature, cfg.rollout.routing_replay
+        self.matched = cfg.rollout.weights == "fp32" and tc.dtype == "fp32"  # batch-invariant scoring
+        self.model = build_model(mcfg, dims, par, self.dtype, self.device, None if checkpoint else tc.seed,
+                                 cfg.optim.train_mtp)
+        if checkpoint and checkpoint_is_dcp:
+            load_checkpoint(checkpoint, self.model, None, dims)
+        elif checkpoint:
+            load_hf_checkpoint(self.model, checkpoint, device=self.device)
+        self.optimizer: AdamW | None = None
 
+    # ------------------------------------------------------------------ state
+    def start_optimizer(self) -> AdamW:
+        """Create the GRPO optimizer from the weights as they are now (after load and warm-up)."""
+        self.optimizer = make_optimizer(self.model, self.oc, offload=self.par.offload_optimizer)
+        return self.optimizer
 
-def grpo_step(model, dims, batch, optimizer, gc, oc, par, temperature: float, replay: bool) -> dict:
-    """One optimizer step of the GRPO loss on `batch` (old_logprobs filled). Returns global metrics."""
-    a, b = shard_rows(len(batch), dims)
-    mbs = micro_batches(batch, par.micro_batch_tokens, a, b)
-    Z = grpo.loss_denominator(batch.mask, gc.aggregation)  # every rank holds the whole batch: Z is already global
-    sums = torch.zeros(len(LOSS_KEYS), dtype=torch.float64)
+    def state_iter(self):
+        """(official name, tensor on this rank's device) for every parameter and buffer this rank holds."""
+        yield from self.model.state_dict().items()
 
-    def loss_fn(m, h, mb):
-        lp = chunked_logprobs(m.hidden(h), m.head.weight, mb["targets"], temperature)
-        loss, met = grpo.policy_loss(
-            lp, mb["old_logprobs"], mb["advantages"], mb["mask"], clip_low=gc.clip_low, clip_high=gc.clip_high,
-            clip_c=gc.clip_c, rollout_logp=mb["rollout_logprobs"], tis_cap=gc.tis_cap if gc.use_tis else None,
-            aggregation=gc.aggregation, denom=1.0)
-        sums.add_(torch.tensor([float(met.get(k, 0.0)) for k in LOSS_KEYS], dtype=torch.float64))
-        return loss
-    out = train_step(ReplayView(model, _replays(mbs, replay)), dims, mbs, optimizer, 1.0 / max(Z, 1.0),
-                     loss_fn=loss_fn, grad_clip=oc.grad_clip)
-    set_replay(model, None)
-    if dims.world_size > 1:
-        dist.all_reduce(sums)
-    m = {k: float(v) / max(Z, 1.0) for k, v in zip(LOSS_KEYS, sums)}
-    m.update(grad_norm=out["grad_norm"], loss=out["loss"])
-    return m
+    def save(self, root: str, step: int, extra: dict, keep: int) -> None:
+        save_checkpoint(root, step, self.model, self.optimizer, self.dims, extra=extra, keep=keep)
 
+    def resume(self, path: str) -> dict:
+        """Model + optimizer state (and RNG) from a DCP checkpoint; returns its meta."""
+        if self.optimizer is None:
+            self.start_optimizer()
+        return load_checkpoint(path, self.model, self.optimizer, self.dims)
 
-# ---------------------------------------------------------------------------------------------- warm-up
-def sft_step(model, dims, optimizer, problems: list, task, par, oc) -> float:
-    """One supervised step on reference answers: -mean log p(answer + eos | prompt) over answer tokens."""
-    answers = [_answer_ids(task, p) for p in problems]
-    eps = [grpo.Episode(task.encode(p), a, [0.0] * len(a), 0.0, i) for i, (p, a) in enumerate(zip(problems, answers))]
-    batch = grpo.pack(eps, torch.zeros(len(eps)), task.pad_id)
-    a, b = shard_rows(len(batch), dims)
-    mbs = [{"input_ids": mb["input_ids"], "targets": mb["targets"], "loss_mask": mb["mask"]}
-           for mb in micro_batches(batch, par.micro_batch_tokens, a, b)]
-    n_tok = global_count(sum(float(mb["loss_mask"].sum()) for mb in mbs), dims)
-    return train_step(model, dims, mbs, optimizer, 1.0 / n_tok, grad_clip=oc.grad_clip)["loss"]
+    # ------------------------------------------------------------------ micro-batches
+    def micro_batches(self, shard, fields, per_sample: bool = False):
+        """This shard's samples packed by token budget, the count equalised over the data group.
+        -> (list of {field: [b,s,...]}, sample indices of each) on first stages; (None, None) elsewhere."""
+        if not self.dims.is_first_stage:
+            return None, None
+        samples = batch_samples(shard, fields)
+        mbs, groups = pack_microbatches(samples, self.par.micro_batch_tokens, 1 if per_sample else None)
+        return equalize_count(mbs, groups, self.dims, template=_template(shard, fields))
+
+    def _fields(self, *extra) -> tuple:
+        return FIELDS + extra + (("routed_experts",) if self.replay else ())
+
+    # ------------------------------------------------------------------ GRPO
+    @torch.no_grad()
+    def logprobs(self, shard) -> torch.Tensor | None:
+        """The trainer's log-probs of every position of the shard (no grad), through the pipeline.
+        -> [b,S] fp32 on the CPU on first stages (0 past each row's length), None elsewhere."""
+        mbs, groups = self.micro_batches(shard, self._fields(), per_sample=self.matched)
+        T = self.temperature
+        lps = forward_only(self.model, self.dims, mbs, lambda m, h, mb: stage_logprobs(m, h, mb["targets"], T))
+        if mbs is None:
+            return None
+        old = torch.zeros_like(shard.rollout_logprobs)
+        lens = (shard.prompt_lens + shard.response_lens - 1).tolist()
+        for lp, g in zip(lps, groups):
+            for j, i in enumerate(g):
+                old[i, :lens[i]] = lp[j, :lens[i]].float()
+        return old
+
+    def train(self, shard) -> dict:
+        """One optimizer step of the GRPO loss on the shard (`shard.old_logprobs` filled). -> global metrics."""
+        gc, first = self.gc, self.dims.is_first_stage
+        mbs, _ = self.micro_batches(shard, self._fields("old_logprobs"))
+        Z = global_count(grpo.loss_denominator(shard.mask, gc.aggregation), self.dims) if first else None
+        T, tis_cap = self.temperature, gc.tis_cap if gc.use_tis else None
+
+        def loss_fn(m, h, mb):
+            lp = stage_logprobs(m, h, mb["targets"], T)
+            loss, met = grpo.policy_loss(
+                lp, mb["old_logprobs"], mb["advantages"], mb["mask"], clip_low=gc.clip_low, clip_high=gc.clip_high,
+                clip_c=gc.clip_c, rollout_logp=mb["rollout_logprobs"], tis_cap=tis_cap, aggregation=gc.aggregation,
+                denom=1.0)
+            return loss, {k: met[k] for k in LOSS_KEYS if k in met}
+        out = train_step(self.model, self.dims, mbs, self.optimizer, 1.0 / max(Z, 1.0) if first else None,
+                         loss_fn=loss_fn, grad_clip=self.oc.grad_clip)
+        return out
+
+    def sft_step(self, problems: list, task, optimizer) -> float:
+        """One supervised step on reference answers: -mean log p(answer + eos | prompt) over answer tokens.
+        Every rank of the data group passes the same problems; each trains its own shard of them."""
+        answers = [_answer_ids(task, p) for p in problems]
+        eps = [grpo.Episode(task.encode(p), a, [0.0] * len(a), 0.0, i) for i, (p, a) in enumerate(zip(problems, answers))]
+        batch = grpo.pack(eps, torch.zeros(len(eps)), task.pad_id)
+        shard = batch.rows(*shard_rows(len(batch), self.dims))
+        mbs, _ = self.micro_batches(shard, ("input_ids", "targets", "mask"))
+        if mbs is not None:
+            mbs = [{"input_ids": mb["input_ids"], "targets": mb["targets"], "loss_mask": mb["mask"]} for mb in mbs]
+        n_tok = global_count(float(shard.mask.sum()), self.dims)
+        return train_step(self.model, self.dims, mbs, optimizer, 1.0 / n_tok, grad_clip=self.oc.grad_clip)["loss"]
 
 
 def _answer_ids(task, problem) -> list:
     """Token ids of the reference response: the answer text, then the first stop id."""
     full = task.encode(problem.__class__(problem.id, problem.prompt + problem.answer, problem.answer))
     return full[len(task.encode(problem)):] + [task.stop_ids[0]]
+
+
+# ---------------------------------------------------------------------------------------------- data
+def scatter_shards(batch: grpo.RolloutBatch | None, dims, header: dict) -> tuple[grpo.RolloutBatch | None, dict]:
+    """Rank 0's global batch -> each first-stage rank receives only its data shard's rows, as tensors, over
+    the gloo side group (whose long timeout lets the others wait out a minutes-long rollout). `header` (a
+    small dict: data position, counters) reaches every rank. Returns (this rank's shard or None, header)."""
+    header = dict(header, rows=len(batch) if batch is not None else 0)
+    if dims.world_size == 1:
+        return batch, header
+    box = [header] if dims.rank == 0 else [None]
+    dist.broadcast_object_list(box, src=0, group=dims.side_group)
+    header = box[0]
+    if not header["rows"] or not dims.is_first_stage:  # rank 0 is always on the first stage
+        return None, header
+    first = dims.grid[0].flatten().tolist()  # global ranks of the first stage, data rank order
+    if dims.rank == 0:
+        for d, dst in enumerate(first[1:], start=1):
+            a, b = header["rows"] * d // len(first), header["rows"] * (d + 1) // len(first)
+            _send_batch(batch.rows(a, b), dst, dims.side_group)
+        return (batch.rows(*shard_rows(len(batch), dims)) if dims.is_first_stage else None), header
+    return _recv_batch(dims.side_group), header
+
+
+def _send_batch(part: grpo.RolloutBatch, dst: int, group) -> None:
+    tensors = {k: v.contiguous() for k, v in vars(part).items() if torch.is_tensor(v)}
+    dist.send_object_list([{k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}], dst=dst, group=group)
+    for k in sorted(tensors):
+        dist.send(tensors[k], dst=dst, group=group)
+
+
+def _recv_batch(group) -> grpo.RolloutBatch:
+    box = [None]
+    dist.recv_object_list(box, src=0, group=group)
+    tensors = {}
+    for k in sorted(box[0]):
+        shape, dtype = box[0][k]
+        tensors[k] = torch.empty(shape, dtype=dtype)
+        dist.recv(tensors[k], src=0, group=group)
+    return grpo.RolloutBatch(**tensors)
+
+
+def gather_full_state(actor: Actor) -> dict | None:
+    """TEMPORARY: every rank's `state_iter()` merged on rank 0 (CPU tensors; None elsewhere), over the side
+    group. Refused above MAX_GATHER_PARAMS: at flash scale each stage must push its own slice."""
+    dims, model = actor.dims, actor.model
+    if dims.world_size > 1 and model.full_params > MAX_GATHER_PARAMS:
+        raise SystemExit(f"the weight push still gathers the whole model on rank 0 ({model.full_params / 1e9:.0f}B "
+                         f"parameters > {MAX_GATHER_PARAMS / 1e9:.0f}B): not possible for this preset until the "
+                         f"per-stage weight sync lands; use tiny/small, or a single process")
+    sd = {k: v.detach().cpu() for k, v in actor.state_iter()}
+    if dims.world_size == 1:
+        return sd
+    parts = [None] * dims.world_size if dims.rank == 0 else None
+    dist.gather_object(sd, parts, dst=0, group=dims.side_group)
+    return {k: v for part in parts for k, v in part.items()} if dims.rank == 0 else None

@@ -18,18 +18,20 @@ cfg = parse_args(["--recipe", "demo", "--rollout.routing_replay", "true", "--grp
 tc, oc, par, ec, gc, rc = cfg.train, cfg.optim, cfg.parallel, cfg.eval, cfg.grpo, cfg.rollout
 dims = ParallelDims()
 mcfg = preset("tiny", **cfg.model)
-model = trainer.build_model(mcfg, dims, par, tc.seed, torch.float32)
+actor = trainer.Actor(cfg, mcfg, dims)
+model = actor.model
 task = ep.make_task(tc, ec, mcfg.vocab_size)
 opt = trainer.make_optimizer(model, oc, lr=tc.warmup_lr)
 for i in range(tc.warmup_steps):
-    trainer.sft_step(model, dims, opt, [task.train[(i*64+j) % len(task.train)] for j in range(64)], task, par, oc)
+    actor.sft_step([task.train[(i*64+j) % len(task.train)] for j in range(64)], task, opt)
 client, engines, httpds = ep.start_embedded(model, 1, rc.weights, tc.seed)
 ep.push(client, model, rc, 1, "/tmp/r3sync")
 kept, seen, pos, _ = ep.collect(client, task, 0, gc, rc, tc.seed, mcfg)
 batch = grpo.pack(seen, torch.zeros(len(seen)), 0)
 res = {}
 for replay in (False, True):
-    old = trainer.recompute_logprobs(model, dims, batch, par, 1.0, False, replay)
+    actor.replay = replay
+    old = actor.logprobs(batch)
     res[replay] = grpo.logprob_mismatch_metrics(old, batch.rollout_logprobs, batch.mask)
 flips = tot = 0
 with torch.no_grad():

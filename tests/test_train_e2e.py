@@ -18,8 +18,10 @@ import time
 import pytest
 import torch
 
+from nanoflash.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from nanoflash.cli import parse_args
 from nanoflash.config import preset
+from nanoflash.model import Transformer
 from nanoflash.metrics import read_jsonl
 from nanoflash.parallel.checkpoint import latest_checkpoint, load_checkpoint
 from nanoflash.parallel.dims import ParallelDims
@@ -58,7 +60,7 @@ def kill_after_checkpoint(out: str, step: int, *extra: str) -> None:
 
 def _state(out: str):
     cfg = parse_args(["--recipe", "smoke"])
-    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, 0, torch.float32)
+    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.float32, "cpu")
     opt = trainer.make_optimizer(model, cfg.optim)
     meta = load_checkpoint(latest_checkpoint(os.path.join(out, "checkpoints")), model, opt, ParallelDims())
     return meta, model.state_dict(), opt.state_dict()
@@ -120,27 +122,100 @@ def test_resume_continues_from_the_right_step_with_identical_state(runs):
         assert torch.equal(v, opt_b[k]) if torch.is_tensor(v) else v == opt_b[k], k
 
 
-def test_pipeline_parallel_pp2_matches_single_process(tmp_path):
-    """torchrun with 2 gloo ranks at PP2: same rollouts (the warm-up and GRPO step give the same weights up
-    to fp32 summation order), |dlogp| still exactly 0 (the recompute goes through the pipeline). Both runs
-    use a 2-step warm-up: the smoke's 20 Adam steps amplify the summation-order rounding (Adam rescales tiny
-    gradients; measured 1.9e-3 relative grad-norm difference at step 2) while 2 steps keep it at 2e-7."""
-    short = ["--rollout.weights", "fp32", "--steps", "2", "--eval.every", "0", "--train.warmup_steps", "2"]
-    full, out = str(tmp_path / "pp1"), str(tmp_path / "pp2")
-    run_train(full, *short)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), os.path.join(ROOT, "train.py"), "--recipe", "smoke", "--out", out,
-           "--parallel.pp", "2", "--train.progress", "false", "--train.plots", "false", *short]
+# layout name -> (torchrun ranks, train.py flags). Variable-length micro-batches: a 16-token budget packs
+# 8-token rows two at a time and 7-token ones two at a time, so shards hold several micro-batches.
+LAYOUTS = {"pp2": (2, ["--parallel.pp", "2"]),
+           "pp2xep2": (4, ["--parallel.pp", "2", "--parallel.ep", "2"]),
+           "dp2xep2": (4, ["--parallel.ep", "2"])}
+# Weights after 2 warm-up AdamW steps (lr 3e-3) and 2 GRPO steps (lr 1e-3), fp32 summation order only: each
+# step is bounded by lr * (1e-9 / eps + 1e-5) as in test_parallel_parity (~8e-6 for the four), and the later
+# steps see slightly different weights, hence 2e-5 (observed 7.6e-6).
+WEIGHT_ATOL = 2e-5
+# The GRPO loss at old == current is ~0 (group-normalised advantages cancel): only an absolute bound, fp32
+# rounding of a sum of O(1) per-sample terms (observed 1.2e-7).
+LOSS_ATOL = 1e-6
+EP_LOGP_ATOL = 1e-6  # matched mode: EP combines expert outputs in another order (observed 9e-8), PP alone is exact
+
+
+@pytest.fixture(scope="module")
+def single_short(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("pp1") / "pp1")
+    run_train(out, *SHORT)
+    return out
+
+
+# Adam eps 1e-6 (as in test_parallel_parity): with 1e-8 a near-zero gradient's rounding can move a weight by
+# up to lr per step, so no weight bound would be meaningful.
+SHORT = ["--rollout.weights", "fp32", "--steps", "2", "--eval.every", "0", "--train.warmup_steps", "2",
+         "--parallel.micro_batch_tokens", "16", "--optim.eps", "1e-6"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_single_process(single_short, tmp_path, layout):
+    """torchrun with gloo ranks: same rollouts, and loss, grad norm and every weight after two steps equal the
+    single process up to fp32 summation order. Both runs use a 2-step warm-up: the smoke's 20 Adam steps
+    amplify the summation-order rounding (Adam rescales tiny gradients; measured 1.9e-3 relative grad-norm
+    difference at step 2) while 2 steps keep it at 2e-7."""
+    n, flags = LAYOUTS[layout]
+    out = str(tmp_path / layout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
+           str(free_port()), os.path.join(ROOT, "train.py"), "--recipe", "smoke", "--out", out, *flags,
+           "--train.progress", "false", "--train.plots", "false", *SHORT]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"torchrun failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    a = read_jsonl(os.path.join(full, "metrics.jsonl"), "train")
+    a = read_jsonl(os.path.join(single_short, "metrics.jsonl"), "train")
     b = read_jsonl(os.path.join(out, "metrics.jsonl"), "train")
     assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
     assert any("grad_norm" in r for r in a), a                    # at least one GRPO step was compared
     for ra, rb in zip(a, b):
-        if "grad_norm" in ra:
-            assert rb["train_rollout_logprob_abs_diff"] == 0.0
-            assert abs(ra["grad_norm"] - rb["grad_norm"]) <= GRAD_NORM_RTOL * ra["grad_norm"], (ra, rb)
+        if "grad_norm" not in ra:
+            continue
+        assert rb["train_rollout_logprob_abs_diff"] <= (EP_LOGP_ATOL if "ep" in layout else 0.0)
+        assert abs(ra["grad_norm"] - rb["grad_norm"]) <= GRAD_NORM_RTOL * ra["grad_norm"], (ra, rb)
+        assert abs(ra["loss"] - rb["loss"]) <= LOSS_ATOL, (ra, rb)
+    _, wa, _ = _state(single_short)
+    _, wb, _ = _state(out)  # the PP / EP checkpoint resharded into one process by name
+    worst = max(((wa[k].float() - wb[k].float()).abs().max().item(), k) for k in wa)
+    print(f"{layout}: max |weight diff| {worst[0]:.2e} at {worst[1]}")
+    assert worst[0] <= WEIGHT_ATOL, worst
+
+
+def _tiny_hf_checkpoint(path: str) -> dict:
+    """An HF-layout checkpoint of a seeded tiny model; returns its tensors as a bf16 trainer loads them."""
+    cfg = parse_args(["--recipe", "smoke"])
+    save_hf_checkpoint(Transformer(preset("tiny", **cfg.model)).init_weights(5), path, weights="bf16")
+    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.bfloat16, "cpu",
+                                seed=None)
+    load_hf_checkpoint(model, path)
+    return model.state_dict()
+
+
+def _ckpt_weights(out: str, step: int) -> dict:
+    cfg = parse_args(["--recipe", "smoke", "--train.dtype", "bf16"])
+    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.bfloat16, "cpu")
+    load_checkpoint(os.path.join(out, "checkpoints", f"step_{step:08d}"), model, None, ParallelDims())
+    return model.state_dict()
+
+
+def test_checkpoint_start_bf16_offload_lr0_keeps_the_loaded_weights(tmp_path):
+    """From an HF checkpoint in bf16 with the optimizer offloaded: GRPO steps at lr 0 (every group kept, so the
+    optimizer really steps and writes its master back) leave every weight as loaded (the fp32 master is taken after the load, not from the storage before it); with a warm-up, the
+    warm-up's changes survive the GRPO step (the master is taken after the warm-up too)."""
+    ckpt = str(tmp_path / "hf")
+    loaded = _tiny_hf_checkpoint(ckpt)
+    common = ["--train.checkpoint", ckpt, "--train.dtype", "bf16", "--parallel.offload_optimizer", "true",
+              "--optim.lr", "0", "--steps", "1", "--eval.every", "0", "--grpo.dynamic_sampling", "false"]
+    run_train(str(tmp_path / "cold"), *common, "--train.warmup_steps", "0")
+    assert "grad_norm" in read_jsonl(str(tmp_path / "cold" / "metrics.jsonl"), "train")[0]
+    after = _ckpt_weights(str(tmp_path / "cold"), 1)
+    for k, v in loaded.items():
+        assert torch.equal(after[k], v), k
+    run_train(str(tmp_path / "warm"), *common, "--train.warmup_steps", "3")
+    assert "grad_norm" in read_jsonl(str(tmp_path / "warm" / "metrics.jsonl"), "train")[0]
+    warmed, stepped = _ckpt_weights(str(tmp_path / "warm"), 0), _ckpt_weights(str(tmp_path / "warm"), 1)
+    assert any(not torch.equal(warmed[k], loaded[k]) for k in loaded), "warm-up changed nothing"
+    for k in warmed:
+        assert torch.equal(stepped[k], warmed[k]), k
 
 
 def test_fp8_rollout_with_routing_replay(tmp_path):

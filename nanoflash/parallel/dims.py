@@ -13,6 +13,11 @@ where the all-to-all traffic must stay. PP is the outermost axis.
 EP "borrows" its ranks from data parallelism: each EP rank reads its own slice of the batch, so one stage
 consumes `dp * ep` batch shards, numbered `data_rank = dp_rank * ep + ep_rank`.
 
+Waiting for rank 0: rank 0 alone drives the rollout servers (and evaluates and pushes), which can take
+minutes; the other ranks wait for its data on `side_group`, a gloo group of the whole world created with a
+long timeout (`wait_timeout_s`), instead of sitting inside an NCCL collective whose watchdog would kill the
+job. Both timeouts are `ParallelConfig` fields.
+
 `ParallelDims` is passed around explicitly; there are no module-level singletons (unlike Megatron's
 `parallel_state` or picotron's process-group manager). With world size 1 every group is `None` and every
 collective in `nanoflash.parallel` short-circuits, so the single-process code path is the same code.
@@ -27,7 +32,8 @@ import os
 import torch
 import torch.distributed as dist
 
-INIT_TIMEOUT_S = 120  # collectives that wait longer than this raise instead of hanging a job or a test
+INIT_TIMEOUT_S = 1800  # training collectives (NCCL / gloo) that wait longer than this raise (torch: 600 s)
+WAIT_TIMEOUT_S = 7200  # ranks waiting for rank 0 (rollouts, evaluation, pushes take minutes) on the side group
 
 
 def default_backend() -> str:
@@ -42,7 +48,7 @@ class ParallelDims:
     Shapes: grid [pp, dp, ep] of global ranks.
     """
 
-    def __init__(self, pp: int = 1, ep: int = 1, dp: int | None = None):
+    def __init__(self, pp: int = 1, ep: int = 1, dp: int | None = None, wait_timeout_s: float = WAIT_TIMEOUT_S):
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         if dp is None:
@@ -59,6 +65,8 @@ class ParallelDims:
         self.ep_group = self._make_groups(self.grid.reshape(-1, ep))                     # rows: one EP group
         self.data_group = self._make_groups(self.grid.reshape(pp, dp * ep))              # rows: one stage
         self.pp_ranks = self.grid[:, self.dp_rank, self.ep_rank].tolist()  # global ranks of my pipeline
+        self.side_group = None if world == 1 else dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=wait_timeout_s))  # whole world, CPU, long wait
 
     def _make_groups(self, rows: torch.Tensor):
         """Create one group per row of global ranks; return the one holding this rank (None if trivial)."""
@@ -112,16 +120,18 @@ class ParallelDims:
                 f"dp={self.dp_rank}/{self.dp}, ep={self.ep_rank}/{self.ep})")
 
 
-def init_distributed(pp: int = 1, ep: int = 1, dp: int | None = None) -> ParallelDims:
+def init_distributed(pp: int = 1, ep: int = 1, dp: int | None = None, timeout_s: float = INIT_TIMEOUT_S,
+                     wait_timeout_s: float = WAIT_TIMEOUT_S) -> ParallelDims:
     """Initialise torch.distributed from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR, MASTER_PORT) and build the grid. A plain `python` run (no WORLD_SIZE) is world size 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
+    MASTER_ADDR, MASTER_PORT) and build the grid. Under torchrun a process group is created even for a world
+    of one (so a one-GPU run exercises NCCL's init and device binding); a plain `python` run is world size 1
+    with no process group. Each rank binds `cuda:LOCAL_RANK` under nccl."""
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         backend = default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
-    return ParallelDims(pp=pp, ep=ep, dp=dp)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return ParallelDims(pp=pp, ep=ep, dp=dp, wait_timeout_s=wait_timeout_s)
 
 
 def print0(*args, dims: ParallelDims | None = None, **kwargs) -> None:

@@ -40,9 +40,11 @@ def _stack(samples: list[dict], idx: list[int]) -> dict:
     return out
 
 
-def pack_microbatches(samples: list[dict], max_tokens: int) -> tuple[list[dict], list[list[int]]]:
-    """Greedy first-fit-decreasing under B * S_max <= max_tokens. Returns (micro-batches, sample indices of
-    each), so per-sample results (e.g. log-probs) can be mapped back to the input order."""
+def pack_microbatches(samples: list[dict], max_tokens: int, max_rows: int | None = None
+                      ) -> tuple[list[dict], list[list[int]]]:
+    """Greedy first-fit-decreasing under B * S_max <= max_tokens (and B <= max_rows; max_rows=1 scores every
+    sample alone, unpadded). Returns (micro-batches, sample indices of each), so per-sample results (e.g.
+    log-probs) can be mapped back to the input order."""
     for i, s in enumerate(samples):
         L = len(s["input_ids"])
         bad = {k: tuple(v.shape) for k, v in s.items() if v.dim() == 0 or len(v) != L}
@@ -54,15 +56,18 @@ def pack_microbatches(samples: list[dict], max_tokens: int) -> tuple[list[dict],
     groups: list[list[int]] = []
     for i in order:
         g = groups[-1] if groups else None
-        if g and (len(g) + 1) * len(samples[g[0]]["input_ids"]) <= max_tokens:
+        fits = g and (len(g) + 1) * len(samples[g[0]]["input_ids"]) <= max_tokens
+        if fits and (max_rows is None or len(g) < max_rows):
             g.append(i)
         else:
             groups.append([i])
     return [_stack(samples, g) for g in groups], groups
 
 
-def equalize_count(mbs: list[dict], groups: list[list[int]], dims: ParallelDims):
-    """Make every rank of the data group hold the same number of micro-batches (see module docstring)."""
+def equalize_count(mbs: list[dict], groups: list[list[int]], dims: ParallelDims, template: dict | None = None):
+    """Make every rank of the data group hold the same number of micro-batches (see module docstring).
+    `template` ({field: [L,...] tensor}, e.g. one sample) gives the fields of a dummy micro-batch when this
+    rank holds none (a data shard with no rows)."""
     n = torch.tensor([len(mbs)], device=dims.device)
     if dims.data_group is not None:
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=dims.data_group)
@@ -76,7 +81,12 @@ def equalize_count(mbs: list[dict], groups: list[list[int]], dims: ParallelDims)
             mbs += [{k: v[:half] for k, v in mb.items()}, {k: v[half:] for k, v in mb.items()}]
             groups += [g[:half], g[half:]]
         else:
-            template = mbs[0] if mbs else {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
+            if mbs:
+                template = mbs[0]
+            elif template is not None:
+                template = {k: v[None] for k, v in template.items()}                   # [1,L,...]
+            else:
+                template = {"input_ids": torch.zeros(1, 1, dtype=torch.long)}
             mbs.append({k: v.new_zeros((1, *(1 for _ in v.shape[1:2]), *v.shape[2:])) for k, v in template.items()})
             groups.append([])
     return mbs, groups

@@ -48,6 +48,7 @@ from nanoflash.parallel.comm import p2p_exchange
 from nanoflash.parallel.dims import ParallelDims
 
 LAST_STAGE_MODULES = ("norm", "head", "mtp")
+ROUTED_FIELD = "routed_experts"  # micro-batch field [B,S,n_layers,K]: routing replay, handed to run_layers
 LAST_STAGE_PARAMS = ("hc_head_fn", "hc_head_base", "hc_head_scale")
 
 
@@ -157,13 +158,13 @@ class _Schedule:
     def forward(self, h_in, mb):
         ids = mb["input_ids"]
         h = self.model.embed_streams(ids) if self.dims.is_first_stage else h_in
-        out = self.model.run_layers(h, ids)
+        out = self.model.run_layers(h, ids, routed=mb.get(ROUTED_FIELD))
         if self.dims.is_last_stage:
             loss = self.loss_fn(self.model, out, mb)
             loss, metrics = loss if isinstance(loss, tuple) else (loss, {})
             self.loss_sum += loss.detach().double()
             for k, v in metrics.items():
-                self.metrics[k] = self.metrics.get(k, 0.0) + v.detach().double()
+                self.metrics[k] = self.metrics.get(k, 0.0) + torch.as_tensor(v).detach().double() * self.loss_scale
             out = loss * self.loss_scale
         self.inflight.append((h_in, out, mb))
         return out, mb
@@ -180,7 +181,9 @@ def forward_backward(model: nn.Module, dims: ParallelDims, microbatches, loss_fn
     `microbatches`: list of dicts of `[B,S,...]` tensors with at least `input_ids`, and `loss_scale`: both are
     needed on the first stage only (other stages may pass None; they receive them). `loss_fn(model,
     h [B,S,M,D], mb) -> scalar | (scalar, {name: scalar})` runs on the last stage. Returns (loss_scale * sum
-    of the losses, {name: sum of the metrics}) over the micro-batches on the last stage; (0, {}) elsewhere.
+    of the losses, {name: loss_scale * sum of the metrics}) over the micro-batches on the last stage; (0, {})
+    elsewhere. A micro-batch field `routed_experts` [B,S,n_layers,K] is routing replay: it travels with the
+    other fields and every stage hands it to `run_layers`, so replay works at any PP and with recompute.
     """
     sch = _Schedule(model, dims, microbatches, loss_fn, loss_scale)
     m, p, r = len(sch.meta["fields"]), dims.pp, dims.pp_rank
@@ -222,7 +225,8 @@ def forward_only(model: nn.Module, dims: ParallelDims, microbatches, fn) -> list
         h_in, mb, recvs = sch.recv_forward(i)
         p2p_exchange([], recvs)
         ids = mb["input_ids"]
-        h = model.run_layers(model.embed_streams(ids) if dims.is_first_stage else h_in, ids)
+        h = model.run_layers(model.embed_streams(ids) if dims.is_first_stage else h_in, ids,
+                             routed=mb.get(ROUTED_FIELD))
         p2p_exchange(sch.send_forward(h, mb), [])
         if dims.is_last_stage:
             results.append(fn(model, h, mb).cpu())

@@ -124,9 +124,9 @@ def train_step(model, dims: ParallelDims, microbatches, optimizer, loss_scale: f
     `loss_scale` = 1 / global normaliser (e.g. 1 / global_count(loss tokens) over the first stage's data
     group); like `microbatches` it is only read on the first pipeline stage. The returned loss is the global
     objective sum(loss_fn) * loss_scale, identical on every rank; metrics returned by `loss_fn` (as a
-    (loss, {name: scalar}) pair) come back summed over micro-batches and data shards. GRPO fits as
-    `loss_fn = lambda m, h, mb: grpo.policy_loss(stage_logprobs(m, h, mb["targets"]), ..., denom=D)` with D
-    the global `grpo.loss_denominator` and loss_scale=1 (its metrics are already divided by D).
+    (loss, {name: scalar}) pair) are scaled the same way: sum over micro-batches and data shards x loss_scale.
+    GRPO fits as `loss_fn = lambda m, h, mb: grpo.policy_loss(stage_logprobs(m, h, mb["targets"]), ...,
+    denom=1.0)` with loss_scale = 1 / the global `grpo.loss_denominator` (`nanoflash.trainer.Actor.train`).
     """
     optimizer.zero_grad()
     loss, metrics = forward_backward(model, dims, microbatches, loss_fn, loss_scale)
