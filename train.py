@@ -163,6 +163,9 @@ while step < tc.steps:
         n_tok = float(batch.mask.sum()) if batch is not None else 0.0
         m.update(train_s=time.time() - t1, train_tokens_per_s=n_tok / (time.time() - t1))
     m.update(sync_weights(step))
+    if actor.device.type == "cuda":  # this rank's stage, optimizer and activations (rank 0's, as logged)
+        m.update(gpu_mem_gib=torch.cuda.memory_allocated() / 2 ** 30,
+                 gpu_peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30)
     if rank0:
         print(f"step {step}: reward {m['reward_mean']:.3f} kept {m['groups_kept']}/{m['groups_seen']} groups "
               f"|dlogp| {m.get('train_rollout_logprob_abs_diff', float('nan')):.2e} ({time.time() - t0:.1f}s)",
