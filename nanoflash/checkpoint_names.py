@@ -169,6 +169,8 @@ def name_pattern(name: str) -> tuple[str, list[str]]:
 def fill_pattern(pattern: str, nums: list[str]) -> str:
     """Inverse of `name_pattern`: put the numbers back into the `#` slots, in order."""
     nums = list(nums)
+    if pattern.split(".").count("#") != len(nums):
+        raise ValueError(f"pattern {pattern!r} has {pattern.split('.').count('#')} index slots, got numbers {nums}")
     return ".".join(nums.pop(0) if p == "#" else p for p in pattern.split("."))
 
 

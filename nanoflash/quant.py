@@ -1,4 +1,4 @@
-"""Low-precision number formats of DeepSeek-V4-Flash, in plain PyTorch (CPU or GPU, no custom kernels).
+"""Low-precision number formats of DeepSeek-V4-Flash, in plain PyTorch (CPU or GPU), plus one GPU kernel.
 
 What is here, and who uses it:
 
@@ -9,6 +9,9 @@ What is here, and who uses it:
     - ``fmt="ue8m0"``: S = 2^ceil(log2(amax/448)), stored as float8_e8m0fnu (the official checkpoint);
     - ``fmt="fp32"``: S = max(amax, 1e-10)/448 in fp32 and Q = e4m3(clamp(W * (1/S), +-448)); this is what
       Miles/slime send to SGLang on Hopper as ``weight_scale_inv`` (their `blockwise_cast_to_fp8_triton`).
+* **The weight stream's quantizer** (`quantize_fp8_block_into`): the ``fmt="fp32"`` convention written into
+  preallocated buffers, bit for bit; on CUDA one Triton kernel (one program per 128x128 block: amax, IEEE
+  `div_rn` for S and 1/S, clamp, RNE cast), elsewhere the reference on bounded slabs.
 * **FP4 (MXFP4) routed experts** (`quantize_fp4` / `dequantize_fp4`): e2m1 values, two per int8 byte
   (element 2k = low nibble, 2k+1 = high nibble; nibble bit 3 = sign), one E8M0 scale per 1x32 block,
   S = 2^ceil(log2(amax/6)).
@@ -37,7 +40,8 @@ Non-finite inputs: a NaN or +-inf anywhere in a block poisons exactly that block
 return NaN for every element of such a block. Quantized payload bytes of a poisoned block are unspecified.
 
 How this differs from production: the official code and SGLang use fused GPU kernels (tilelang, Triton,
-DeepGEMM) and never materialise the dequantized weight; here everything is explicit fp32 tensor math.
+DeepGEMM) and never materialise the dequantized weight; here everything but the stream's quantizer is
+explicit fp32 tensor math.
 Bit-exactness vs Miles' Triton kernel holds up to its division: Triton's default fp32 `/` is the
 approximate `div.full.f32`, so on GPU amax/448 and 1/scale may differ from IEEE by an ulp; here they are
 IEEE-correct. DeepGEMM's packed-UE8M0 (Blackwell) scale layout is not produced.
@@ -149,6 +153,64 @@ def quantize_fp8_block(w: torch.Tensor, fmt: str = "ue8m0", block: int = FP8_BLO
     else:
         raise ValueError(f"quantize_fp8_block: fmt must be 'ue8m0' or 'fp32', got {fmt!r}")
     return q.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), out_scale
+
+
+QUANT_SLAB_BYTES = 16 << 20  # CPU path of quantize_fp8_block_into: fp32 bytes of one slab of 128-row blocks
+
+
+def quantize_fp8_block_into(w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
+    """`quantize_fp8_block(w, fmt="fp32")` written into preallocated Q e4m3 [m,n] and S fp32 [m/128, n/128],
+    bit for bit (the weight stream fills its flattened buckets in place). CUDA: one Triton kernel
+    (`_fp8_block_kernel`, IEEE division as the reference); CPU: the reference on slabs of 128-row blocks, so
+    temporaries stay below ~4 x QUANT_SLAB_BYTES whatever the weight's size (block rows are independent)."""
+    _check_2d(w, "quantize_fp8_block_into")
+    m, n = w.shape
+    want = (_cdiv(m, FP8_BLOCK), _cdiv(n, FP8_BLOCK))
+    if tuple(q_out.shape) != (m, n) or tuple(s_out.shape) != want or q_out.dtype != torch.float8_e4m3fn \
+            or s_out.dtype != torch.float32:
+        raise ValueError(f"quantize_fp8_block_into: weight {(m, n)} needs Q e4m3 {(m, n)} and S fp32 {want}, "
+                         f"got Q {q_out.dtype} {tuple(q_out.shape)}, S {s_out.dtype} {tuple(s_out.shape)}")
+    if w.is_cuda:
+        return _fp8_block_cuda(w, q_out, s_out)
+    rows = max(FP8_BLOCK, QUANT_SLAB_BYTES // (4 * max(n, 1)) // FP8_BLOCK * FP8_BLOCK)
+    for r in range(0, m, rows):
+        q, s = quantize_fp8_block(w[r:r + rows], fmt="fp32")
+        q_out[r:r + rows].copy_(q)
+        s_out[r // FP8_BLOCK:r // FP8_BLOCK + s.shape[0]].copy_(s)
+
+
+@functools.cache
+def _fp8_block_kernel():
+    """The Triton kernel (built on first use: CPU installs have no triton). One program per 128x128 block."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(w_ptr, q_ptr, s_ptr, M, N, stride_w, stride_q, n_cb, BLOCK: tl.constexpr):
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = (r[:, None] < M) & (c[None, :] < N)
+        x = tl.load(w_ptr + r[:, None].to(tl.int64) * stride_w + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        poisoned = tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0) > 0   # tl.max drops NaN; torch keeps it
+        amax = tl.where(poisoned, float("nan"), amax)
+        s = tl.div_rn(tl.maximum(amax, 1e-10, propagate_nan=tl.PropagateNan.ALL), 448.0)
+        q = x * tl.div_rn(1.0, s)
+        q = tl.clamp(q, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(q_ptr + r[:, None].to(tl.int64) * stride_q + c[None, :],
+                 q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(s_ptr + tl.program_id(0) * n_cb + tl.program_id(1), s)
+    return kernel
+
+
+def _fp8_block_cuda(w, q_out, s_out):
+    m, n = w.shape
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    if q_out.stride(-1) != 1 or not s_out.is_contiguous():
+        raise ValueError("quantize_fp8_block_into: Q must be row-contiguous and S contiguous")
+    grid = (_cdiv(m, FP8_BLOCK), _cdiv(n, FP8_BLOCK))
+    _fp8_block_kernel()[grid](w, q_out, s_out, m, n, w.stride(0), q_out.stride(0), grid[1], BLOCK=FP8_BLOCK,
+                              num_warps=8)
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16,

@@ -13,7 +13,10 @@ What it speaks (request/response shapes of SGLang 0.5.16, `docs/rl_and_sglang.md
     POST /pause_generation {"mode"}    POST /continue_generation {}    GET /flush_cache
     POST /abort_request {"abort_all": true}
     POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend}
-    POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, weight_version}
+    POST /destroy_weights_update_group {group_name}
+    POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, weight_version,
+                                           load_format: "flattened_bucket" (optional: one flat uint8 broadcast)}
+    GET  /server_info -> {tp_size, dp_size, pp_size, enable_dp_attention, version, ...}: a group's world size
     POST /update_weights_from_tensor {serialized_named_tensors: [one per TP rank], load_format, ...}
     POST /update_weights_from_disk {model_path, load_format, weight_version}
     POST /weights_checker {"action": "checksum"} -> {"success", "message", "ranks": [{"checksums": {...}}]}
@@ -55,6 +58,8 @@ from dataclasses import dataclass, field
 PROTOCOLS = ("stock", "post_process", "session")
 # The first SGLang release with /begin_weight_update and /end_weight_update (rl_and_sglang.md §4.7).
 SESSION_MIN_VERSION = (0, 5, 23)
+# The first release whose update_weights_from_distributed takes load_format="flattened_bucket" that we pinned.
+FLAT_MIN_VERSION = (0, 5, 16)
 
 
 class ServerGoneError(ConnectionError):
@@ -146,6 +151,7 @@ class SGLangClient:
         self._lock = threading.Lock()
         self._protocols: dict = {}
         self._embedded: dict = {}
+        self._info: dict = {}
         self.weight_version = 0           # bumped by every weight_sync.push_weights
 
     # ------------------------------------------------------------------ transport
@@ -258,6 +264,39 @@ class SGLangClient:
                 self._protocols[url] = "session" if ver >= SESSION_MIN_VERSION else "stock"
         return self._protocols[url]
 
+    def server_info(self, url: str) -> dict:
+        """`GET /server_info` (0.5.16; `/get_server_info` before), cached per server until `forget(url)`."""
+        if url not in self._info:
+            try:
+                self._info[url] = self.get(url, "/server_info")
+            except RequestRejected:  # older name, deprecated in 0.5.16
+                self._info[url] = self.get(url, "/get_server_info")
+        return self._info[url]
+
+    def forget(self, url: str) -> None:
+        """Drop what was learnt about a server (it restarted: re-read its info before the next push)."""
+        for cache in (self._info, self._embedded, self._protocols):
+            cache.pop(url, None)
+
+    def server_ranks(self, url: str) -> int:
+        """Ranks this server joins into a weight-update group: SGLang 0.5.16 joins each scheduler as
+        `rank_offset + tp_rank` (`model_runner_components/weight_updater.py`), so a server brings tp_size ranks
+        (with DP attention its DP ranks are TP ranks). Replicas that would reuse a tp_rank (pp_size > 1, or
+        dp_size > 1 without DP attention) cannot join one group; that server is refused by name."""
+        info = self.server_info(url)
+        tp, dp, pp = (int(info.get(k) or 1) for k in ("tp_size", "dp_size", "pp_size"))
+        if pp > 1 or (dp > 1 and not info.get("enable_dp_attention")):
+            raise ValueError(f"{url}: tp_size={tp} dp_size={dp} pp_size={pp}: SGLang joins a weight-update group "
+                             f"as rank_offset + tp_rank, so its {dp * pp} replicas would collide; serve one "
+                             "replica per server (or DP attention) for update_weights_from_distributed")
+        return tp
+
+    def supports_flattened(self, url: str) -> bool:
+        """Does `/update_weights_from_distributed` take load_format="flattened_bucket" (one flat broadcast per
+        bucket)? The embedded server does, and SGLang since 0.5.16 (`_update_bucketed_weights_from_distributed`)."""
+        info = self.server_info(url)
+        return info.get("engine") == "nanoflash" or parse_version(info.get("version", "")) >= FLAT_MIN_VERSION
+
     def is_embedded(self, url: str) -> bool:
         """Is this nanoflash's embedded server (safe tensor payloads) rather than real SGLang (pickles)?"""
         if url not in self._embedded:
@@ -338,15 +377,24 @@ class SGLangClient:
             merged.update(r.get("checksums", {}))
         return merged
 
+    def weights_checksums_per_rank(self, url: str) -> list:
+        """`/weights_checker` checksums of each of the server's ranks: [{internal name: hex}, ...]."""
+        out = self.post(url, "/weights_checker", {"action": "checksum"})
+        if not out.get("success", False) or not out.get("ranks"):
+            raise RuntimeError(f"{url}/weights_checker gave no checksums: {str(out)[:300]}")
+        return [dict(r.get("checksums", {})) for r in out["ranks"]]
+
     def init_weights_update_group(self, url: str, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str, backend: str):
         return self.post(url, "/init_weights_update_group", {
             "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
             "world_size": int(world_size), "group_name": group_name, "backend": backend})
 
-    def update_weights_from_disk(self, url: str, model_path: str, weight_version: str,
+    def update_weights_from_disk(self, url: str, model_path: str, weight_version: str | None,
                                  load_format: str | None = None):
-        body = {"model_path": model_path, "weight_version": str(weight_version)}
+        body = {"model_path": model_path}
+        if weight_version is not None:  # None: the server keeps reporting its version (bumped after a push)
+            body["weight_version"] = str(weight_version)
         if load_format:
             body["load_format"] = load_format
         return self.post(url, "/update_weights_from_disk", body)

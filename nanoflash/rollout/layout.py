@@ -205,3 +205,120 @@ def compare_checksums(expected: dict, actual: dict, server: str = "server", full
         raise RuntimeError(f"weight push did not land on {server}: {len(differ)} tensor(s) differ "
                            f"{differ[:8]}, {len(missing)} missing {missing[:8]}, {len(unsent)} held but never "
                            f"sent {unsent[:8]} (of {len(expected)} expected)")
+
+
+# ---------------------------------------------------------------------------------------------- SGLang's hash
+# SGLang 0.5.16 `/weights_checker {"action": "checksum"}` (srt/utils/weight_checker.py): per parameter,
+# f"{tensor_hash(w):016x}" with w = block_quant_dequant(Q, S, [128,128], bf16) for an FP8 weight with a
+# `weight_scale_inv` sibling (the scale is not listed), else the raw parameter. On a GPU tensor_hash is
+# `kernels/ops/memory/gpu_tensor_hash.py`: the bytes as uint32 words v_i (zero-padded), i the word index,
+#     k1_i = fmix32(v_i ^ ((i*POS_A + s1) ^ rotl(i, 15)))   k2_i = fmix32(v_i ^ ((i*POS_B + s2) ^ rotl(i, 13)))
+#     per tile t of 8192 words: h_t = fmix32((sum k1) ^ nbytes) << 32 | fmix32((sum k2) ^ nbytes)   (mod 2^32)
+#     hash = splitmix64(sum_t h_t mod 2^64)
+# Tiles only interact through that sum, so a stacked tensor (`mlp.experts.w13_weight` [E, 2I, D]) is hashed
+# from its per-expert slabs wherever a slab is a whole number of tiles: each source adds its experts' tile
+# sums, the coordinator adds the sources'. Transcribed from the 0.5.16 wheel; `tests/test_weight_sync_hash.py`
+# checks it against a word-by-word transcription (it was not run against SGLang's Triton kernel here).
+HASH_TILE_WORDS = 8192
+_M32, _M64 = 0xFFFFFFFF, (1 << 64) - 1
+_SEED = 0x243F6A88
+_S1, _S2 = _SEED & _M32, ((_SEED * 0x9E3779B1) ^ 0xDEADBEEF) & _M32
+_FM1, _FM2, _POS_A, _POS_B = 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2D, 0x165667B1
+HASH_CHUNK_TILES = 64  # tiles hashed per torch call (~20 int64 temporaries of 64 x 8192 words each)
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * _FM1) & _M32
+    x = x ^ (x >> 13)
+    x = (x * _FM2) & _M32
+    return x ^ (x >> 16)
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _M32
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes as uint32 words held in int64 (little-endian, zero-padded to 4 bytes). [ceil(nbytes/4)]"""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if b.numel() % 4:
+        b = torch.cat([b, b.new_zeros(4 - b.numel() % 4)])
+    return b.view(torch.int32).to(torch.int64) & _M32
+
+
+def sglang_tile_sum(t: torch.Tensor, word_offset: int, total_words: int) -> int:
+    """sum over the tiles of `t` of h_t (mod 2^64), `t` being words [word_offset, +len) of a tensor of
+    `total_words` words; `word_offset` must start a tile (so the piece holds whole tiles, the last may end the tensor)."""
+    if word_offset % HASH_TILE_WORDS:
+        raise ValueError(f"a hashed piece must start a {HASH_TILE_WORDS}-word tile, got word offset {word_offset}")
+    w, nbytes, total = _words(t), (total_words * 4) & _M32, 0
+    step = HASH_CHUNK_TILES * HASH_TILE_WORDS
+    for a in range(0, w.numel(), step):
+        v = w[a:a + step]
+        i = torch.arange(word_offset + a, word_offset + a + v.numel(), device=v.device, dtype=torch.int64) & _M32
+        k1 = _fmix32(v ^ (((i * _POS_A + _S1) & _M32) ^ _rotl32(i, 15)))
+        k2 = _fmix32(v ^ (((i * _POS_B + _S2) & _M32) ^ _rotl32(i, 13)))
+        pad = -v.numel() % HASH_TILE_WORDS                                   # a tensor's last tile may be short
+        k1, k2 = (torch.nn.functional.pad(k, (0, pad)).view(-1, HASH_TILE_WORDS).sum(1) & _M32 for k in (k1, k2))
+        h = (_fmix32(k1 ^ nbytes) << 32) | _fmix32(k2 ^ nbytes)              # [tiles], wraps as uint64 bits
+        total = (total + int(h.sum())) & _M64
+    return total
+
+
+def splitmix64(x: int) -> int:
+    x &= _M64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def sglang_hash(t: torch.Tensor) -> str:
+    """SGLang 0.5.16's GPU `tensor_hash` of one whole tensor, as `/weights_checker` prints it."""
+    n = -(-t.numel() * t.element_size() // 4)
+    return f"{splitmix64(sglang_tile_sum(t, 0, n)):016x}"
+
+
+def _comparable(params: dict, name: str) -> torch.Tensor:
+    """What SGLang's checker hashes for layout tensor `name`: FP8 dequantized to bf16 (its block_quant_dequant:
+    q * S repeated over 128x128 blocks, in fp32, then bf16), else the tensor itself."""
+    t, s = params[name], params.get(name + "_scale_inv")
+    if t.dtype != torch.float8_e4m3fn or s is None:
+        return t
+    rep = s.float().repeat_interleave(128, -2).repeat_interleave(128, -1)[..., :t.shape[-2], :t.shape[-1]]
+    return (t.float() * rep).to(torch.bfloat16)
+
+
+def sglang_partials(params: dict, n_experts: int) -> dict:
+    """One bucket's loader layout -> {key: (tile sum, total words, fp8, exact)} per SGLang parameter piece.
+    Per-expert tensors are slabs of the stacked parameter (`mlp.experts.E.w13_weight` -> key
+    `mlp.experts.w13_weight#E`, slab E); a slab that is not a whole number of tiles is hashed on its own
+    (exact=False: a fingerprint for change sets, not SGLang's value)."""
+    out = {}
+    for name in params:
+        if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in params:
+            continue
+        w = _comparable(params, name)
+        fp8, words = w is not params[name], -(-w.numel() * w.element_size() // 4)
+        prefix, pat, nums = _split(name)
+        if pat.startswith("mlp.experts.#."):
+            e, key = int(nums[0]), prefix + "mlp.experts." + pat[len("mlp.experts.#."):] + f"#{nums[0]}"
+            exact = words % HASH_TILE_WORDS == 0 and w.numel() * w.element_size() % 4 == 0
+            total = n_experts * words if exact else words
+            out[key] = (sglang_tile_sum(w, e * words if exact else 0, total), total, fp8, exact)
+        else:
+            out[name] = (sglang_tile_sum(w, 0, words), words, fp8, True)
+    return out
+
+
+def sglang_checksums(partials: dict) -> dict:
+    """Merge `sglang_partials` of every bucket of every source -> {SGLang name: (hex or None, fingerprint,
+    fp8)}: hex is `/weights_checker`'s value (None where not reproducible), fingerprint changes with content."""
+    sums = {}
+    for key, (tile_sum, _, fp8, exact) in partials.items():
+        name = key.split("#")[0]
+        s, ok, f = sums.get(name, (0, True, fp8))
+        sums[name] = ((s + tile_sum) & _M64, ok and exact, f)
+    return {n: (f"{splitmix64(s):016x}" if ok else None, f"{splitmix64(s):016x}", f) for n, (s, ok, f) in sums.items()}

@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from nanoflash.rollout.engine import BadRequest, RolloutEngine, parse_sampling
 from nanoflash.rollout.mismatch import trace
-from nanoflash.rollout.weight_sync import (SAFE_FORMAT, decode_blob, decode_tensors, encode_tensors, join_group,
-                                           recv_tensor)
+from nanoflash.rollout.weight_sync import (FLAT_FORMAT, SAFE_FORMAT, decode_blob, decode_tensors, encode_tensors,
+                                           join_receivers, receive_bucket)
 
 MAX_BODY = 4 << 30   # refuse request bodies above 4 GiB
 VERSION = "0.5.16"   # the SGLang release whose request/response shapes this server follows
@@ -68,10 +68,12 @@ PUBLIC = {"/health", "/health_generate", "/get_server_info", "/server_info", "/g
 class RolloutServer:
     """Route handlers over one `RolloutEngine`; `handle(method, path, body) -> (status, json)`."""
 
-    def __init__(self, engine: RolloutEngine, protocol: str = "stock", api_key: str | None = None):
+    def __init__(self, engine: RolloutEngine, protocol: str = "stock", api_key: str | None = None, tp_size: int = 1):
         if protocol not in EXTRA:
             raise ValueError(f"protocol must be one of {sorted(EXTRA)}, got {protocol!r}")
-        self.engine, self.protocol, self.api_key = engine, protocol, api_key
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.engine, self.protocol, self.api_key, self.tp_size = engine, protocol, api_key, tp_size
         self.routes = {**COMMON, **EXTRA[protocol]}
         self.session_open = False
         self.groups: dict = {}
@@ -100,7 +102,8 @@ class RolloutServer:
         return self.r_get_server_info(body)
 
     def r_get_server_info(self, _):
-        return {"version": VERSION, "engine": "nanoflash", "protocol": self.protocol, "tp_size": 1,
+        return {"version": VERSION, "engine": "nanoflash", "protocol": self.protocol, "tp_size": self.tp_size,
+                "dp_size": 1, "pp_size": 1,
                 "weights": self.engine.weights, "weight_version": self.engine.weight_version}
 
     def r_get_model_info(self, _):
@@ -167,8 +170,9 @@ class RolloutServer:
             raise BadRequest(f"/update_weights_from_tensor: load_format {fmt!r} is a pickled payload, which this "
                              f"server never unpickles; send load_format={SAFE_FORMAT!r} (base64 safetensors)")
         payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or len(payloads) != 1 or not isinstance(payloads[0], str):
-            raise BadRequest("serialized_named_tensors must be a list with one string (this server has TP=1)")
+        if not isinstance(payloads, list) or len(payloads) not in (1, self.tp_size) \
+                or not all(isinstance(x, str) for x in payloads):
+            raise BadRequest(f"serialized_named_tensors must be a list of 1 or tp_size={self.tp_size} strings")
         return self._update(decode_tensors(payloads[0]), body, "/update_weights_from_tensor")
 
     def r_update_weights_from_disk(self, body):
@@ -183,6 +187,7 @@ class RolloutServer:
         return self._update(named, body, "/update_weights_from_disk")
 
     def r_init_weights_update_group(self, body):
+        """Join the group with this server's `tp_size` ranks, `rank_offset + tp_rank` as SGLang does."""
         need = ["master_address", "master_port", "rank_offset", "world_size", "group_name"]
         missing = [k for k in need if k not in body]
         if missing:
@@ -190,11 +195,13 @@ class RolloutServer:
         backend = body.get("backend", "gloo")
         if backend not in ("gloo", "nccl"):
             raise BadRequest(f"backend {backend!r}: the embedded server joins gloo or nccl groups")
-        pg, store = join_group(body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-                               int(body["world_size"]), body["group_name"], backend,
-                               float(body.get("timeout_s", 120)), self.engine.device)
-        self.groups[body["group_name"]] = (pg, store, backend)
-        return {"success": True, "message": f"joined {body['group_name']} as rank {body['rank_offset']}"}
+        off, world = int(body["rank_offset"]), int(body["world_size"])
+        if off < 1 or off + self.tp_size > world:
+            raise BadRequest(f"rank_offset {off} + tp_size {self.tp_size} does not fit world_size {world}")
+        pgs = join_receivers(body["master_address"], int(body["master_port"]), range(off, off + self.tp_size), world,
+                             body["group_name"], backend, float(body.get("timeout_s", 120)), self.engine.device)
+        self.groups[body["group_name"]] = (pgs, backend)
+        return {"success": True, "message": f"joined {body['group_name']} as ranks {off}..{off + self.tp_size - 1}"}
 
     def r_destroy_weights_update_group(self, body):
         self.groups.pop(body.get("group_name"), None)
@@ -214,11 +221,12 @@ class RolloutServer:
             if not isinstance(dt, torch.dtype) or not isinstance(s, list):
                 raise BadRequest(f"tensor {n}: bad dtype {d!r} or shape {s!r}")
             specs.append((n, dt, s))
+        fmt = body.get("load_format")
+        if fmt not in (None, FLAT_FORMAT):
+            raise BadRequest(f"load_format {fmt!r}: this server takes none or {FLAT_FORMAT!r}")
         if self.protocol == "session" and not self.session_open:
             raise BadRequest("/update_weights_from_distributed outside a weight-update session")
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        named = [(n, recv_tensor(group[0], group[2], dt, s, self.engine.device, opts)) for n, dt, s in specs]
+        named = receive_bucket(group[0], group[1], specs, fmt == FLAT_FORMAT, self.engine.device)
         return self._update(named, body, "/update_weights_from_distributed")
 
     def r_update_weight_version(self, body):
@@ -254,10 +262,12 @@ class RolloutServer:
     def _weights_checker(self, body):
         action = body.get("action", "checksum")  # SGLang's CheckWeightsReqInput default
         if action == "checksum":
-            info = {"checksums": self.engine.store.checksums(), "derived_checksum": self.engine.derived_checksum(),
-                    "parallelism_info": {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
-                                         "pp_size": 1, "rank": 0, "size": 1}}
-            return {"success": True, "message": f"{len(info['checksums'])} tensors", "ranks": [info]}
+            sums, derived = self.engine.store.checksums(), self.engine.derived_checksum()
+            ranks = [{"checksums": sums, "derived_checksum": derived,   # TP ranks hold the same (unsharded) copy
+                      "parallelism_info": {"tp_rank": k, "tp_size": self.tp_size, "dp_rank": 0, "dp_size": 1,
+                                           "pp_rank": 0, "pp_size": 1, "rank": k, "size": self.tp_size}}
+                     for k in range(self.tp_size)]
+            return {"success": True, "message": f"{len(sums)} tensors", "ranks": ranks}
         if action == "snapshot":
             self.snapshot = self.engine.store.checksums()
             return {"success": True, "message": "snapshot taken"}
@@ -326,9 +336,10 @@ def make_handler(server: RolloutServer):
 
 
 def serve(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, protocol: str = "stock",
-          api_key: str | None = None):
-    """Start serving in a background thread; returns (httpd, url). `port=0` picks a free port."""
-    rs = RolloutServer(engine, protocol, api_key)
+          api_key: str | None = None, tp_size: int = 1):
+    """Start serving in a background thread; returns (httpd, url). `port=0` picks a free port. `tp_size`: how
+    many ranks it joins into a weight-update group (each receives every bucket, as SGLang's TP ranks do)."""
+    rs = RolloutServer(engine, protocol, api_key, tp_size)
     httpd = ThreadingHTTPServer((host, port), make_handler(rs))
     httpd.daemon_threads, httpd.rollout = True, rs
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -366,6 +377,7 @@ def main(argv=None):
     ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "fp8"])
     ap.add_argument("--protocol", default="stock", choices=sorted(EXTRA))
     ap.add_argument("--decode", default="auto", choices=["auto", "cache", "full"])
+    ap.add_argument("--tp-size", type=int, default=1, help="ranks joined into a weight-update group (as SGLang TP)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:1 ...")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args(argv)
@@ -373,7 +385,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     engine = build_engine(args)
     httpd = ThreadingHTTPServer((args.host, args.port),
-                                make_handler(RolloutServer(engine, args.protocol, args.api_key)))
+                                make_handler(RolloutServer(engine, args.protocol, args.api_key, args.tp_size)))
     httpd.daemon_threads = True
     print(f"nanoflash rollout server on http://{args.host}:{httpd.server_address[1]} "
           f"(protocol {args.protocol}, weights {args.weights}, cache decode {engine.use_cache})", flush=True)

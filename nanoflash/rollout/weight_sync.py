@@ -1,175 +1,69 @@
-"""Weight sync: trainer model -> byte-size buckets of (SGLang name, tensor) -> live rollout servers.
+"""Weight sync: the push of a weight stream (`stream.py`) into live rollout servers, and its transports.
 
-The stream (`iter_sglang_buckets`), per tensor of `model.state_dict()` (parameters *and* buffers, so the
-hash-routing table `ffn.gate.tid2eid` travels too; MTP is skipped, SGLang's main model ignores it):
-
-    rename      official name -> SGLang HF-style name                           (layout.to_sglang)
-    quantize    fp8=True and SGLang serves it FP8: per 128x128 block  S = max(amax, 1e-10)/448 (fp32),
-                Q = e4m3(clamp(W * (1/S), +-448)); sent as X.weight (e4m3) + X.weight_scale_inv (S)
-                (Miles' Hopper convention, `quant.quantize_fp8_block(fmt="fp32")`); everything else keeps
-                the release's storage (bf16 norms/embed/head/compressors/wo_a/weights_proj, fp32 mHC, sinks,
-                ape, gate bias, int64 tid2eid). fp8=False sends the trainer's own dtypes (true on-policy).
-    bucket      units (an atomic pair with its scales: wq_a+wkv, compressor wkv+wgate, indexer-compressor
-                wkv+wgate; else one weight with its scale) packed up to `bucket_bytes` (scales counted; a unit
-                larger than the limit goes alone); inside a bucket tensors are sorted by element size,
-                largest first, so every byte offset of a flattened mixed-dtype bucket is aligned.
-
-The push (`push_weights`), per SGLang's documented order (rl_and_sglang.md §4.2, §8 item 4):
+The push of one process (`push_weights`), per SGLang's documented order (rl_and_sglang.md §4.2, §8 item 4):
 
     pause_generation -> flush_cache -> [begin_weight_update | post_process_weights(restore)] ->
     buckets (from_tensor | from_distributed + broadcast | from_disk) ->
     [end_weight_update | post_process_weights(quantize)] -> continue_generation ; weight_version += 1
-    then verify: /weights_checker checksums == the loader layout derived here from what was sent
-    (embedded servers; real SGLang servers are only compared with each other, see `verify_push`).
+    then verify: /weights_checker checksums == the loader layout derived here from what was sent.
 
-Transports: "tensor" sends a safetensors payload (the embedded server's safe encoding; real SGLang needs its
-own pickled `FlattenedTensorBucket` of CUDA tensors, built by `sglang_flattened_payload` when SGLang is
-installed); "distributed" joins a gloo/NCCL group as rank 0 and broadcasts each tensor while the server's
-`/update_weights_from_distributed` call receives it (gloo moves raw bytes, NCCL the real dtype: SGLang 0.5.16's
-`model_runner_components/weight_updater.py` allocates `torch.empty(shape, dtype)` per name and broadcasts each
-from rank 0, in order); "disk"
-writes one safetensors file per bucket and calls `/update_weights_from_disk`.
+Transports: "tensor" sends a safetensors payload to the embedded server and SGLang's own pickled
+`FlattenedTensorBucket` of the (GPU) flat buffer to real SGLang (`sglang_flattened_payload`: CUDA IPC, so one
+host only); "distributed" (`Broadcaster`) is rank 0 of a gloo/NCCL group with every receiving rank of every
+server (as many per server as it reports: SGLang joins `rank_offset + tp_rank`) and broadcasts while the
+server's `/update_weights_from_distributed` call receives: one flat uint8 buffer per bucket with
+load_format="flattened_bucket" where the server supports it (SGLang >= 0.5.16's
+`_update_bucketed_weights_from_distributed`, and the embedded server), else one broadcast per tensor in
+order (gloo moves raw bytes, NCCL the real dtype); "disk" writes one safetensors file per bucket and calls
+`/update_weights_from_disk`.
 
-Not done here: gathering a PP/EP-sharded model (`dims` must be None: one process holds every tensor).
+A sharded trainer (PP x EP) pushes with `stage_push.StagePusher`: one source per pipeline stage, built on the
+pieces here.
 
-Tests: `pytest tests/test_weight_sync.py tests/test_rollout_server.py -q`.
+Tests: `pytest tests/test_weight_sync.py tests/test_weight_sync_stage.py tests/test_rollout_server.py -q`.
 """
 from __future__ import annotations
 
 import base64
 import datetime
-import json
 import os
-import struct
 import threading
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
 
-from nanoflash.checkpoint_names import storage_kind
-from nanoflash.quant import quantize_fp8_block
-from nanoflash.rollout.layout import compare_checksums, expected_checksums, sglang_fp8, to_sglang
-
-SAFE_FORMAT = "nanoflash_safetensors"   # load_format of the embedded server's safe tensor payload
-# atomic units: official suffixes that must share a bucket (their scales ride along)
-ATOMIC = [("attn.wq_a.weight", "attn.wkv.weight"),
-          ("attn.compressor.wkv.weight", "attn.compressor.wgate.weight"),
-          ("attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight")]
-_UNIT_OF = {s: i for i, pair in enumerate(ATOMIC) for s in pair}
-# release storage kind -> dtype pushed in an FP8 deployment when SGLang keeps it unquantized (wo_a: bf16)
-_KIND_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32, "int64": torch.int64, "fp8": torch.bfloat16,
-               "fp4": torch.bfloat16}
-
-
-# ---------------------------------------------------------------------------------------------- stream
-def convert_tensor(name: str, t: torch.Tensor, cfg, fp8: bool) -> list:
-    """One trainer tensor -> [(sglang name, tensor)] (+ its weight_scale_inv when quantized)."""
-    hf = to_sglang(name)
-    t = t.detach()
-    if fp8 and sglang_fp8(name, cfg):
-        q, s = quantize_fp8_block(t, fmt="fp32")
-        return [(hf, q), (hf + "_scale_inv", s)]
-    if fp8:
-        kind = storage_kind(name, cfg)
-        return [(hf, t.to(_KIND_DTYPE.get(kind, t.dtype)))]
-    return [(hf, t)]
-
-
-def _units(model, fp8: bool):
-    """Yield lists of converted (name, tensor) that must travel in one bucket, in state_dict order."""
-    cfg, waiting = model.cfg, {}
-    for name, t in model.state_dict().items():
-        if name.startswith("mtp."):
-            continue
-        parts = name.split(".")
-        suffix = ".".join(parts[2:]) if parts[0] == "layers" else name
-        if suffix in _UNIT_OF:
-            key = (".".join(parts[:2]), _UNIT_OF[suffix])
-            waiting.setdefault(key, []).append(convert_tensor(name, t, cfg, fp8))
-            if len(waiting[key]) == 2:
-                yield [x for conv in waiting.pop(key) for x in conv]
-        else:
-            yield convert_tensor(name, t, cfg, fp8)
-    if waiting:
-        raise ValueError(f"model lacks the partner of atomic-pair tensors: {sorted(waiting)}")
-
-
-def _order(bucket: list) -> list:
-    """Largest element size first (stable), so offsets in a flattened bucket stay aligned."""
-    return sorted(bucket, key=lambda nt: -nt[1].element_size())
+from nanoflash.rollout.layout import compare_checksums, expected_checksums
+from nanoflash.rollout.stream import (ATOMIC, FLAT_FORMAT, SAFE_FORMAT, FlatBucket, Item, Slot,  # noqa: F401
+                                      convert_items, decode_blob, decode_tensors, encode_tensors, iter_units,
+                                      named_of, pack_units, stream_buckets)
 
 
 def iter_sglang_buckets(model, dims=None, *, fp8: bool, bucket_bytes: int):
-    """Yield buckets `[(name, tensor), ...]` exactly as pushed. One process (`dims=None`) yields everything."""
-    if dims is not None:
-        raise NotImplementedError(f"iter_sglang_buckets: gathering a sharded model (dims={dims}) is not "
-                                  "implemented; pass the full model in one process (dims=None)")
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket, size = [], 0
-    with torch.no_grad():
-        for unit in _units(model, fp8):
-            nbytes = sum(t.numel() * t.element_size() for _, t in unit)
-            if bucket and size + nbytes > bucket_bytes:
-                yield _order(bucket)
-                bucket, size = [], 0
-            bucket += unit
-            size += nbytes
-    if bucket:
-        yield _order(bucket)
+    """Yield buckets `[(name, tensor), ...]` exactly as pushed, for a model held whole by one process."""
+    if dims is not None and getattr(dims, "world_size", 1) > 1:
+        raise ValueError(f"iter_sglang_buckets streams one process's model; a sharded trainer ({dims}) pushes "
+                         "through stage_push.StagePusher, one source per pipeline stage")
+    for fb in stream_buckets(model.state_dict().items(), model.cfg, fp8=fp8, bucket_bytes=bucket_bytes):
+        yield fb.tensors()
 
 
 iter_rollout_weights = iter_sglang_buckets  # the name style.md habit 13 uses
 
 
-# ---------------------------------------------------------------------------------------------- encodings
-def encode_tensors(named: list) -> str:
-    """[(name, tensor)] -> base64 safetensors with the send order in the metadata (no pickle anywhere)."""
-    names = [n for n, _ in named]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate tensor names in one payload: {sorted({n for n in names if names.count(n) > 1})}")
-    blob = safetensors.torch.save({n: t.detach().cpu().contiguous() for n, t in named},
-                                  metadata={"order": json.dumps(names)})
-    return base64.b64encode(blob).decode()
-
-
-def decode_tensors(payload: str) -> list:
-    """Inverse of `encode_tensors`; any malformed input raises ValueError naming what is wrong."""
-    try:
-        blob = base64.b64decode(payload, validate=True)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"tensor payload is not base64: {e}") from e
-    return decode_blob(blob)
-
-
-def decode_blob(blob: bytes) -> list:
-    """safetensors bytes -> [(name, tensor)] in the sender's order."""
-    if len(blob) < 8:
-        raise ValueError(f"tensor payload of {len(blob)} bytes is too short for safetensors")
-    (hlen,) = struct.unpack("<Q", blob[:8])
-    if hlen > len(blob) - 8:
-        raise ValueError("tensor payload is not safetensors (looks like a pickle or is truncated); the embedded "
-                         f"server accepts load_format={SAFE_FORMAT!r} only and never unpickles")
-    try:
-        header = json.loads(blob[8:8 + hlen])
-        tensors = safetensors.torch.load(blob)
-        order = json.loads(header.get("__metadata__", {}).get("order", "null")) or sorted(tensors)
-    except Exception as e:  # safetensors raises its own error types
-        raise ValueError(f"tensor payload is not valid safetensors: {e}") from e
-    if sorted(order) != sorted(tensors):
-        raise ValueError(f"payload order metadata lists {len(order)} names for {len(tensors)} tensors")
-    return [(n, tensors[n]) for n in order]
-
-
-def sglang_flattened_payload(bucket: list, tp_size: int = 1) -> dict:
-    """The request real SGLang takes: one pickled FlattenedTensorBucket per TP rank (needs sglang + CUDA)."""
+def sglang_flattened_payload(bucket, tp_size: int = 1) -> dict:
+    """The request real SGLang takes: one pickled FlattenedTensorBucket per TP rank (needs sglang; CUDA IPC).
+    A `FlatBucket` is wrapped as it is (its GPU buffer, no copy); a list is flattened by SGLang's class."""
     from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-    fb = FlattenedTensorBucket(named_tensors=bucket)
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+    if isinstance(bucket, FlatBucket):
+        meta = [FlattenedTensorMetadata(s.name, torch.Size(s.shape), s.dtype, s.start, s.end, s.end - s.start)
+                for s in bucket.slots]
+        fb = FlattenedTensorBucket(flattened_tensor=bucket.flat, metadata=meta)
+    else:
+        fb = FlattenedTensorBucket(named_tensors=bucket)
     data = {"flattened_tensor": fb.get_flattened_tensor(), "metadata": fb.get_metadata()}
     s = MultiprocessingSerializer.serialize(data, output_str=True)
-    return {"serialized_named_tensors": [s] * tp_size, "load_format": "flattened_bucket"}
+    return {"serialized_named_tensors": [s] * tp_size, "load_format": FLAT_FORMAT}
 
 
 # ---------------------------------------------------------------------------------------------- transports
@@ -189,14 +83,18 @@ def join_group(master_address: str, master_port: int, rank: int, world: int, gro
     raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
 
 
-def broadcast_tensor(pg, backend: str, t: torch.Tensor, opts) -> None:
-    """Rank 0's side. gloo moves the raw bytes (any dtype); NCCL moves the real dtype, as SGLang receives it."""
+def _wire(t: torch.Tensor, backend: str) -> torch.Tensor:
+    """What goes into the broadcast: gloo moves raw CPU bytes (any dtype), NCCL the tensor on its GPU."""
     buf = t.detach().contiguous()
     if backend == "gloo":
-        buf = buf.cpu().reshape(-1).view(torch.uint8)                           # [nbytes]
-    elif not buf.is_cuda:
-        buf = buf.cuda()
-    pg.broadcast([buf], opts).wait()
+        return buf.cpu().reshape(-1).view(torch.uint8)                            # [nbytes]
+    return buf if buf.is_cuda else buf.cuda()
+
+
+def broadcast_tensor(pg, backend: str, t: torch.Tensor, opts, async_op: bool = False):
+    """Rank 0's side. gloo moves the raw bytes (any dtype); NCCL moves the real dtype, as SGLang receives it."""
+    work = pg.broadcast([_wire(t, backend)], opts)
+    return work if async_op else work.wait()
 
 
 def recv_tensor(pg, backend: str, dtype: torch.dtype, shape: list, device, opts) -> torch.Tensor:
@@ -212,75 +110,147 @@ def recv_tensor(pg, backend: str, dtype: torch.dtype, shape: list, device, opts)
     return buf
 
 
+def join_receivers(master_address: str, master_port: int, ranks, world: int, group_name: str, backend: str,
+                   timeout_s: float, device=None) -> list:
+    """A server's side of a group: one member per rank in `ranks` (its TP ranks), joined concurrently."""
+    ranks, joined = list(ranks), {}
+    threads, errors = _threads({f"rank {r}": (lambda r=r: joined.__setitem__(r, join_group(
+        master_address, master_port, r, world, group_name, backend, timeout_s, device)[0])) for r in ranks})
+    for th in threads:
+        th.join()
+    if errors:
+        raise RuntimeError(f"joining {group_name} failed: {errors}")
+    return [joined[r] for r in ranks]
+
+
+def receive_bucket(pgs: list, backend: str, specs: list, flat: bool, device=None) -> list:
+    """Every member receives one bucket (one flat uint8 broadcast, or one per (name, dtype, shape) in order);
+    all must get the same bytes. -> [(name, tensor)] of the first member."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    nb = [torch.Size(s).numel() * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
+    ends, out = torch.tensor(nb, dtype=torch.int64).cumsum(0).tolist(), [None] * len(pgs)
+
+    def recv(k):
+        if flat:
+            buf = recv_tensor(pgs[k], backend, torch.uint8, [sum(nb)], device, opts)
+            out[k] = [(n, buf[e - b:e].view(dt).reshape(s)) for (n, dt, s), b, e in zip(specs, nb, ends)]
+        else:
+            out[k] = [(n, recv_tensor(pgs[k], backend, dt, s, device, opts)) for n, dt, s in specs]
+    threads, errors = _threads({f"member {k}": (lambda k=k: recv(k)) for k in range(len(pgs))})
+    for th in threads:
+        th.join()
+    if errors:
+        raise RuntimeError(f"receiving a bucket failed: {errors}")
+    for k, named in enumerate(out[1:], start=1):
+        bad = [n for (n, a), (_, b) in zip(out[0], named)
+               if not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))]
+        if bad:
+            raise RuntimeError(f"group member {k} received different bytes for {bad[:4]}")
+    return out[0]
+
+
+def _version(v) -> dict:
+    """The weight_version field of an update request; None leaves the server's version as it is."""
+    return {} if v is None else {"weight_version": str(v)}
+
+
+def _threads(calls: dict) -> tuple[list, list]:
+    """Run {label: fn} in threads (each blocks until its server is done); -> (threads, errors list)."""
+    errors, threads = [], []
+    for label, fn in calls.items():
+        def run(label=label, fn=fn):
+            try:
+                fn()
+            except Exception as e:  # reported by the caller, after its own side finished or failed
+                errors.append(f"{label}: {type(e).__name__}: {e}")
+        threads.append(threading.Thread(target=run, daemon=True))
+        threads[-1].start()
+    return threads, errors
+
+
 class Broadcaster:
-    """Trainer side of `update_weights_from_distributed`: rank 0 of a group with every server's ranks."""
+    """One source of `update_weights_from_distributed`: rank 0 of a group `group_name` with every receiving
+    rank of every server. A server's rank count comes from itself (`client.server_ranks`: SGLang joins
+    `rank_offset + tp_rank`) unless `ranks_per_server` is given; offsets are cumulative, world = 1 + sum."""
 
     def __init__(self, client, master_address: str, master_port: int, backend: str = "gloo",
-                 group_name: str = "nanoflash_sync", ranks_per_server: int = 1, timeout_s: float = 120.0,
+                 group_name: str = "nanoflash_sync", ranks_per_server: int | None = None, timeout_s: float = 120.0,
                  device=None):
         self.client, self.backend, self.group_name = client, backend, group_name
-        world = 1 + ranks_per_server * len(client.urls)
-        errors = []
-
-        def join(url, offset):
-            try:
-                client.init_weights_update_group(url, master_address, master_port, offset, world,
-                                                 group_name, backend)
-            except Exception as e:  # reported below, after our own side gave up or finished
-                errors.append(f"{url}: {e}")
-        threads = [threading.Thread(target=join, args=(u, 1 + i * ranks_per_server), daemon=True)
-                   for i, u in enumerate(client.urls)]
-        for th in threads:
-            th.start()
-        self.pg, self._store = join_group(master_address, master_port, 0, world, group_name, backend,
-                                          timeout_s, device)
-        for th in threads:
-            th.join()
+        ranks = [client.server_ranks(u) if ranks_per_server is None else ranks_per_server for u in client.urls]
+        self.world, offsets = 1 + sum(ranks), [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        self.flat_ok = all(client.supports_flattened(u) for u in client.urls)
+        threads, errors = _threads({u: (lambda u=u, o=o: client.init_weights_update_group(
+            u, master_address, master_port, o, self.world, group_name, backend)) for u, o in zip(client.urls, offsets)})
+        try:
+            self.pg, self._store = join_group(master_address, master_port, 0, self.world, group_name, backend,
+                                              timeout_s, device)
+        finally:
+            for th in threads:
+                th.join()
         if errors:
-            raise RuntimeError(f"init_weights_update_group failed: {errors}")
+            raise RuntimeError(f"init_weights_update_group {group_name!r} (world {self.world}) failed: {errors}")
 
-    def send(self, bucket: list, weight_version: str):
-        body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
-                "flush_cache": False, "weight_version": str(weight_version)}
-        errors, threads = [], []
-        for url in self.client.urls:
-            def call(url=url):
-                try:
-                    self.client.post(url, "/update_weights_from_distributed", body)
-                except Exception as e:
-                    errors.append(f"{url}: {e}")
-            threads.append(threading.Thread(target=call, daemon=True))
-            threads[-1].start()
+    def send_async(self, bucket, weight_version: str):
+        """Post the bucket's names to every server and start the broadcast; `finish` the returned handle."""
+        named = named_of(bucket)
+        flat = self.flat_ok and isinstance(bucket, FlatBucket)
+        body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in named],
+                "shapes": [list(t.shape) for _, t in named], "group_name": self.group_name, "flush_cache": False,
+                **_version(weight_version), **({"load_format": FLAT_FORMAT} if flat else {})}
+        threads, errors = _threads({u: (lambda u=u: self.client.post(u, "/update_weights_from_distributed", body))
+                                    for u in self.client.urls})
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        for _, t in bucket:
-            broadcast_tensor(self.pg, self.backend, t, opts)
+        tensors = [bucket.flat] if flat else [t for _, t in named]
+        works = [broadcast_tensor(self.pg, self.backend, t, opts, async_op=True) for t in tensors]
+        return threads, errors, works
+
+    def finish(self, handle):
+        threads, errors, works = handle
+        for w in works:
+            w.wait()
         for th in threads:
             th.join()
         if errors:
-            raise RuntimeError(f"update_weights_from_distributed failed: {errors}")
+            raise RuntimeError(f"update_weights_from_distributed ({self.group_name}) failed: {errors}")
+
+    def send(self, bucket, weight_version: str):
+        self.finish(self.send_async(bucket, weight_version))
+
+    def close(self):
+        """Tell every server to drop the group (its ranks leave it), then drop ours."""
+        for u in self.client.urls:
+            try:
+                self.client.post(u, "/destroy_weights_update_group", {"group_name": self.group_name}, retry_s=0.0)
+            except Exception:  # the server may be the reason we close; the group dies with our side anyway
+                pass
+        self.pg = self._store = None
 
 
-def _send_tensor(client, bucket, version):
+def send_tensor_payload(client, bucket, version):
     """Embedded servers get the safetensors payload; real SGLang its pickled FlattenedTensorBucket (CUDA IPC)."""
     safe = None
     for url in client.urls:
         if client.is_embedded(url):
-            safe = safe or {"serialized_named_tensors": [encode_tensors(bucket)], "load_format": SAFE_FORMAT}
+            safe = safe or {"serialized_named_tensors": [encode_tensors(named_of(bucket))], "load_format": SAFE_FORMAT}
             body = safe
         else:
-            tp = int(client.get(url, "/get_server_info").get("tp_size", 1))
-            body = sglang_flattened_payload(bucket, tp)
-        client.post(url, "/update_weights_from_tensor", dict(body, flush_cache=False, weight_version=str(version)))
+            body = sglang_flattened_payload(bucket, client.server_ranks(url))
+        client.post(url, "/update_weights_from_tensor", dict(body, flush_cache=False, **_version(version)))
+
+
+def write_disk_bucket(directory: str, index: int, bucket) -> None:
+    """One safetensors file per bucket, named by its index."""
+    with open(os.path.join(directory, f"bucket-{index:05d}.safetensors"), "wb") as f:
+        f.write(base64.b64decode(encode_tensors(named_of(bucket))))
 
 
 def _send_disk(client, buckets, version, directory):
     os.makedirs(directory, exist_ok=True)
     for i, bucket in enumerate(buckets):
-        blob = base64.b64decode(encode_tensors(bucket))
-        with open(os.path.join(directory, f"bucket-{i:05d}.safetensors"), "wb") as f:
-            f.write(blob)
+        write_disk_bucket(directory, i, bucket)
     for url in client.urls:
         client.update_weights_from_disk(url, directory, str(version))
 
@@ -288,12 +258,12 @@ def _send_disk(client, buckets, version, directory):
 def push_weights(client, buckets, *, version=None, transport: str = "tensor", broadcaster=None,
                  disk_dir: str | None = None, verify: bool = True, full_push: bool = True,
                  pause_mode: str = "retract") -> dict:
-    """The full update protocol on every server of `client`; returns {"buckets", "tensors", "checksums"}.
-
-    `version`: the weight_version the servers report afterwards (default: the client's counter, bumped).
-    `verify`: compare each server's `/weights_checker` checksums with the layout derived from `buckets`;
-    `full_push`: the buckets are the whole model, so a tensor the server holds but was not sent is an error."""
-    buckets = [list(b) for b in buckets]
+    """The full update protocol on every server of `client`, for buckets one process holds; returns
+    {"buckets", "tensors", "checksums", "verified"}. `version`: the weight_version the servers report
+    afterwards (default: the client's counter, bumped). `verify`: compare each server's `/weights_checker`
+    checksums with the layout derived from `buckets`; `full_push`: a tensor the server holds but was not
+    sent is an error. Sharded trainers push with `stage_push.StagePusher` instead."""
+    buckets = [named_of(b) for b in buckets]
     if version is None:
         client.weight_version += 1
         version = client.weight_version
@@ -306,7 +276,7 @@ def push_weights(client, buckets, *, version=None, transport: str = "tensor", br
             client.begin_update(url)
         if transport == "tensor":
             for b in buckets:
-                _send_tensor(client, b, version)
+                send_tensor_payload(client, b, version)
         elif transport == "distributed":
             if broadcaster is None:
                 raise ValueError("transport='distributed' needs a Broadcaster (init the group once)")
@@ -328,8 +298,8 @@ def push_weights(client, buckets, *, version=None, transport: str = "tensor", br
 
 def verify_push(client, expected: dict, full_push: bool = True) -> list:
     """Embedded servers: their checksums must equal the layout derived here (sha256 of the same bytes).
-    Real SGLang hashes its own way (a Triton hash of dequantized bf16 on GPU), which the trainer cannot
-    reproduce; there every server must at least report the same checksums as the others. -> [(url, how)]"""
+    Real SGLang hashes its own way; here every server must at least report the same checksums as the others
+    (the per-stage push, `stage_push`, also reproduces SGLang's own hash). -> [(url, how)]"""
     done, real = [], {}
     for url in client.urls:
         if client.is_embedded(url):
