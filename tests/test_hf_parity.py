@@ -6,19 +6,27 @@ legitimate differences are handled explicitly rather than by loosening the toler
 * transformers clamps the shared expert (the official model does not): the test asserts the shared expert's
   pre-activations stay inside +-swiglu_limit, so the clamp is provably inactive;
 * transformers mixes mHC post in the activation dtype: identical here because everything runs in fp32;
-* transformers has no MTP: the nanoflash model is built with n_mtp_layers = 0.
+* transformers has no MTP: the nanoflash model is built with n_mtp_layers = 0;
+* the indexer's top-k is only defined up to ties: the sparse run uses 16 indexer heads, so no entry's
+  score is a ReLU zero of every head, and asserts a margin at every query's cut far above fp32 rounding.
 """
 import pytest
 import torch
 
+import reference as ref
 from nanoflash.checkpoint_names import hf_state_dict_to_nanoflash
 from nanoflash.config import preset
-from nanoflash.model import Transformer, hc_post
+from nanoflash.model import Indexer, Transformer, hc_post
 
 transformers = pytest.importorskip("transformers")
 # Same fp32 math, different association orders (F.linear(x*rsqrt) vs (x@W)*rsqrt, matmul vs einsum): the
 # measured max |dlogit| is ~1e-7; 1e-4 is the issue's target.
 PARITY_TOL = 1e-4
+SPARSE_TOPK = 3   # of up to 9 C4 entries (37 tokens): queries t >= 15 drop entries
+SPARSE_INDEX_HEADS = 16  # P(all heads' ReLU = 0) = 2^-16 per entry: no ties of zeros at the cut
+# k-th minus (k+1)-th score at the cut, relative to the largest score: fp32 score rounding is ~1e-7 relative,
+# so 1e-4 means the two implementations cannot order the cut differently (measured minimum: ~1e-3).
+SCORE_MARGIN_REL = 1e-4
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 8: "heavily_compressed_attention"}
 
 
@@ -44,9 +52,9 @@ def hf_config(cfg):
     return c
 
 
-@pytest.fixture(scope="module")
-def pair():
-    cfg = preset("tiny", n_mtp_layers=0, compress_ratios=(0, 4, 8, 4), index_topk=64)
+def build_pair(index_topk: int, **overrides):
+    """(cfg, transformers model, nanoflash model with the same weights), seeded."""
+    cfg = preset("tiny", n_mtp_layers=0, compress_ratios=(0, 4, 8, 4), index_topk=index_topk, **overrides)
     torch.manual_seed(0)
     hf = transformers.DeepseekV4ForCausalLM(hf_config(cfg)).float().eval()
     with torch.no_grad():
@@ -64,6 +72,16 @@ def pair():
     return cfg, hf, ours.eval()
 
 
+@pytest.fixture(scope="module")
+def pair():
+    return build_pair(index_topk=64)          # >= the 9 C4 entries of 37 tokens: every entry kept
+
+
+@pytest.fixture(scope="module")
+def sparse_pair():
+    return build_pair(index_topk=SPARSE_TOPK, index_n_heads=SPARSE_INDEX_HEADS)  # the indexer's choice matters
+
+
 def shared_expert_preacts(model, ids):
     seen = []
     hooks = [m.register_forward_hook(lambda mod, i, o: seen.append(o.abs().max().item()))
@@ -75,9 +93,9 @@ def shared_expert_preacts(model, ids):
     return max(seen)
 
 
-def test_logits_match_transformers(pair):
+def test_logits_match_transformers(pair, gen):
     cfg, hf, ours = pair
-    ids = torch.randint(0, cfg.vocab_size, (2, 37))          # 4 windows of 8, 9 C4 entries, ring wraps
+    ids = torch.randint(0, cfg.vocab_size, (2, 37), generator=gen)   # 4 windows of 8, 9 C4 entries, ring wraps
     assert shared_expert_preacts(ours, ids) < cfg.swiglu_limit, "HF's shared-expert clamp would be active"
     with torch.no_grad():
         err = (hf(ids).logits - ours(ids)).abs().max().item()
@@ -85,12 +103,36 @@ def test_logits_match_transformers(pair):
     assert err <= PARITY_TOL
 
 
-def test_parity_discriminates_planted_comb_bug(pair, monkeypatch):
+def test_parity_discriminates_planted_comb_bug(pair, monkeypatch, gen):
     """The same comparison with comb applied untransposed must fail the tolerance by a wide margin."""
     cfg, hf, ours = pair
-    ids = torch.randint(0, cfg.vocab_size, (2, 37))
+    ids = torch.randint(0, cfg.vocab_size, (2, 37), generator=gen)
     import nanoflash.model as M
     monkeypatch.setattr(M, "hc_post", lambda x, res, post, comb: hc_post(x, res, post, comb.transpose(-1, -2)))
     with torch.no_grad():
         err = (hf(ids).logits - ours(ids)).abs().max().item()
     assert err > 10 * PARITY_TOL, f"planted comb bug only moved logits by {err:.2e}"
+
+
+def test_logits_match_transformers_with_sparse_indexer(sparse_pair, gen):
+    """index_topk = 3 of up to 9 compressed entries, so the independent oracle checks which entries the
+    indexer keeps (an indexer keeping the lowest scores, or the wrong visibility, moves logits by >> 1e-4)."""
+    cfg, hf, ours = sparse_pair
+    ids = torch.randint(0, cfg.vocab_size, (2, 37), generator=gen)
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append((mod, args[0], args[1])))
+             for m in ours.modules() if isinstance(m, Indexer)]
+    with torch.no_grad():
+        err = (hf(ids).logits - ours(ids)).abs().max().item()
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 2, "both C4 layers ran their indexer"
+    for mod, x, qr in seen:
+        scores = ref.indexer_scores(mod, x, qr, cfg).sort(-1, descending=True).values   # [B,S,C] float64
+        cut = torch.isfinite(scores).sum(-1) > SPARSE_TOPK                             # queries that drop entries
+        assert cut.sum() >= 20, "the selection must actually drop entries"
+        gap = (scores[..., SPARSE_TOPK - 1] - scores[..., SPARSE_TOPK])[cut]
+        scale = scores[torch.isfinite(scores)].abs().max()
+        assert gap.min() > SCORE_MARGIN_REL * scale, f"near-tie at the top-k cut: {gap.min():.2e} (scale {scale:.2e})"
+    print(f"max |dlogit| vs transformers, sparse indexer: {err:.3e}")
+    assert err <= PARITY_TOL
