@@ -146,6 +146,10 @@ class Actor:
         yield from self.model.state_dict().items()
 
     def save(self, root: str, step: int, extra: dict, keep: int) -> None:
+        """DCP save of model + optimizer. The ranks first meet on the gloo side group (long timeout): rank 0
+        may still be evaluating or pushing, and the save's own collectives run under the training timeout."""
+        if self.dims.side_group is not None:
+            dist.barrier(group=self.dims.side_group)
         save_checkpoint(root, step, self.model, self.optimizer, self.dims, extra=extra, keep=keep)
 
     def resume(self, path: str) -> dict:
