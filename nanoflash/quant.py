@@ -156,6 +156,16 @@ def quantize_fp8_block(w: torch.Tensor, fmt: str = "ue8m0", block: int = FP8_BLO
 
 
 QUANT_SLAB_BYTES = 16 << 20  # CPU path of quantize_fp8_block_into: fp32 bytes of one slab of 128-row blocks
+QUANT_SCRATCH_FACTOR = 3     # its temporaries, in padded fp32 slabs (measured 2.0-2.5: the padded copy, |W|, W*(1/S))
+
+
+def quant_scratch_bytes(shape, device="cpu") -> int:
+    """Upper bound of the temporaries `quantize_fp8_block_into` allocates for a weight of `shape` (0 on CUDA)."""
+    if torch.device(device).type == "cuda":
+        return 0
+    m, n = _cdiv(shape[0], FP8_BLOCK) * FP8_BLOCK, _cdiv(shape[1], FP8_BLOCK) * FP8_BLOCK
+    rows = max(FP8_BLOCK, QUANT_SLAB_BYTES // (4 * max(shape[1], 1)) // FP8_BLOCK * FP8_BLOCK)
+    return QUANT_SCRATCH_FACTOR * 4 * n * min(m, rows)
 
 
 def quantize_fp8_block_into(w: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:

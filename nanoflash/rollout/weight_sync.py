@@ -32,7 +32,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from nanoflash.rollout.layout import compare_checksums, expected_checksums
+from nanoflash.checkpoint_names import official_inventory, to_sglang
+from nanoflash.rollout.layout import compare_checksums, expected_checksums, sglang_fp8
 from nanoflash.rollout.stream import (ATOMIC, FLAT_FORMAT, SAFE_FORMAT, FlatBucket, Item, Slot,  # noqa: F401
                                       convert_items, decode_blob, decode_tensors, encode_tensors, iter_units,
                                       named_of, pack_units, stream_buckets)
@@ -313,6 +314,56 @@ def verify_push(client, expected: dict, full_push: bool = True) -> list:
             compare_checksums(first, sums, f"{url} (vs {first_url})", full_push)
             done.append((url, "consistency" if len(real) > 1 else "none"))
     return done
+
+
+class PushFailed(RuntimeError):
+    """A push did not land; `servers` names who failed (empty: our side)."""
+
+    def __init__(self, message: str, servers=()):
+        super().__init__(message)
+        self.servers = list(servers)
+
+
+def expected_names(cfg, fp8: bool) -> set:
+    """Every SGLang name a full push of a model of `cfg` must send exactly once (MTP excluded)."""
+    out = set()
+    for name in official_inventory(cfg):
+        if not name.startswith("mtp."):
+            out.add(to_sglang(name))
+            if fp8 and sglang_fp8(name, cfg):
+                out.add(to_sglang(name) + "_scale_inv")
+    return out
+
+
+def verify_real_server(client, url: str, ours: dict, prev) -> dict:
+    """A real SGLang server against `ours` ({name: (SGLang hash or None, fingerprint, fp8)}, layout.sglang_checksums):
+    TP 1: the exact hash where reproducible (an FP8 tensor must match); otherwise by change sets against the
+    previous verified push `prev` (a tensor changed on a rank iff what we sent changed). Raises PushFailed
+    naming the server; returns counts and `state` (keep it as the next call's `prev`)."""
+    ranks = client.weights_checksums_per_rank(url)
+    exact, changes, unchecked, bad = 0, 0, 0, []
+    for r, sums in enumerate(ranks):
+        for name, (hexval, fprint, fp8) in ours.items():
+            got = sums.get(name)
+            if got is None:
+                bad.append(f"rank {r}: {name} not on the server")
+            elif len(ranks) == 1 and hexval is not None and got == hexval:
+                exact += 1
+            elif len(ranks) == 1 and hexval is not None and fp8:
+                bad.append(f"{name}: SGLang hash {got} != ours {hexval}")
+            elif prev is not None:
+                changes += 1
+                moved, sent = got != prev[0][r].get(name), fprint != prev[1].get(name, (None, None))[1]
+                if moved != sent:
+                    bad.append(f"rank {r}: {name} {'changed' if moved else 'did not change'} on the server, "
+                               f"unlike what was sent")
+            else:
+                unchecked += 1
+    if bad:
+        raise PushFailed(f"weight push did not land on {url}: {len(bad)} problem(s): {bad[:6]}", [url])
+    server_only = sorted(set().union(*ranks) - set(ours))
+    return {"exact": exact, "change_sets": changes, "first_push_unchecked": unchecked, "server_only": len(server_only),
+            "server_only_names": server_only[:6], "state": (ranks, ours)}
 
 
 def probe_logprobs(client, model, prompt: list, max_new_tokens: int = 8, url: str | None = None) -> dict:
