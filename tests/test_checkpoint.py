@@ -130,6 +130,19 @@ def test_tiny_model_state_dict_is_the_inventory():
     assert {k: tuple(v.shape) for k, v in sd.items()} == inv
 
 
+def test_flash_layer_kinds_on_meta_are_the_inventory():
+    """The default-suite version of the slow test below: flash at its real widths and 256 experts, cut to 4
+    layers that hold every layer kind (sliding + hash, C4 + hash, C128 + score routing) and the MTP layer."""
+    cfg = preset("flash", n_layers=4, compress_ratios=(0, 0, 4, 128, 0))
+    assert cfg.n_hash_layers == 3 and cfg.n_mtp_layers == 1
+    with torch.device("meta"):
+        sd = Transformer(cfg).state_dict()
+    inv = official_inventory(cfg)
+    assert {k: tuple(v.shape) for k, v in sd.items()} == inv
+    assert "layers.2.attn.indexer.wq_b.weight" in inv and "layers.3.ffn.gate.bias" in inv \
+        and "layers.2.ffn.gate.tid2eid" in inv and "mtp.0.ffn.experts.255.w2.weight" in inv
+
+
 @pytest.mark.slow  # ~11 s: builds the 35,020-tensor flash model on meta
 def test_flash_meta_model_state_dict_is_the_inventory():
     cfg = preset("flash")
