@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from nanoflash.config import preset
 from nanoflash.model import Transformer
+from nanoflash.quant import hadamard
 
 # Decode and prefill take different reduction orders (chunked softmax, concatenated caches): fp32 ulps,
 # relative to the logit scale.
@@ -16,12 +17,12 @@ DECODE_TOL = 1e-5
 
 
 def tiny_model(seed=0, **kw):
-    torch.manual_seed(seed)
     m = Transformer(preset("tiny", **kw)).init_weights(seed, std=0.2)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():   # non-degenerate sinks, ape, hc bases and router biases
         for n, p in m.named_parameters():
             if n.endswith(("_base", "attn_sink", "ape", "gate.bias")):
-                p.copy_(torch.randn_like(p))
+                p.copy_(torch.randn(p.shape, generator=g))
     return m
 
 
@@ -58,10 +59,10 @@ def test_small_preset_fits_one_h200_and_is_sglang_shaped():
             assert p.shape[0] % 128 == 0 or p.shape[0] <= 64 and "weights_proj" in name or "gate" in name, name
 
 
-def test_full_forward_equals_prefill_plus_decode():
+def test_full_forward_equals_prefill_plus_decode(gen):
     """Across the window ring wrap (W=8), C4 overlap boundaries and ratio-8 boundaries, and the MTP-free path."""
     m = tiny_model(index_topk=64).eval()
-    ids = torch.randint(0, m.cfg.vocab_size, (2, 29))   # W=8 wraps 3x; C4 entries 0..6; ratio-8 entries 0..2
+    ids = torch.randint(0, m.cfg.vocab_size, (2, 29), generator=gen)   # W=8 wraps 3x; C4 entries 0..6; ratio-8 entries 0..2
     with torch.no_grad():
         full = m(ids)
         for split in (1, 17):
@@ -73,20 +74,20 @@ def test_full_forward_equals_prefill_plus_decode():
             assert err <= DECODE_TOL * full.abs().max().item(), f"prefill {split} + decode: max |diff| {err:.2e}"
 
 
-def test_decode_with_sparse_indexer_selection():
+def test_decode_with_sparse_indexer_selection(gen):
     """With index_topk < #entries the decode path must select the same entries as the full forward."""
     m = tiny_model(index_topk=2).eval()
-    ids = torch.randint(0, m.cfg.vocab_size, (1, 30))
+    ids = torch.randint(0, m.cfg.vocab_size, (1, 30), generator=gen)
     with torch.no_grad():
         full, cache = m(ids), m.new_cache()
         parts = [m(ids[:, :7], 0, cache)] + [m(ids[:, t:t + 1], t, cache) for t in range(7, 30)]
     assert (torch.cat(parts, 1) - full).abs().max().item() <= DECODE_TOL * full.abs().max().item()
 
 
-def test_token_logprobs_matches_log_softmax_forward_and_backward():
+def test_token_logprobs_matches_log_softmax_forward_and_backward(gen):
     m = tiny_model()
-    ids = torch.randint(0, m.cfg.vocab_size, (2, 13))
-    tgt = torch.randint(0, m.cfg.vocab_size, (2, 13))
+    ids = torch.randint(0, m.cfg.vocab_size, (2, 13), generator=gen)
+    tgt = torch.randint(0, m.cfg.vocab_size, (2, 13), generator=gen)
     for temp in (1.0, 0.7):
         want = F.log_softmax(m(ids) / temp, -1).gather(-1, tgt[..., None])[..., 0]
         g_want = torch.autograd.grad(want.sum(), list(m.parameters()), allow_unused=True)
@@ -99,19 +100,52 @@ def test_token_logprobs_matches_log_softmax_forward_and_backward():
                 assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max().item()), n
 
 
-def test_mtp_logits_shape_and_gradient():
-    m = tiny_model()
-    ids = torch.randint(0, m.cfg.vocab_size, (2, 9))
-    h = m.run_layers(m.embed_streams(ids), ids)
-    out = m.mtp_logits(h, torch.roll(ids, -1, 1))
-    assert out.shape == (2, 9, m.cfg.vocab_size) and out.dtype == torch.float32
-    out.logsumexp(-1).sum().backward()
-    assert m.mtp["0"].e_proj.weight.grad is not None and m.mtp["0"].e_proj.weight.grad.abs().sum() > 0
+# mtp_logits in fp32 vs the same composition in float64 after the (shared, fp32) MTP block: a few fp32
+# roundings of the hc_head / norm / head tail, relative to the logit (gradient) scale.
+MTP_FWD_RTOL, MTP_GRAD_RTOL = 1e-5, 1e-4
 
 
-def test_recompute_gives_identical_gradients():
+def test_mtp_logits_match_reference_forward_and_backward(gen):
+    """logits = head(norm_mtp(hc_head_mtp(MTPBlock(h, next)))): the MTP layer's own hc_head and norm, the
+    shared head. Gradients equal the reference's, and the main model's hc_head / norm get none."""
     m = tiny_model()
-    ids = torch.randint(0, m.cfg.vocab_size, (2, 11))
+    with torch.no_grad():   # distinct norms and hc_head weights, so using the main model's ones would show
+        for n, p in m.named_parameters():
+            if n.endswith(("norm.weight", "hc_head_scale")):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+    cfg, blk = m.cfg, m.mtp["0"]
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=gen)
+    h = m.run_layers(m.embed_streams(ids), ids).detach()
+    nxt = torch.roll(ids, -1, 1)
+
+    def reference():            # MTPBlock itself is checked against tests/reference.py in test_model_blocks.py
+        x = blk(h, nxt, m.embed).double()
+        xf = x.flatten(2)
+        mixes = (xf @ blk.hc_head_fn.double().T) / torch.sqrt((xf * xf).mean(-1, keepdim=True) + cfg.norm_eps)
+        pre = torch.sigmoid(mixes * blk.hc_head_scale.double() + blk.hc_head_base.double()) + cfg.hc_eps
+        y = (pre[..., None] * x).sum(2)
+        y = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + cfg.norm_eps) * blk.norm.weight.double()
+        return y @ m.head.weight.double().T
+
+    got, want = m.mtp_logits(h, nxt), reference()
+    assert got.shape == (2, 9, cfg.vocab_size) and got.dtype == torch.float32
+    assert (got - want).abs().max() <= MTP_FWD_RTOL * want.abs().max()
+    cot = torch.randn(got.shape, generator=gen)
+    names, params = zip(*m.named_parameters())
+    g_got = torch.autograd.grad((got * cot).sum(), params, allow_unused=True)
+    g_want = torch.autograd.grad((want * cot.double()).sum(), params, allow_unused=True)
+    for n, a, b in zip(names, g_got, g_want):
+        assert (a is None) == (b is None), n
+        if a is not None:
+            assert (a - b).abs().max() <= MTP_GRAD_RTOL * b.abs().max().clamp_min(1e-12), n
+    touched = {n for n, a in zip(names, g_got) if a is not None}
+    assert {"mtp.0.e_proj.weight", "mtp.0.hc_head_fn", "mtp.0.norm.weight", "head.weight", "embed.weight"} <= touched
+    assert not touched & {"hc_head_fn", "hc_head_base", "hc_head_scale", "norm.weight"}, "main hc_head / norm used"
+
+
+def test_recompute_gives_identical_gradients(gen):
+    m = tiny_model()
+    ids = torch.randint(0, m.cfg.vocab_size, (2, 11), generator=gen)
     loss = lambda: m(ids).logsumexp(-1).mean()
     g1 = torch.autograd.grad(loss(), list(m.parameters()), allow_unused=True)
     m.recompute = True
@@ -120,11 +154,11 @@ def test_recompute_gives_identical_gradients():
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-def test_qat_switch_changes_numerics_but_not_much():
+def test_qat_switch_changes_numerics_but_not_much(gen):
     """QAT simulates FP8/FP4 roundings: a few % per op, so at the default init (std 0.02, gains < 1) the logits
     move by a few % -- and every Linear that the release stores in FP8 quantizes its input."""
     m = Transformer(preset("tiny", index_topk=64)).init_weights(0)
-    ids = torch.randint(0, m.cfg.vocab_size, (1, 24))
+    ids = torch.randint(0, m.cfg.vocab_size, (1, 24), generator=gen)
     q = Transformer(preset("tiny", index_topk=64, qat=True))
     q.load_state_dict(m.state_dict())
     with torch.no_grad():
@@ -140,12 +174,75 @@ def test_qat_switch_changes_numerics_but_not_much():
         & fp8_inputs, "BF16 weights of the release get no FP8 activation quantization"
 
 
-def test_bf16_cast_keeps_fp32_parameters():
+# The official QAT sites and blocks (spec §3.3, inference/model.py act_quant / fp4_act_quant), written out here
+# rather than imported, so a wrong constant in model.py shows. The config makes every block size visible:
+# every Linear input a multiple of 128 (block 128, not a test-size gcd), kv nope dims 136 - 8 = 128 (block 64,
+# not 128), indexer head dim 64 (FP4 block 32, not 64).
+QAT_ACT_BLOCK, QAT_KV_BLOCK, QAT_FP4_BLOCK = 128, 64, 32
+QAT_CFG = dict(dim=256, q_lora_rank=128, o_lora_rank=64, moe_inter_dim=128, head_dim=136, index_head_dim=64,
+               index_topk=64)
+
+
+def _qat_spy(model, monkeypatch):
+    """Replace the model's fp8/fp4 simulations by identity spies that record (site, last dim, block)."""
+    import nanoflash.model as M
+    calls, current, rotated = [], [None], set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, M.Linear):
+            mod.register_forward_pre_hook(lambda m, a, n=name: current.__setitem__(0, (n, m)))
+            mod.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
+
+    def spy(kind):
+        def sim(x, block):
+            site = current[0][0] if current[0] else "rotated" if id(x) in rotated else "other"
+            calls.append((kind, site, x.shape[-1], block, current[0][1] if current[0] else None))
+            return x
+        return sim
+
+    def had(x):
+        y = hadamard(x)
+        rotated.add(id(y))
+        return y
+    monkeypatch.setattr(M, "fp8_sim", spy("fp8"))
+    monkeypatch.setattr(M, "fp4_sim", spy("fp4"))
+    monkeypatch.setattr(M, "hadamard", had)
+    return calls
+
+
+def test_qat_is_the_plain_model_plus_exactly_the_official_sites(monkeypatch, gen):
+    """With the simulations replaced by identities the QAT model equals the plain one bit for bit (QAT adds
+    nothing else), and the simulations it calls are exactly: FP8 per 1x128 on the input of every FP8-stored
+    Linear it runs; FP8 per 64 on the kv nope dims of every attention layer and every non-rotating compressor;
+    Hadamard then FP4 per 32 on the indexer's q and keys."""
+    plain = Transformer(preset("tiny", **QAT_CFG)).init_weights(0)
+    q = Transformer(preset("tiny", qat=True, **QAT_CFG))
+    q.load_state_dict(plain.state_dict())
+    calls = _qat_spy(q, monkeypatch)
+    ids = torch.randint(0, plain.cfg.vocab_size, (1, 24), generator=gen)
+    with torch.no_grad():
+        assert torch.equal(q(ids), plain(ids)), "QAT with identity simulations must be the plain model"
+    cfg = q.cfg
+    for kind, site, n, block, mod in calls:
+        if mod is not None:
+            assert kind == "fp8" and mod.qat_input and n == mod.in_features and block == QAT_ACT_BLOCK, (site, n, block)
+    ran_qat_linears = {site for kind, site, *_ in calls if site not in ("other", "rotated")}
+    assert {"layers.0.attn.wq_a", "layers.0.attn.wo_b", "layers.1.attn.indexer.wq_b"} <= ran_qat_linears
+    n_attn = cfg.n_layers
+    n_plain_compressors = sum(1 for r in cfg.compress_ratios[:cfg.n_layers] if r)
+    n_indexers = sum(1 for r in cfg.compress_ratios[:cfg.n_layers] if r == 4)
+    kv = [c[:4] for c in calls if c[1] == "other"]
+    assert kv == [("fp8", "other", cfg.head_dim - cfg.rope_head_dim, QAT_KV_BLOCK)] * len(kv) \
+        and len(kv) == n_attn + n_plain_compressors, kv
+    fp4 = [c[:4] for c in calls if c[0] == "fp4"]
+    assert fp4 == [("fp4", "rotated", cfg.index_head_dim, QAT_FP4_BLOCK)] * (2 * n_indexers), fp4
+
+
+def test_bf16_cast_keeps_fp32_parameters(gen):
     m = tiny_model().cast_(torch.bfloat16)
     dt = {n: p.dtype for n, p in m.named_parameters()}
     assert dt["layers.0.attn.wq_a.weight"] == torch.bfloat16
     assert dt["layers.0.hc_attn_fn"] == dt["layers.1.attn.compressor.ape"] == dt["head.weight"] == torch.float32
-    assert m(torch.randint(0, 256, (1, 10))).dtype == torch.float32
+    assert m(torch.randint(0, 256, (1, 10), generator=gen)).dtype == torch.float32
 
 
 def test_model_py_style():
@@ -163,13 +260,12 @@ def test_model_py_style():
     assert "torch.distributed" not in src and "dist." not in src
 
 
-def test_decode_real_window_and_c128_boundary():
+def test_decode_real_window_and_c128_boundary(gen):
     """The published geometry of the sequence axis: window 128 (ring wrap) and a true 128:1 compressor, decoding
     across position 255, where the first C128 entry beyond w=0 completes."""
     cfg = preset("tiny", window_size=128, compress_ratios=(0, 4, 128, 4, 0), index_topk=64)
-    torch.manual_seed(0)
     m = Transformer(cfg).init_weights(0, std=0.2).eval()
-    ids = torch.randint(0, cfg.vocab_size, (1, 262))
+    ids = torch.randint(0, cfg.vocab_size, (1, 262), generator=gen)
     with torch.no_grad():
         full, cache = m(ids), m.new_cache()
         parts = [m(ids[:, :240], 0, cache)] + [m(ids[:, t:t + 1], t, cache) for t in range(240, 262)]
