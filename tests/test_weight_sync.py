@@ -113,7 +113,8 @@ def test_bucket_rules_pairs_bytes_order_coverage(model):
             stems = {from_sglang(n).replace("_scale_inv", "") for n, _ in b}
             assert len(stems) <= 2, f"bucket {i} has {nbytes} B > {limit} with {sorted(stems)}"
     experts = range(model.cfg.n_routed_experts)
-    units = [(a.replace("#", str(e)), b.replace("#", str(e))) for a, b in ATOMIC for e in (experts if "#" in a else [0])]
+    units = [(a.replace("#", str(e)), b.replace("#", str(e)))
+             for a, b in ATOMIC for e in (experts if "#" in a else [0])]
     assert len(units) == len(ATOMIC) - 1 + model.cfg.n_routed_experts
     for layer in range(model.cfg.n_layers):
         for a, b in units:

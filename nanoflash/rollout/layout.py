@@ -249,7 +249,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 def sglang_tile_sum(t: torch.Tensor, word_offset: int, total_words: int) -> int:
     """sum over the tiles of `t` of h_t (mod 2^64), `t` being words [word_offset, +len) of a tensor of
-    `total_words` words; `word_offset` must start a tile (so the piece holds whole tiles, the last may end the tensor)."""
+    `total_words` words; `word_offset` must start a tile (whole tiles only; the last may end the tensor)."""
     if word_offset % HASH_TILE_WORDS:
         raise ValueError(f"a hashed piece must start a {HASH_TILE_WORDS}-word tile, got word offset {word_offset}")
     w, nbytes, total = _words(t), (total_words * 4) & _M32, 0

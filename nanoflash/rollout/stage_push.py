@@ -46,7 +46,9 @@ Tests: `pytest tests/test_weight_sync_stage.py -q`.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -83,6 +85,12 @@ def live_budget(bucket_bytes: int, ep: int, scratch: int) -> int:
     one bucket; plus the quantizer's scratch (`quant.quant_scratch_bytes`: bounded, 0 on the GPU).
     `bucket_bytes` is the largest bucket (a unit larger than the configured size travels alone)."""
     return int((LIVE_BUCKETS + 1 / ep) * bucket_bytes) + scratch
+
+
+def layout_digest(checksums: dict) -> str | None:
+    """One sha256 over a loader layout's {name: sha256} (what the embedded servers hold), None if empty."""
+    return hashlib.sha256("".join(f"{k}={v};" for k, v in sorted(checksums.items())).encode()).hexdigest() \
+        if checksums else None
 
 
 def source_host(sync_host: str) -> str:
@@ -297,7 +305,8 @@ class StagePusher:
         src = [L for L in ledgers if L.buckets]
         self.summary = {"version": version, "buckets": sum(L.buckets for L in src), "bytes": sum(L.bytes for L in src),
                         "tensors": sum(len(L.names) for L in src), "verified": checks,
-                        "bytes_per_source": {L.stage: L.bytes for L in src}}
+                        "bytes_per_source": {L.stage: L.bytes for L in src},
+                        "layout_sha": layout_digest({k: v for L in src for k, v in L.loader.items()})}
 
     def _verify(self, ledgers) -> dict:
         sent = [n for L in ledgers for n in L.names]
@@ -332,8 +341,7 @@ class _Sender:
             if not pusher.disk_dir:
                 raise ValueError("transport='disk' needs disk_dir")
             self.dir = os.path.join(pusher.disk_dir, f"v{version}", f"pp{pusher.dims.pp_rank}")
-            if os.path.exists(self.dir):
-                raise FileExistsError(f"{self.dir} exists: every push writes a fresh directory per source")
+            shutil.rmtree(self.dir, ignore_errors=True)   # a retried or resumed push starts from an empty one
             os.makedirs(self.dir)
 
     def start(self, fb):
