@@ -39,6 +39,7 @@ from nanoflash.model import Transformer
 from nanoflash.parallel.checkpoint import latest_checkpoint
 from nanoflash.parallel.dims import init_distributed, print0
 from nanoflash.plots import write_plots
+from nanoflash.rollout.client import RequestRejected
 
 # ---------------------------------------------------------------------------------------------- config
 cfg = parse_args(sys.argv[1:])
@@ -67,9 +68,11 @@ else:
 actor = trainer.Actor(cfg, mcfg, dims, tc.checkpoint, ckpt_is_dcp)
 print0(f"actor: {dims}, stage on {actor.device}, {sum(p.numel() for p in actor.model.parameters()) / 1e6:.1f}M "
        f"parameters on this rank")
-step, pos, latest = 0, 0, latest_checkpoint(ckpt_dir) if tc.resume else None
+if not tc.resume and latest_checkpoint(ckpt_dir):  # never prune or later adopt another run's checkpoints
+    raise SystemExit(f"--train.resume false, but {ckpt_dir} holds checkpoints of an earlier run (newest: "
+                     f"{os.path.basename(latest_checkpoint(ckpt_dir))}); choose another --out, or resume it")
+step, pos, (latest, meta) = 0, 0, actor.resume(ckpt_dir) if tc.resume else (None, None)
 if latest:
-    meta = actor.resume(latest)
     step, pos = meta["step"], meta["extra"]["data_pos"]
     print0(f"resumed from {latest}: step {step}, data position {pos}")
 task = ep.make_task(tc, ec, mcfg.vocab_size)
@@ -130,7 +133,10 @@ def rollout_batch(at: int):
     """Rank 0: dynamic-sampling rollout -> advantages -> the packed global batch and the step's metrics."""
     t0 = time.time()
     bar = progress(gc.n_prompts, f"rollout {at}/{tc.steps}", tc.progress)
-    kept, seen, new_pos, counts = rollouts.collect(pos, bar)
+    try:
+        kept, seen, new_pos, counts = rollouts.collect(pos, bar)
+    except RequestRejected as e:  # a server refused or failed the request: one line naming it, then stop
+        raise SystemExit(f"rollout for step {at} failed: {e}") from None
     bar.close()
     t_roll = time.time() - t0
     m = {**metrics.step_metrics(seen, gc.group_size), **counts, "rollout_s": t_roll,
@@ -147,6 +153,7 @@ if not latest:
     save(0)
 
 # ---------------------------------------------------------------------------------------------- loop
+streak = total_skipped = 0  # consecutive / all skipped (non-finite) steps
 while step < tc.steps:
     t0 = time.time()
     batch, new_pos, m = rollout_batch(step + 1) if rank0 else (None, None, {})
@@ -162,7 +169,18 @@ while step < tc.steps:
         m.update(actor.train(shard))
         n_tok = float(batch.mask.sum()) if batch is not None else 0.0
         m.update(train_s=time.time() - t1, train_tokens_per_s=n_tok / (time.time() - t1))
-    m.update(sync_weights(step))
+    skipped = m.pop("skipped", False)
+    streak, total_skipped = (streak + 1 if skipped else 0), total_skipped + skipped
+    m["skipped_steps"] = total_skipped
+    if skipped:  # non-finite loss or gradient norm: no update happened on any rank; nothing to push or save
+        print0(f"step {step}: SKIPPED (loss {m['loss']}, grad norm {m['grad_norm']}): non-finite, no update, "
+               f"no push, no checkpoint ({streak} in a row, {total_skipped} in total)")
+        if streak >= tc.max_skipped_steps:
+            log.log("train", step, {**m, "step_s": time.time() - t0})
+            raise SystemExit(f"diverged: {streak} consecutive non-finite steps (train.max_skipped_steps="
+                             f"{tc.max_skipped_steps}); the last checkpoint is the last good state")
+    else:
+        m.update(sync_weights(step))
     if actor.device.type == "cuda":  # this rank's stage, optimizer and activations (rank 0's, as logged)
         m.update(gpu_mem_gib=torch.cuda.memory_allocated() / 2 ** 30,
                  gpu_peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30)
@@ -173,7 +191,7 @@ while step < tc.steps:
     log.log("train", step, {**m, "step_s": time.time() - t0})
     if ec.every and (step % ec.every == 0 or step == tc.steps):
         run_eval(step)
-    if step == tc.steps or (tc.save_every and step % tc.save_every == 0):
+    if not skipped and (step == tc.steps or (tc.save_every and step % tc.save_every == 0)):
         save(step)
 
 # ---------------------------------------------------------------------------------------------- wrap up

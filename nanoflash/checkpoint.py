@@ -231,7 +231,10 @@ def load_hf_checkpoint(model: torch.nn.Module, path: str, cfg=None, device="cpu"
         shards = _Shards(stack)
         for file in sorted(plan):
             for name, dst in plan[file].items():
-                dst.copy_(read_tensor(shards, name, weight_map, tuple(dst.shape), dst.dtype))
+                t = read_tensor(shards, name, weight_map, tuple(dst.shape), dst.dtype)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise CheckpointError(f"{name} in {os.path.join(path, file)} holds NaN/inf values")
+                dst.copy_(t)
     loaded = sum(len(v) for v in plan.values())
     n_weights = sum(1 for n in weight_map if not n.endswith(_SCALE_SUFFIXES))
     return {"loaded": loaded, "skipped": n_weights - loaded, "files": len(plan)}

@@ -352,6 +352,7 @@ class TrainConfig:
     progress: bool = True             # tqdm progress bars (if installed)
     plots: bool = True                # PNG figures at the end (if matplotlib is installed)
     dry_run: bool = False             # print the per-GPU memory plan of the configured layout and exit
+    max_skipped_steps: int = 3        # consecutive non-finite (skipped) GRPO steps before the run stops
 
     def __post_init__(self):
         if self.task not in ("arith", "dapo"):

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from nanoflash import grpo
 from nanoflash.checkpoint import load_hf_checkpoint
 from nanoflash.model import Transformer
-from nanoflash.parallel.checkpoint import load_checkpoint, save_checkpoint
+from nanoflash.parallel.checkpoint import latest_checkpoint, load_checkpoint, load_latest, save_checkpoint
 from nanoflash.parallel.microbatch import equalize_count, pack_microbatches
 from nanoflash.parallel.optim import AdamW
 from nanoflash.parallel.pipeline import forward_only
@@ -150,13 +150,17 @@ class Actor:
         may still be evaluating or pushing, and the save's own collectives run under the training timeout."""
         if self.dims.side_group is not None:
             dist.barrier(group=self.dims.side_group)
+        self.require_finite("at a checkpoint save")
         save_checkpoint(root, step, self.model, self.optimizer, self.dims, extra=extra, keep=keep)
 
-    def resume(self, path: str) -> dict:
-        """Model + optimizer state (and RNG) from a DCP checkpoint; returns its meta."""
+    def resume(self, root: str) -> tuple[str | None, dict | None]:
+        """Model + optimizer state (and RNG) from the newest checkpoint under `root` that verifies (a corrupt
+        one is reported and the previous one used). Returns (path, meta), (None, None) when there is none."""
+        if latest_checkpoint(root) is None:
+            return None, None  # a fresh run: the optimizer is taken after any warm-up instead
         if self.optimizer is None:
             self.start_optimizer()
-        return load_checkpoint(path, self.model, self.optimizer, self.dims)
+        return load_latest(root, self.model, self.optimizer, self.dims)
 
     # ------------------------------------------------------------------ micro-batches
     def micro_batches(self, shard, fields, per_sample: bool = False):
@@ -204,7 +208,21 @@ class Actor:
             return loss, {k: met[k] for k in LOSS_KEYS if k in met}
         out = train_step(self.model, self.dims, mbs, self.optimizer, 1.0 / max(Z, 1.0) if first else None,
                          loss_fn=loss_fn, grad_clip=self.oc.grad_clip)
+        if not out["skipped"]:
+            self.require_finite(f"after the optimizer update (lr {self.optimizer.lr:g})")
         return out
+
+    def require_finite(self, when: str) -> None:
+        """Stop the run, on every rank, if any weight of any rank is NaN/inf (nothing non-finite is ever
+        pushed or saved). One fused count per tensor, all-reduced once."""
+        bad = [n for n, t in self.state_iter() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        n = torch.tensor([len(bad)], device=self.dims.device)
+        if self.dims.world_size > 1:
+            dist.all_reduce(n)
+        if int(n):
+            where = f"rank {self.dims.rank}: {bad[:3]}" if bad else "another rank"
+            raise SystemExit(f"diverged: {int(n)} weight tensors are non-finite {when} ({where}); nothing was "
+                             f"pushed or saved, the last checkpoint is the last good state -- lower --optim.lr")
 
     def sft_step(self, problems: list, task, optimizer) -> float:
         """One supervised step on reference answers: -mean log p(answer + eos | prompt) over answer tokens.

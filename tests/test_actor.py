@@ -194,3 +194,46 @@ def _check_placement(device, offload):
             if offload and device.type == "cuda":
                 assert v.is_pinned(), (n, k)
     assert any(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def _nan_step_rank(rank, world):
+    """PP2: a NaN advantage (a NaN reward upstream) poisons step 1's loss; then a clean step."""
+    cfg = run_cfg(pp=2)
+    dims = ParallelDims(pp=2)
+    actor = Actor(cfg, preset("tiny", **cfg.model), dims)
+    actor.start_optimizer()
+    before = {k: v.clone() for k, v in actor.state_iter()}
+    out = []
+    for poison in (True, False):
+        batch = global_batch(cfg) if rank == 0 else None
+        if batch is not None and poison:
+            batch.advantages[0, -1] = float("nan")
+        shard, _ = scatter_shards(batch, dims, {})
+        old = actor.logprobs(shard)
+        if shard is not None:
+            shard.old_logprobs = old
+        m = actor.train(shard)
+        out.append({"skipped": m["skipped"], "same": all(torch.equal(v, before[k]) for k, v in actor.state_iter()),
+                    "finite": all(torch.isfinite(v).all() for _, v in actor.state_iter() if v.is_floating_point()),
+                    "adam_step": actor.optimizer.step_count})
+    return out
+
+
+def test_nonfinite_step_is_skipped_on_every_rank():
+    """The poisoned step is skipped on both stages (no update, Adam's step count unchanged, weights bit-equal
+    and finite); the next clean step trains normally."""
+    results = run_ranks(_nan_step_rank, 2)
+    for r in results:
+        assert r[0] == {"skipped": True, "same": True, "finite": True, "adam_step": 0}, r
+        assert r[1]["skipped"] is False and not r[1]["same"] and r[1]["finite"] and r[1]["adam_step"] == 1, r
+
+
+def test_nonfinite_weights_are_never_saved(tmp_path):
+    cfg = run_cfg()
+    actor = Actor(cfg, preset("tiny", **cfg.model), ParallelDims())
+    actor.start_optimizer()
+    with torch.no_grad():
+        actor.model.layers["1"].attn.wo_b.weight[0, 0] = float("inf")
+    with pytest.raises(SystemExit, match=r"diverged: 1 weight tensors are non-finite at a checkpoint save.*wo_b"):
+        actor.save(str(tmp_path / "ckpt"), 1, {}, keep=2)
+    assert not (tmp_path / "ckpt").exists()

@@ -3,12 +3,20 @@
 What is saved, under `root/step_{N:08d}/`:
     DCP shards      {"model": model.state_dict(), "optim": optimizer.state_dict()}, keyed by full-model FQN
                     (`layers.7.ffn.experts.42.w1.weight`, `layers.7.ffn.experts.42.w1.weight.exp_avg`, ...)
-    rng_rank{r}.pt  this rank's torch / CUDA / python RNG states
-    meta.json       step, layout (pp, ep, dp) and the trainer's `extra` dict (data position, ...); written last
+    rng_rank{r}.pt  this rank's torch / CUDA / python RNG states (read back with weights_only=True: plain
+                    tensors and ints, so a crafted file cannot run code)
+    meta.json       step, layout (pp, ep, dp), the trainer's `extra` dict (data position, ...) and a crc32 of
+                    every other file ("files"); written last
 
 Resharding comes for free from the names: every rank saves the tensors it holds (replicated ones are
 de-duplicated by DCP's planner) and loads exactly the keys of *its* state dict, so a checkpoint written with
 PP2 x EP2 loads into PP1, EP4, or a single process. RNG states are restored only when the world size matches.
+
+Integrity: each rank checksums the files it wrote by reading them back after fsync (zlib crc32, ~1 GB/s per
+rank; sha256 would take minutes at hundreds of GiB), so a committed checkpoint has been verified once.
+`load_checkpoint` re-verifies every file (spread over the ranks, failures all-reduced) before DCP reads it and
+raises `CheckpointCorrupt` naming the file; `load_latest` then falls back to the previous checkpoint. Pruning
+runs only after the new checkpoint is committed and verified, so the last verified one is never deleted.
 
 Atomicity: everything is written into `step_N.tmp/` (DCP fsyncs its files), then rank 0 fsyncs meta.json
 and the directory, and renames `step_N.tmp -> step_N` (atomic on POSIX) after a barrier. A crash before the
@@ -24,6 +32,7 @@ import json
 import os
 import random
 import shutil
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -33,6 +42,49 @@ from torch.distributed.checkpoint.api import CheckpointException
 from nanoflash.parallel.dims import ParallelDims
 
 STEP_PREFIX, TMP_SUFFIX, META = "step_", ".tmp", "meta.json"
+CRC_CHUNK = 16 << 20  # bytes read per crc32 update
+
+
+class CheckpointCorrupt(ValueError):
+    """A committed checkpoint whose files do not match their recorded checksums (or cannot be read)."""
+
+
+def file_crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CRC_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _own_files(tmp: str, rank: int) -> list[str]:
+    """The files this rank wrote into a checkpoint directory (rank 0 also DCP's .metadata)."""
+    mine = [f for f in os.listdir(tmp) if f.startswith(f"__{rank}_") or f == f"rng_rank{rank}.pt"]
+    return sorted(mine + ([".metadata"] if rank == 0 and os.path.exists(os.path.join(tmp, ".metadata")) else []))
+
+
+def _checksums(tmp: str, dims: ParallelDims) -> dict | None:
+    """{file: crc32} of the whole checkpoint on rank 0 (None elsewhere); each rank reads back its own files."""
+    mine = {f: file_crc32(os.path.join(tmp, f)) for f in _own_files(tmp, dims.rank)}
+    if dims.world_size == 1:
+        return mine
+    parts = [None] * dims.world_size if dims.rank == 0 else None
+    dist.gather_object(mine, parts, dst=0, group=dims.side_group)
+    return {k: v for p in parts for k, v in p.items()} if dims.rank == 0 else None
+
+
+def verify_checkpoint(path: str, meta: dict, dims: ParallelDims) -> None:
+    """Re-check every recorded crc32 (file i on rank i mod world); raise CheckpointCorrupt on every rank if any
+    file of any rank is missing or differs. A checkpoint written before checksums existed passes unchecked."""
+    files = sorted(meta.get("files", {}))
+    bad = [f for i, f in enumerate(files) if i % dims.world_size == dims.rank
+           and (not os.path.exists(os.path.join(path, f)) or file_crc32(os.path.join(path, f)) != meta["files"][f])]
+    n = torch.tensor([len(bad)], device=dims.device)
+    if dims.world_size > 1:
+        dist.all_reduce(n)
+    if int(n):
+        raise CheckpointCorrupt(f"{path}: {int(n)} file(s) do not match their checksums"
+                                f"{' (' + ', '.join(bad) + ')' if bad else ''}")
 
 
 def _barrier(dims: ParallelDims) -> None:
@@ -96,9 +148,10 @@ def save_checkpoint(root: str, step: int, model, optimizer, dims: ParallelDims, 
     torch.save(_rng_state(), rng_path)
     _fsync_path(rng_path)
     _barrier(dims)
+    files = _checksums(tmp, dims)
     if dims.rank == 0:
         meta = {"step": step, "pp": dims.pp, "ep": dims.ep, "dp": dims.dp, "world_size": dims.world_size,
-                "extra": extra or {}}
+                "extra": extra or {}, "files": files}
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f)
             f.flush()
@@ -122,6 +175,7 @@ def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
         raise ValueError(f"{path} is not a committed checkpoint (no {META}); an interrupted save?")
     with open(meta_path) as f:
         meta = json.load(f)
+    verify_checkpoint(path, meta, dims)
     state = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = optimizer.state_dict()
@@ -134,8 +188,28 @@ def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
         optimizer.load_state_dict(state["optim"])
     rng_path = os.path.join(path, f"rng_rank{dims.rank}.pt")
     if meta["world_size"] == dims.world_size and os.path.exists(rng_path):
-        _set_rng_state(torch.load(rng_path, weights_only=False))
+        _set_rng_state(torch.load(rng_path, weights_only=True))  # tensors and ints only: cannot run code
     return meta
+
+
+def load_latest(root: str, model, optimizer, dims: ParallelDims, log=print) -> tuple[str | None, dict | None]:
+    """Resume from the newest checkpoint under root that verifies and loads; a corrupt or unreadable one is
+    reported and the previous one tried. Returns (path, meta), or (None, None) if root has none. If every
+    checkpoint fails, the last error is raised (nothing usable is silently skipped into a fresh start)."""
+    done = sorted(d for d in os.listdir(root) if d.startswith(STEP_PREFIX) and not d.endswith(TMP_SUFFIX)
+                  and os.path.exists(os.path.join(root, d, META))) if os.path.isdir(root) else []
+    err = None
+    for d in reversed(done):
+        path = os.path.join(root, d)
+        try:
+            return path, load_checkpoint(path, model, optimizer, dims)
+        except ValueError as e:  # CheckpointCorrupt or a DCP read error: fall back to the previous one
+            err = e
+            if dims.rank == 0:
+                log(f"checkpoint {path} is unusable ({e}); trying the previous one")
+    if err is not None:
+        raise err
+    return None, None
 
 
 def export_hf(path: str, cfg, out_dir: str, dtype=torch.bfloat16, **save_kw) -> dict:

@@ -20,6 +20,8 @@ and overlap), no reduce-scatter of optimizer state (ZeRO-1). Tests: `pytest test
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -119,7 +121,8 @@ def make_optimizer(model: nn.Module, opt, offload: bool = False) -> AdamW:
 
 def train_step(model, dims: ParallelDims, microbatches, optimizer, loss_scale: float | None,
                loss_fn=token_nll_loss, grad_clip: float = 1.0) -> dict:
-    """forward_backward -> reduce -> clip -> optimizer.step. Returns {"loss", "grad_norm"} (global values).
+    """forward_backward -> reduce -> clip -> optimizer.step. Returns {"loss", "grad_norm", "skipped"} (global
+    values). A non-finite loss or gradient norm skips the optimizer step on every rank (`skipped` True).
 
     `loss_scale` = 1 / global normaliser (e.g. 1 / global_count(loss tokens) over the first stage's data
     group); like `microbatches` it is only read on the first pipeline stage. The returned loss is the global
@@ -132,9 +135,15 @@ def train_step(model, dims: ParallelDims, microbatches, optimizer, loss_scale: f
     loss, metrics = forward_backward(model, dims, microbatches, loss_fn, loss_scale)
     reduce_gradients(model, dims)
     norm = clip_gradients_(model, dims, grad_clip)
-    optimizer.step()
     out = sum_over_data({"loss": loss, **metrics}, dims)
     out["grad_norm"] = float(norm)
+    # Guard: the loss and the norm are global values, identical on every rank, so every rank takes the same
+    # decision without another collective. A non-finite one skips the update everywhere.
+    out["skipped"] = not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]))
+    if out["skipped"]:
+        optimizer.zero_grad()
+    else:
+        optimizer.step()
     return out
 
 

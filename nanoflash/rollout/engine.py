@@ -84,7 +84,11 @@ def parse_sampling(sp: dict, vocab: int) -> dict:
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen: torch.Generator):
-    """Draw one token per row. logits [B,V] fp32 -> ids [B]"""
+    """Draw one token per row. logits [B,V] fp32 -> ids [B]. Non-finite logits are an error naming the cause
+    (broken served weights, e.g. a diverged update), never a silent draw."""
+    if not bool(torch.isfinite(logits).all()):
+        raise FloatingPointError("non-finite logits: the served weights are broken (NaN/inf or overflowing, "
+                                 "e.g. a diverged update)")
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)                 # [B,V]
