@@ -266,7 +266,7 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float() * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
         if fast:   # nanoflash.kernels: fused scores, torch.topk on [B,S,C], the same tie-break
             from nanoflash.kernels import indexer_topk
-            return indexer_topk(q, keys, w.detach(), start_pos, cfg.index_topk), keys, state
+            return indexer_topk(q, keys.to(q.dtype), w.detach(), start_pos, cfg.index_topk), keys, state
         with torch.no_grad():
             score = torch.einsum("bshd,bcd->bshc", q.float(), keys.float()).relu()     # [B,S,HI,C]
             score = (score * w.detach()[..., None]).sum(2)                              # [B,S,C]
@@ -385,10 +385,11 @@ class Attention(nn.Module):
     def attend(self, q, start_pos: int, window, comp, keep, fast=False):
         """Chunk the queries; each chunk sees its window slice and the compressed entries it keeps.
         fast (no decode cache, so window = this call's kv): the kernel gathers the same keys instead."""
-        if fast:
+        if fast:   # the kernel takes one dtype (q's) for q, kv and the entries
             from nanoflash.kernels import sparse_attention
-            return sparse_attention(q, window, self.attn_sink, self.cfg.head_dim ** -0.5, self.cfg.window_size,
-                                    comp, keep)
+            comp = comp.to(q.dtype) if comp is not None else None
+            return sparse_attention(q, window.to(q.dtype), self.attn_sink, self.cfg.head_dim ** -0.5,
+                                    self.cfg.window_size, comp, keep)
         W, S, out = self.cfg.window_size, q.shape[1], []
         first = start_pos + S - window.shape[1]                       # position of window[:, 0]
         for a in range(0, S, self.cfg.attn_chunk):

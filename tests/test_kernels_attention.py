@@ -96,8 +96,9 @@ def _attention_case(B, S, H, D, W, C, K, dtype, g, batch_sel=True, fused=None):
         sel = random_selection(B if batch_sel else 1, S, C, K, g)
         sel[:, 3] = -1                                       # a query that keeps no entry at all
         leaves.append(comp)
-    if fused is not None:
-        ka.BWD_CONFIG = dict(ka.BWD_CONFIG, fused=fused)
+    if fused is not None:   # small blocks, as the shapes are small
+        blocks = dict(BLOCK_H=16, BLOCK_K=16, num_warps=4, num_stages=2)
+        ka.BWD_CONFIG = dict(fused=fused, dq=blocks, dkv=blocks)
     out = ka.sparse_attention(q, kv, sink, D ** -0.5, W, comp, sel)
     keys = kv if comp is None else torch.cat([kv, comp], 1)
     ref = sink_attention(q.double(), keys.double(), dense_mask(S, W, sel, C), sink.double(), D ** -0.5)

@@ -43,25 +43,24 @@ import triton.language as tl
 LOG2E = math.log2(math.e)
 # Launch configurations (BLOCK_H heads x BLOCK_K keys per step, warps, pipeline stages), chosen by
 # bench/bench_attention.py on an H200 at 64 heads x 512 (docs/benchmarks.md); small shapes get small blocks.
-FWD_CONFIG = dict(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2)
-BWD_CONFIG = dict(fused=False, BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=1)
+# The backward's dkv pass holds q and dO twice in shared memory (as A and as B operands), so 64 heads do not
+# fit in 227 KB: it runs on 32 heads per program (two programs per query, each adding its share).
+FWD_CONFIG = dict(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=3)
+BWD_CONFIG = dict(fused=False, dq=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),
+                  dkv=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2))
 MIN_DOT = 16   # tl.dot needs every dimension >= 16
 
 
 @triton.jit
-def _keys(SEL, base_sel, t, W, n_sel, n_win, stride_kv, stride_c, blk, BLOCK_K: tl.constexpr):
-    """Block `blk` of query t's key list: window blocks first (rows of kv), then selection blocks (rows of
-    comp). -> (row offsets [BK] int64 times the row stride, valid [BK])"""
-    offs = tl.arange(0, BLOCK_K)
-    if blk < n_win:
-        rows = tl.maximum(t - W + 1, 0) + blk * BLOCK_K + offs
-        valid = rows <= t
-        off = rows.to(tl.int64) * stride_kv
-    else:
-        pos = (blk - n_win) * BLOCK_K + offs
-        valid = pos < n_sel
-        off = tl.load(SEL + base_sel + pos, mask=valid, other=0).to(tl.int64) * stride_c
-    return off, valid
+def _fwd_step(q, k, valid, m, l, acc, scale_log2, PREC: tl.constexpr):
+    """One block of keys [BK,BD] through the online softmax. -> (m, l, acc) updated"""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2                      # [BH,BK] log2 units
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
+    return m_new, l * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
@@ -73,33 +72,49 @@ def _fwd(Q, KV, COMP, SEL, NSEL, SINK, O, LSE,
     pid = tl.program_id(0).to(tl.int64)
     b, t = pid // S, pid % S
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_k, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_D)
     mask_h, mask_d = offs_h < H, offs_d < D
     q_ptr = Q + b * sq_b + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :]
     q = tl.load(q_ptr, mask=mask_h[:, None] & mask_d[None, :], other=0.0)              # [BH,BD]
     m = tl.load(SINK + offs_h, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
     l = tl.full([BLOCK_H], 1.0, tl.float32)                                            # the sink's exp(0)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    n_win = tl.cdiv(t - tl.maximum(t - W + 1, 0) + 1, BLOCK_K)
-    n_sel = 0
+    lo = tl.maximum(t - W + 1, 0)
+    for start in range(lo, t + 1, BLOCK_K):                                            # window: rows of kv
+        rows = start + offs_k
+        valid = rows <= t
+        k = tl.load(KV + b * skv_b + rows.to(tl.int64)[:, None] * skv_s + offs_d[None, :],
+                    mask=valid[:, None] & mask_d[None, :], other=0.0)                  # [BK,BD]
+        m, l, acc = _fwd_step(q, k, valid, m, l, acc, scale_log2, PREC)
     if HAS_COMP:
         n_sel = tl.load(NSEL + b * sn_b + t)
-    for blk in range(0, n_win + tl.cdiv(n_sel, BLOCK_K)):
-        off, valid = _keys(SEL, b * ss_b + t * ss_s, t, W, n_sel, n_win, skv_s, sc_c, blk, BLOCK_K)
-        src = KV + b * skv_b if blk < n_win else COMP + b * sc_b
-        k = tl.load(src + off[:, None] + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BK,BD]
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2                  # [BH,BK] log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
-        m = m_new
+        for start in range(0, n_sel, BLOCK_K):                                         # selection: rows of comp
+            valid = start + offs_k < n_sel
+            j = tl.load(SEL + b * ss_b + t * ss_s + start + offs_k, mask=valid, other=0).to(tl.int64)
+            k = tl.load(COMP + b * sc_b + j[:, None] * sc_c + offs_d[None, :],
+                        mask=valid[:, None] & mask_d[None, :], other=0.0)
+            m, l, acc = _fwd_step(q, k, valid, m, l, acc, scale_log2, PREC)
     o = acc / l[:, None]
     o_ptr = O + b * sq_b + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :]
     tl.store(o_ptr, o.to(O.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
     tl.store(LSE + pid * H + offs_h, m + tl.log2(l), mask=mask_h)                      # log2 units
+
+
+@triton.jit
+def _bwd_step(q, do, k, valid, kmask, lse, delta, dq, dst, scale, scale_log2, DO_DQ: tl.constexpr,
+              DO_DKV: tl.constexpr, PREC: tl.constexpr):
+    """One block of keys: dq += ds.k (returned); dkv rows at `dst` += p^T.dO + scale ds^T.q (atomics)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)                       # [BH,BK]
+    dp = tl.dot(do, tl.trans(k), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    if DO_DQ:
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    if DO_DKV:
+        dk = tl.dot(tl.trans(p.to(k.dtype)), do, input_precision=PREC)                 # [BK,BD]  (dV)
+        dk = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, dk, input_precision=PREC)   # + dK
+        tl.atomic_add(dst, dk, mask=kmask, sem="relaxed")
+    return dq
 
 
 @triton.jit
@@ -111,7 +126,7 @@ def _bwd(Q, KV, COMP, SEL, NSEL, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
     pid = tl.program_id(0).to(tl.int64)
     b, t = pid // S, pid % S
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_k, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_D)
     mask_h, mask_d = offs_h < H, offs_d < D
     mask_hd = mask_h[:, None] & mask_d[None, :]
     row = b * sq_b + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :]
@@ -120,26 +135,23 @@ def _bwd(Q, KV, COMP, SEL, NSEL, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
     delta = tl.sum(do.to(tl.float32) * tl.load(O + row, mask=mask_hd, other=0.0).to(tl.float32), 1)  # [BH]
     lse = tl.load(LSE + pid * H + offs_h, mask=mask_h, other=0.0)
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    n_win = tl.cdiv(t - tl.maximum(t - W + 1, 0) + 1, BLOCK_K)
-    n_sel = 0
+    for start in range(tl.maximum(t - W + 1, 0), t + 1, BLOCK_K):                     # window: rows of kv
+        rows = start + offs_k
+        valid = rows <= t
+        off = b * skv_b + rows.to(tl.int64)[:, None] * skv_s + offs_d[None, :]         # dkv: fp32, same strides
+        kmask = valid[:, None] & mask_d[None, :]
+        k = tl.load(KV + off, mask=kmask, other=0.0)                                   # [BK,BD]
+        dq = _bwd_step(q, do, k, valid, kmask, lse, delta, dq, DKV + off, scale, scale_log2, DO_DQ, DO_DKV, PREC)
     if HAS_COMP:
         n_sel = tl.load(NSEL + b * sn_b + t)
-    for blk in range(0, n_win + tl.cdiv(n_sel, BLOCK_K)):
-        off, valid = _keys(SEL, b * ss_b + t * ss_s, t, W, n_sel, n_win, skv_s, sc_c, blk, BLOCK_K)
-        src = KV + b * skv_b if blk < n_win else COMP + b * sc_b
-        k = tl.load(src + off[:, None] + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)  # [BK,BD]
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)                   # [BH,BK]
-        dp = tl.dot(do, tl.trans(k), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
-        if DO_DQ:
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-        if DO_DKV:
-            dk = tl.dot(tl.trans(p.to(k.dtype)), do, input_precision=PREC)             # [BK,BD]  (dV)
-            dk = tl.dot(tl.trans((ds * scale).to(k.dtype)), q, dk, input_precision=PREC)  # + dK
-            dst = DKV + b * skv_b if blk < n_win else DCOMP + b * sc_b                      # fp32, same strides
-            tl.atomic_add(dst + off[:, None] + offs_d[None, :], dk, mask=valid[:, None] & mask_d[None, :],
-                          sem="relaxed")
+        for start in range(0, n_sel, BLOCK_K):                                         # selection: rows of comp
+            valid = start + offs_k < n_sel
+            j = tl.load(SEL + b * ss_b + t * ss_s + start + offs_k, mask=valid, other=0).to(tl.int64)
+            off = b * sc_b + j[:, None] * sc_c + offs_d[None, :]
+            kmask = valid[:, None] & mask_d[None, :]
+            k = tl.load(COMP + off, mask=kmask, other=0.0)
+            dq = _bwd_step(q, do, k, valid, kmask, lse, delta, dq, DCOMP + off, scale, scale_log2, DO_DQ, DO_DKV,
+                           PREC)
     if DO_DQ:
         tl.store(DQ + row, (dq * scale).to(DQ.dtype.element_ty), mask=mask_hd)
         tl.store(DELTA + pid * H + offs_h, delta, mask=mask_h)
@@ -177,10 +189,10 @@ def attention_forward(q, kv, comp, sel, n_sel, sink, scale: float, window: int, 
 
 
 def attention_backward(do, q, kv, comp, sel, n_sel, o, lse, scale: float, window: int, config=None):
-    """Launch `_bwd` (once fused, or a dq pass and a dkv pass). -> dq, dkv, dcomp (or None), delta [B,S,H]"""
+    """Launch `_bwd`: once fused (config "dq"), or a dq pass then a dkv pass. The dq pass writes delta.
+    -> dq, dkv, dcomp (or None), delta [B,S,H]"""
     B, S, H, D = q.shape
-    cfg = _blocks(H, D, config or BWD_CONFIG)
-    fused = cfg.pop("fused")
+    cfg = config or BWD_CONFIG
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     dcomp = torch.zeros(comp.shape, device=kv.device, dtype=torch.float32) if comp is not None else None
@@ -189,9 +201,11 @@ def attention_backward(do, q, kv, comp, sel, n_sel, o, lse, scale: float, window
     args = (q, kv, comp if comp is not None else dummy, sel if sel is not None else dummy,
             n_sel if n_sel is not None else dummy, o, do, lse, dq, dkv, dcomp if comp is not None else dkv, delta,
             *_strides(q, kv, comp, sel, n_sel), S, H, D, window, scale, scale * LOG2E)
-    grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]))
-    for flags in ([(True, True)] if fused else [(True, False), (False, True)]):
-        _bwd[grid](*args, HAS_COMP=comp is not None, DO_DQ=flags[0], DO_DKV=flags[1], PREC=_prec(q.dtype), **cfg)
+    passes = [("dq", True, True)] if cfg["fused"] else [("dq", True, False), ("dkv", False, True)]
+    for name, do_dq, do_dkv in passes:
+        blocks = _blocks(H, D, cfg[name])
+        _bwd[(B * S, triton.cdiv(H, blocks["BLOCK_H"]))](*args, HAS_COMP=comp is not None, DO_DQ=do_dq,
+                                                          DO_DKV=do_dkv, PREC=_prec(q.dtype), **blocks)
     return dq, dkv.to(kv.dtype), dcomp.to(comp.dtype) if comp is not None else None, delta
 
 

@@ -1,0 +1,284 @@
+"""V4 sparse attention on one GPU: nanoflash.kernels vs FlexAttention (compiled, BlockMask) at the same shapes,
+forward and forward+backward, as TFLOP/s of useful work and as ratios to the bf16 matmul ceiling measured in
+the same run; peak memory; the indexer; the `small` preset's MFU with the reference and with the kernels.
+
+    python bench/bench_attention.py --out docs/results/attention_h200.json       # on an H200 (~5 min)
+    python bench/bench_attention.py --seqs 4096 --no-flex --no-model --no-sweep  # kernels only
+
+Shapes: 64 heads x 512, one shared K=V head, window 128, batch 1. Layer kinds: C4 (window + indexer top-512
+of S/4 entries; the selection is the top-512 of random scores), C128 (window + every visible of S/128 entries),
+sliding (window only). Useful FLOPs = 4 H Dh sum_t keys(t) forward (q.k and p.v over the keys query t really
+attends: min(W, t+1) window keys + its selected entries); forward+backward = 3.5 x forward (FlashAttention's
+convention: the backward's five dots are 2.5 x the forward's two). FlexAttention gets the same keys through a
+mask_mod (window rule | dense selection table) and the sink as out * sigmoid(lse - sink).
+"""
+import argparse
+import json
+import time
+
+import torch
+import triton
+
+from bench_model import matmul_ceiling, model_flops_per_token, timed
+from nanoflash.config import preset
+from nanoflash.kernels import attention as ka
+from nanoflash.kernels import indexer as ki
+from nanoflash.kernels import index_scores, sparse_attention, topk_lower_index_wins, window_and_selection_mask
+from nanoflash.model import Transformer
+
+DEV = "cuda"
+H, DH, W, TOPK, HI, DI = 64, 512, 128, 512, 64, 128
+
+
+def _c(h, k, w, st):
+    return dict(BLOCK_H=h, BLOCK_K=k, num_warps=w, num_stages=st)
+
+
+# Candidates that compile without register spills or with a few bytes (ptxas -v for sm_90a, offline).
+FWD_SWEEP = [_c(64, 32, 8, 3), _c(64, 16, 8, 3), _c(64, 32, 8, 2), _c(64, 64, 8, 2)]
+BWD_SWEEP = [dict(fused=False, dq=_c(32, 32, 8, 2), dkv=_c(32, 32, 8, 2)),
+             dict(fused=False, dq=_c(64, 16, 8, 2), dkv=_c(32, 32, 8, 2)),
+             dict(fused=True, dq=_c(32, 32, 8, 2)),
+             dict(fused=True, dq=_c(32, 16, 8, 2))]
+
+
+def ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def unit_rms(x):
+    return (x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6)).bfloat16()
+
+
+def make_inputs(S, kind, g):
+    """q [1,S,H,Dh], kv [1,S,Dh], sink [H], comp [1,C,Dh] | None, sel [1,S,K] | None, all as in the model."""
+    q, kv = unit_rms(torch.randn(1, S, H, DH, device=DEV, generator=g)), unit_rms(
+        torch.randn(1, S, DH, device=DEV, generator=g))
+    sink = torch.randn(H, device=DEV, generator=g)
+    if kind == "sliding":
+        return q, kv, sink, None, None
+    ratio = 4 if kind == "c4" else 128
+    C = S // ratio
+    comp = unit_rms(torch.randn(1, C, DH, device=DEV, generator=g))
+    vis = torch.arange(C, device=DEV)[None] < (torch.arange(S, device=DEV)[:, None] + 1) // ratio
+    if kind == "c4":
+        score = torch.rand(1, S, C, device=DEV, generator=g).masked_fill(~vis, float("-inf"))
+        sel = topk_lower_index_wins(score, TOPK)
+    else:
+        sel = torch.where(vis, torch.arange(C, device=DEV), -1)[None]
+    return q, kv, sink, comp, sel
+
+
+def useful_flops(S, sel) -> float:
+    keys = torch.clamp(torch.arange(S, device=DEV) + 1, max=W).sum().item()
+    keys += (sel >= 0).sum().item() if sel is not None else 0
+    return 4.0 * H * DH * keys
+
+
+def run_ours(q, kv, sink, comp, sel, do):
+    """-> (forward ms, forward+backward ms, peak MiB of one forward+backward)"""
+    fwd = ms(lambda: sparse_attention(q, kv, sink, DH ** -0.5, W, comp, sel))
+    leaves = [t.detach().requires_grad_() for t in (q, kv, sink) + ((comp,) if comp is not None else ())]
+    args = leaves[:3] + [DH ** -0.5, W] + ([leaves[3], sel] if comp is not None else [])
+
+    def step():
+        torch.autograd.backward(sparse_attention(*args), do)
+    both = ms(step)
+    return fwd, both, peak_mib(step)
+
+
+def peak_mib(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def flex_fn(S, sel, C, options=None):
+    """A compiled FlexAttention with the same key lists; -> f(q, kv, comp, sink) -> o [1,S,H,Dh]"""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+    keep = window_and_selection_mask(S, W, sel, C)[0, :, S:] if sel is not None else None   # [S,C]
+
+    def mask_mod(b, h, qi, ki):
+        win = (ki < S) & (qi >= ki) & (qi - ki < W)
+        if keep is None:
+            return win
+        return win | ((ki >= S) & keep[qi, torch.clamp(ki - S, min=0)])
+    bm = create_block_mask(mask_mod, 1, None, S, S + C, device=DEV)
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def f(q, kv, comp, sink):
+        keys = (kv if comp is None else torch.cat([kv, comp], 1))[:, None]            # [1,1,S+C,Dh]
+        out, aux = flex(q.transpose(1, 2), keys, keys, block_mask=bm, scale=DH ** -0.5, enable_gqa=True,
+                        kernel_options=options, return_aux=AuxRequest(lse=True))
+        return (out * torch.sigmoid(aux.lse - sink[None, :, None])[..., None]).transpose(1, 2)
+    return f
+
+
+# FlexAttention's own configs first; smaller ones if a config does not fit in shared memory at head dim 512.
+FLEX_OPTIONS = [None, dict(num_stages=1), dict(num_stages=1, BLOCK_M=32, BLOCK_N=32)]
+
+
+def run_flex(S, q, kv, sink, comp, sel, do, ours_out):
+    """-> (forward ms, forward+backward ms, peak MiB, max |flex - ours| / max |ours|, kernel options used)"""
+    leaves = [t.detach().requires_grad_() for t in (q, kv, sink) + ((comp,) if comp is not None else ())]
+    for opts in FLEX_OPTIONS:
+        f = flex_fn(S, sel, comp.shape[1] if comp is not None else 0, opts)
+
+        def step():
+            torch.autograd.backward(f(leaves[0], leaves[1], leaves[3] if comp is not None else None, leaves[2]), do)
+        try:
+            err = ((f(q, kv, comp, sink).float() - ours_out.float()).abs().max() / ours_out.float().abs().max()).item()
+            step()
+            break
+        except Exception as e:   # out of resources: try the next options
+            print("flex options", opts, "failed:", repr(e)[:200], flush=True)
+    fwd = ms(lambda: f(q, kv, comp, sink))
+    return fwd, ms(step), peak_mib(step), err, opts
+
+
+def sweep(S, g, out):
+    """Pick FWD_CONFIG / BWD_CONFIG on the C4 layer (the most common, and the largest key lists)."""
+    q, kv, sink, comp, sel = make_inputs(S, "c4", g)
+    do = torch.randn_like(q)
+    fl = useful_flops(S, sel)
+    rows, best_f, best_b = [], (1e9, None), (1e9, None)
+    for cfg in FWD_SWEEP:
+        try:
+            ka.FWD_CONFIG = cfg
+            t = ms(lambda: sparse_attention(q, kv, sink, DH ** -0.5, W, comp, sel))
+            rows.append(dict(pass_="fwd", cfg=cfg, ms=t, tflops=fl / t / 1e9))
+            best_f = min(best_f, (t, cfg), key=lambda r: r[0])
+        except Exception as e:  # out of shared memory / registers: recorded, not fatal
+            rows.append(dict(pass_="fwd", cfg=cfg, error=repr(e)[:200]))
+        print(rows[-1], flush=True)
+    ka.FWD_CONFIG = best_f[1]
+    for cfg in BWD_SWEEP:
+        try:
+            ka.BWD_CONFIG = cfg
+            _, both, _ = run_ours(q, kv, sink, comp, sel, do)
+            rows.append(dict(pass_="fwd+bwd", cfg=cfg, ms=both, tflops=3.5 * fl / both / 1e9))
+            best_b = min(best_b, (both, cfg), key=lambda r: r[0])
+        except Exception as e:
+            rows.append(dict(pass_="fwd+bwd", cfg=cfg, error=repr(e)[:200]))
+        print(rows[-1], flush=True)
+    ka.BWD_CONFIG = best_b[1]
+    out["sweep"] = rows
+    out["chosen"] = dict(fwd=ka.FWD_CONFIG, bwd=ka.BWD_CONFIG)
+
+
+def bench_indexer(S, g):
+    C = S // 4
+    q = torch.randn(1, S, HI, DI, device=DEV, generator=g).bfloat16()
+    keys = torch.randn(1, C, DI, device=DEV, generator=g).bfloat16()
+    w = torch.randn(1, S, HI, device=DEV, generator=g)
+    vis = torch.arange(C, device=DEV)[None] < (torch.arange(S, device=DEV)[:, None] + 1) // 4
+
+    def reference():   # model.Indexer's scoring and full stable sort
+        s = (torch.einsum("bshd,bcd->bshc", q.float(), keys.float()).relu() * w[..., None]).sum(2)
+        return s.masked_fill(~vis, float("-inf")).sort(dim=-1, descending=True, stable=True).indices[..., :TOPK]
+    useful = 2.0 * HI * DI * vis.sum().item()
+    t_s, t_k = ms(lambda: index_scores(q, keys, w)), ms(lambda: topk_lower_index_wins(index_scores(q, keys, w), TOPK))
+    t_r = ms(reference)
+    return dict(S=S, scores_ms=t_s, scores_tflops=useful / t_s / 1e9, scores_plus_topk_ms=t_k, reference_ms=t_r,
+                peak_mib=peak_mib(lambda: topk_lower_index_wins(index_scores(q, keys, w), TOPK)),
+                reference_peak_mib=peak_mib(reference))
+
+
+def bench_model(S):
+    """The small preset's training step (bench_model.py's), reference attention vs kernels."""
+    cfg = preset("small")
+    with torch.device("cuda"):
+        model = Transformer(cfg).init_weights(0).cast_(torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (1, S), device=DEV)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        (-model.token_logprobs(ids, torch.roll(ids, -1, 1)).mean()).backward()
+    flops = 3 * model_flops_per_token(cfg, S) * S
+    res = {}
+    for mode in ("reference", "auto"):
+        cfg.kernels = mode     # every module holds this one config object
+        sec = timed(step, iters=5, warmup=2)
+        res[mode] = dict(step_s=sec, tokens_per_s=S / sec, tflops=flops / sec / 1e12, mfu=flops / sec / 989e12,
+                         peak_gib=peak_mib(step) / 1024)
+        print(mode, res[mode], flush=True)
+    return res
+
+
+def table(out):
+    print(f"\n{'S':>5} {'kind':>7} {'fwd TF/s':>9} {'flex':>6} {'x':>5} {'f+b TF/s':>9} {'flex':>6} {'x':>5} "
+          f"{'MiB':>7} {'flex MiB':>8}")
+    for r in out["rows"]:
+        print(f"{r['S']:>5} {r['kind']:>7} {r['fwd_tflops']:>9.1f} {r.get('flex_fwd_tflops', 0):>6.1f} "
+              f"{r.get('fwd_ratio', 0):>5.2f} {r['fwdbwd_tflops']:>9.1f} {r.get('flex_fwdbwd_tflops', 0):>6.1f} "
+              f"{r.get('fwdbwd_ratio', 0):>5.2f} {r['peak_mib']:>7.0f} {r.get('flex_peak_mib', 0):>8.0f}")
+    print(f"ceiling {out['ceiling_tflops']:.0f} TFLOP/s")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--no-model", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--flex-budget-s", type=float, default=150.0, help="start no FlexAttention run after this")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch._dynamo.config.cache_size_limit = 64
+    g = torch.Generator(DEV).manual_seed(0)
+    out = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=triton.__version__, ceiling_tflops=matmul_ceiling() / 1e12, rows=[])
+
+    def save():   # after every section, so a run cut short still leaves its numbers
+        if a.out:
+            with open(a.out, "w") as fh:
+                json.dump(out, fh, indent=1)
+    print("matmul ceiling", out["ceiling_tflops"], flush=True)
+    if not a.no_sweep:
+        sweep(a.seqs[0], g, out)
+        save()
+    cases = {}
+    for S in a.seqs:
+        for kind in ("c4", "c128", "sliding"):
+            cases[S, kind] = make_inputs(S, kind, g)
+            q, kv, sink, comp, sel = cases[S, kind]
+            fl = useful_flops(S, sel)
+            f, b, mem = run_ours(q, kv, sink, comp, sel, torch.randn_like(q))
+            tf, tb = fl / f / 1e9, 3.5 * fl / b / 1e9
+            out["rows"].append(dict(S=S, kind=kind, gflop_fwd=fl / 1e9, fwd_ms=f, fwdbwd_ms=b, fwd_tflops=tf,
+                                    fwdbwd_tflops=tb, fwd_of_ceiling=tf / out["ceiling_tflops"],
+                                    fwdbwd_of_ceiling=tb / out["ceiling_tflops"], peak_mib=mem))
+            print(json.dumps(out["rows"][-1]), flush=True)
+            save()
+    out["indexer"] = [bench_indexer(S, g) for S in a.seqs]
+    print(json.dumps(out["indexer"]), flush=True)
+    save()
+    if not a.no_model:
+        out["model_small_s4096"] = bench_model(4096)
+        save()
+    t0 = time.time()
+    order = sorted(out["rows"], key=lambda r: (r["kind"] != "c4", r["S"]))   # C4 first: the target's layer
+    for row in [] if a.no_flex else order:
+        if time.time() - t0 > a.flex_budget_s:
+            row["flex_error"] = "not run: --flex-budget-s spent (compiles)"
+            continue
+        q, kv, sink, comp, sel = cases[row["S"], row["kind"]]
+        try:
+            ours_o = sparse_attention(q, kv, sink, DH ** -0.5, W, comp, sel)
+            ff, fb, fm, err, opts = run_flex(row["S"], q, kv, sink, comp, sel, torch.randn_like(q), ours_o)
+            fl = row["gflop_fwd"] * 1e9
+            row.update(flex_fwd_ms=ff, flex_fwdbwd_ms=fb, flex_peak_mib=fm, flex_vs_ours_err=err, flex_options=opts,
+                       flex_fwd_tflops=fl / ff / 1e9, flex_fwdbwd_tflops=3.5 * fl / fb / 1e9,
+                       fwd_ratio=ff / row["fwd_ms"], fwdbwd_ratio=fb / row["fwdbwd_ms"])
+        except Exception as e:
+            row["flex_error"] = repr(e)[:300]
+        print(json.dumps(row), flush=True)
+        save()
+    table(out)
+
+
+if __name__ == "__main__":
+    main()
