@@ -10,11 +10,13 @@ from torch import nn
 from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
-from nanoflash.parallel.optim import AdamW, trainable_parameters
+from nanoflash.parallel import optim as optim_mod
+from nanoflash.parallel.optim import ALIGN, AdamW, plan_chunks, trainable_parameters
 from nanoflash.parallel.pipeline import split_layers
 from nanoflash.parallel.train_step import clip_gradients_, token_nll_loss, train_step
 
-# Same fp32 arithmetic in the same order as torch.optim.AdamW (foreach off): identical up to 1 ulp-level noise.
+# torch's fused AdamW kernel vs torch.optim.AdamW's per-tensor loop (foreach off): the same fp32 formula,
+# evaluated in a different order (bias corrections, fused multiply-adds): 1 ulp-level noise.
 ADAM_RTOL, ADAM_ATOL = 1e-6, 1e-9
 # Clipping vs torch.nn.utils.clip_grad_norm_: the same factor max_norm / (||g|| + 1e-6) clamped to 1; only the
 # order of the fp32 sum of squares differs (relative ~1e-7 on the norm, and so on every clipped gradient).
@@ -76,7 +78,7 @@ def test_bf16_model_keeps_fp32_master():
     assert any(not torch.equal(st["master"].to(torch.bfloat16).float(), st["master"]) for st in opt.state.values())
 
 
-def test_frozen_parameters_get_no_state_no_grad():
+def test_frozen_parameters_get_no_state_no_grad(gen):
     model = Transformer(preset("tiny")).init_weights(0)
     named = trainable_parameters(model)
     names = {n for n, _ in named}
@@ -86,7 +88,7 @@ def test_frozen_parameters_get_no_state_no_grad():
     assert any(".attn.indexer." in n for n in frozen) and any(n.startswith("mtp.") for n in frozen)
     opt = AdamW(named)
     assert set(opt.state) == names and not (frozen & set(opt.state))
-    ids = torch.randint(0, 256, (1, 8))
+    ids = torch.randint(0, 256, (1, 8), generator=gen)
     model(ids).sum().backward()
     assert all(p.grad is None for n, p in model.named_parameters() if n in frozen)
     assert {n for n, _ in trainable_parameters(model, train_mtp=True)} > names  # MTP trainable on request
@@ -163,3 +165,110 @@ def test_train_step_clips_like_torch(gen):
     want = _grads(ref)
     for n, g in _grads(model).items():
         torch.testing.assert_close(g, want[n], rtol=CLIP_RTOL, atol=1e-12, msg=lambda m: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------- fused / offload
+def _seeded_grads(params, gen, dtype=None):
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(dtype or p.dtype).to(p.device)
+
+
+def test_fused_step_equals_torch_fused_adamw_bitwise(gen):
+    """The on-device step is torch.optim.AdamW(fused=True) with decay on matrices only: the same bits."""
+    ours, ref = _toy(), _toy()
+    kw = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-8)
+    opt = AdamW(ours.named_parameters(), **kw)
+    groups = [{"params": [p for p in ref.parameters() if p.ndim >= 2]},
+              {"params": [p for p in ref.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    ropt = torch.optim.AdamW(groups, fused=True, **kw)
+    for _ in range(3):
+        _seeded_grads(list(ours.parameters()), gen)
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        opt.step()
+        ropt.step()
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offload_equals_on_device_bitwise(dtype, gen):
+    """Streamed through small chunks (tensors cut inside, several tensors per chunk), the offloaded update
+    gives the on-device one's bits: weights, master, m and v, over 3 steps with weight decay."""
+    dev_model = Transformer(preset("tiny")).init_weights(0)
+    if dtype != torch.float32:
+        dev_model.cast_(dtype)
+    off_model = copy.deepcopy(dev_model)
+    kw = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-8)
+    dev = AdamW(trainable_parameters(dev_model), **kw)
+    off = AdamW(trainable_parameters(off_model), offload=True, chunk_elems=256, host_threads=2, **kw)
+    assert any(a not in (0,) for ch in off.chunks for _, a, _, _ in ch)      # some tensor is cut inside
+    assert any(len(ch) > 1 for ch in off.chunks)                              # some chunk holds several
+    for _ in range(3):
+        _seeded_grads([p for _, p in trainable_parameters(dev_model)], gen)
+        for (_, p), (_, q) in zip(trainable_parameters(dev_model), trainable_parameters(off_model)):
+            q.grad = p.grad.clone()
+        dev.step()
+        off.step()
+    for (n, p), (_, q) in zip(dev_model.named_parameters(), off_model.named_parameters()):
+        assert torch.equal(p, q), n
+    for n, st in off.state.items():
+        for k, v in st.items():
+            assert torch.equal(v, dev.state[n].get(k, dict(dev.params)[n])), (n, k)
+
+
+def test_plan_chunks_cover_every_element_once(gen):
+    sizes = [(f"t{i}", int(n)) for i, n in enumerate(torch.randint(1, 700, (40,), generator=gen))] + [("big", 5000)]
+    C = 320
+    chunks = plan_chunks(sizes, C)
+    seen = {n: [] for n, _ in sizes}
+    for ch in chunks:
+        assert sum(b - a for _, a, b, _ in ch) <= C
+        offs = [off for *_, off in ch]
+        assert offs == sorted(offs) and offs[0] == 0
+        for name, a, b, off in ch:
+            seen[name].append((a, b))
+    for name, n in sizes:
+        spans = seen[name]
+        assert spans[0][0] == 0 and spans[-1][1] == n and all(x[1] == y[0] for x, y in zip(spans, spans[1:])), name
+        assert all(b % ALIGN == 0 for _, b in spans[:-1]), name   # interior cuts on the kernel's alignment
+    with pytest.raises(ValueError, match="multiple of ALIGN"):
+        plan_chunks(sizes, 100)
+
+
+def test_offload_threads_set_for_the_step_and_staging_bounded(monkeypatch, gen):
+    model = _toy(torch.bfloat16)
+    opt = AdamW(model.named_parameters(), offload=True, chunk_elems=128, host_threads=3)
+    seen = []
+    real = optim_mod.fused_adamw_
+    monkeypatch.setattr(optim_mod, "fused_adamw_", lambda *a, **k: (seen.append(torch.get_num_threads()),
+                                                                    real(*a, **k)))
+    before = torch.get_num_threads()
+    _seeded_grads(list(model.parameters()), gen)
+    opt.step()
+    assert seen and set(seen) == {3} and torch.get_num_threads() == before
+    # pinned staging: 2 slots x 128 elements fp32 down + 2 x 128 bf16 up, whatever the model size
+    assert opt.host_bytes() == {"state": 3 * 4 * sum(p.numel() for p in model.parameters()),
+                                "pinned": 2 * 128 * 4 + 2 * 128 * 2}
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_equals_cpu_update_bitwise(gen):
+    """bf16 weights on the GPU, state on the host: the host runs the CPU fused kernel on the exact fp32 image
+    of the bf16 gradients, so the result is the CPU on-device update's bits."""
+    cpu_model = Transformer(preset("tiny")).init_weights(0)
+    cpu_model.cast_(torch.bfloat16)
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    kw = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-8)
+    ref = AdamW(trainable_parameters(cpu_model), **kw)
+    off = AdamW(trainable_parameters(gpu_model), offload=True, chunk_elems=1024, **kw)
+    for _ in range(3):
+        _seeded_grads([p for _, p in trainable_parameters(cpu_model)], gen)
+        for (_, p), (_, q) in zip(trainable_parameters(cpu_model), trainable_parameters(gpu_model)):
+            q.grad = p.grad.cuda()
+        ref.step()
+        off.step()
+    for (n, p), (_, q) in zip(cpu_model.named_parameters(), gpu_model.named_parameters()):
+        assert torch.equal(p, q.cpu()), n
+    assert all(not v.is_pinned() for st in off.state.values() for v in st.values())
+    assert all(t.is_pinned() for t in off._staging["down"])
