@@ -17,19 +17,20 @@ DEV = "cuda"
 H, DH, W, TOPK, HI, DI = 64, 512, 128, 512, 64, 128
 S = 4096   # C4: 1024 entries (top-512 drops half), C128: 32 entries
 # bf16 kernel vs fp32 reference, relative to the largest value. The kernel rounds p (forward) and p, ds
-# (backward) to bf16 for the tensor-core dots and o / dq / dkv to bf16 at the end; measured on an H200
-# (2026-12-01): see docs/benchmarks.md "K1". Tolerances ~2x the worst measured value.
-FWD_TOL = 1.5e-2
-GRAD_TOL = 4e-2
-# Indexer scores: bf16 products are exact in fp32; only the summation order differs from the einsum.
-SCORE_TOL = 1e-5
+# (backward) to bf16 for the tensor-core dots and o / dq / dkv to bf16 at the end. Measured on an H200
+# (2026-12-01, docs/benchmarks.md K1): o <= 2.8e-3; dq, dkv, dcomp, dsink <= 3.9e-3. Tolerances ~2.5x that.
+FWD_TOL = 7e-3
+GRAD_TOL = 1e-2
+# Indexer scores: bf16 products are exact in fp32; only the summation order differs from the einsum
+# (measured 2.1e-7 of the largest score; the kept sets were identical for all 4096 queries).
+SCORE_TOL = 1e-6
 # A whole Attention layer of the `small` preset, bf16 end to end, kernels vs reference (both round the same
-# bf16 projections; the attention core differs as above).
-LAYER_TOL = 5e-2
+# bf16 projections; the attention core differs as above): measured <= 9.0e-3 over output and all gradients.
+LAYER_TOL = 2.5e-2
 # Full forward (kernels, fp32 with exact fp32 dots) vs prefill + decode (reference), fp32 tiny model: fp32
-# roundings (3e-6 measured on CPU under the interpreter). In bf16 the tiny model is too chaotic to compare:
-# its own reference decode differs from its reference forward by 0.34 of the logit scale.
-DECODE_TOL = 1e-4
+# roundings (measured 2.6e-6 on the H200, 3.0e-6 on CPU under the interpreter). In bf16 the tiny model is
+# too chaotic to compare: its own reference decode differs from its reference forward by 0.34 of the scale.
+DECODE_TOL = 1e-5
 
 
 def rel_err(a, b) -> float:
@@ -71,7 +72,7 @@ def test_sparse_attention_real_geometry(kind):
     got = torch.autograd.grad((out.float() * cot).sum(), leaves)
     ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
     keys = ref_leaves[1] if comp is None else torch.cat([ref_leaves[1], ref_leaves[3]], 1)
-    mask = window_and_selection_mask(S, W, sel, 0 if comp is None else comp.shape[1])
+    mask = window_and_selection_mask(S, W, sel, 0 if comp is None else comp.shape[1], device=DEV)
     ref = sink_attention(ref_leaves[0], keys, mask, ref_leaves[2], DH ** -0.5)
     want = torch.autograd.grad((ref * cot).sum(), ref_leaves)
     errs = {"o": rel_err(out, ref)}

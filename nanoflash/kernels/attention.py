@@ -41,12 +41,13 @@ import triton
 import triton.language as tl
 
 LOG2E = math.log2(math.e)
-# Launch configurations (BLOCK_H heads x BLOCK_K keys per step, warps, pipeline stages), chosen by
-# bench/bench_attention.py on an H200 at 64 heads x 512 (docs/benchmarks.md); small shapes get small blocks.
-# The backward's dkv pass holds q and dO twice in shared memory (as A and as B operands), so 64 heads do not
-# fit in 227 KB: it runs on 32 heads per program (two programs per query, each adding its share).
-FWD_CONFIG = dict(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=3)
-BWD_CONFIG = dict(fused=False, dq=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),
+# Launch configurations (BLOCK_H heads x BLOCK_K keys per step, warps, pipeline stages): the fastest of
+# bench/bench_attention.py's sweep on an H200 at 64 heads x 512 (docs/benchmarks.md K1); small shapes get
+# smaller blocks (`_blocks`). 64 heads use wgmma; the backward holds q and dO twice in shared memory (as A and
+# B operands), so 64 heads do not fit in 227 KB there: it runs on 32 heads per program (two programs per
+# query, each adding its share of dkv), fused (one pass) -- the split dq / dkv passes measured slower.
+FWD_CONFIG = dict(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2)
+BWD_CONFIG = dict(fused=True, dq=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),
                   dkv=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2))
 MIN_DOT = 16   # tl.dot needs every dimension >= 16
 
@@ -280,10 +281,10 @@ def sparse_attention(q, kv, sink, scale: float, window: int, comp=None, sel=None
     return _SparseAttention.apply(q.contiguous(), kv.contiguous(), comp, sel, n_sel, sink, scale, window)
 
 
-def window_and_selection_mask(S: int, window: int, sel=None, n_entries: int = 0) -> torch.Tensor:
+def window_and_selection_mask(S: int, window: int, sel=None, n_entries: int = 0, device=None) -> torch.Tensor:
     """The same key lists as a dense mask over [S window keys | C entries], the form `model.sink_attention`
-    takes (tests and the FlexAttention benchmark use it). -> [B|1,S,S+C] bool"""
-    t = torch.arange(S, device=sel.device if sel is not None else None)
+    takes (tests and the FlexAttention benchmark use it). -> [B|1,S,S+C] bool, on sel's device (or `device`)"""
+    t = torch.arange(S, device=sel.device if sel is not None else device)
     dist = t[:, None] - t[None, :]
     mask = ((dist >= 0) & (dist < window))[None]                                       # [1,S,S]
     if sel is None:
