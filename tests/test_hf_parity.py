@@ -55,17 +55,18 @@ def hf_config(cfg):
 def build_pair(index_topk: int, **overrides):
     """(cfg, transformers model, nanoflash model with the same weights), seeded."""
     cfg = preset("tiny", n_mtp_layers=0, compress_ratios=(0, 4, 8, 4), index_topk=index_topk, **overrides)
-    torch.manual_seed(0)
+    torch.manual_seed(0)   # transformers' own init draws on the global RNG; every value is overwritten below
     hf = transformers.DeepseekV4ForCausalLM(hf_config(cfg)).float().eval()
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in hf.named_parameters():   # hc bases far from 0 so comb is far from symmetric
             std = 2.0 if n.endswith("hc.base") else 1.0 if n.endswith(("sinks", "position_bias")) else 0.1
-            p.copy_(torch.randn_like(p) * std)
+            p.copy_(torch.randn(p.shape, generator=g) * std)
         for n, b in hf.named_buffers():
             if n.endswith("tid2eid"):
-                b.copy_(torch.randint(0, cfg.n_routed_experts, b.shape))
+                b.copy_(torch.randint(0, cfg.n_routed_experts, b.shape, generator=g))
             elif n.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     ours = Transformer(cfg)
     missing, unexpected = ours.load_state_dict(hf_state_dict_to_nanoflash(hf.state_dict(), cfg), strict=True)
     assert not missing and not unexpected

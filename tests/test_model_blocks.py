@@ -15,6 +15,7 @@ from nanoflash.model import (Attention, Block, Compressor, Expert, Gate, Indexer
 FWD_TOL = 2e-5
 # Gradients accumulate more roundings (sums over tokens and heads) than the forward.
 GRAD_TOL = 1e-4
+COTANGENT_SEED = 12345  # the random cotangent of every backward check
 
 
 def cfg_(**kw):
@@ -33,7 +34,7 @@ def randomize(module, seed=0, std=0.3):
 
 
 def grads(module, out, x):
-    g = torch.randn_like(out)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(COTANGENT_SEED))
     params = [p for p in module.parameters() if p.requires_grad]
     return torch.autograd.grad((out * g).sum(), [x] + params, allow_unused=True), g
 
@@ -59,9 +60,9 @@ def check_fwd_bwd(module, ours, theirs, x, what):
 
 
 # ------------------------------------------------------------------------------------------------ norms, rope
-def test_rmsnorm_matches_reference():
+def test_rmsnorm_matches_reference(gen):
     n = randomize(RMSNorm(16))
-    x = torch.randn(3, 5, 16, requires_grad=True)
+    x = torch.randn(3, 5, 16, requires_grad=True, generator=gen)
     check_fwd_bwd(n, lambda: n(x), lambda: ref.rmsnorm(x.double(), n.weight, 1e-6), x, "RMSNorm")
 
 
@@ -76,9 +77,9 @@ def test_rope_yarn_inv_freq_matches_spec():
     assert torch.allclose(plain.double(), ref.layer_inv_freq(cfg, False), rtol=1e-6), "sliding layers: no YaRN"
 
 
-def test_rope_matches_reference_and_inverts():
+def test_rope_matches_reference_and_inverts(gen):
     cfg = cfg_()
-    x = torch.randn(2, 7, 3, cfg.head_dim)
+    x = torch.randn(2, 7, 3, cfg.head_dim, generator=gen)
     pos = torch.arange(5, 12)
     for compressed in (False, True):
         cos, sin = rope_angles(cfg, compressed, pos)
@@ -88,12 +89,12 @@ def test_rope_matches_reference_and_inverts():
         assert_close(apply_rope(y, cos, sin, inverse=True), x, 1e-6, "inverse rope")
 
 
-def test_linear_matches_reference():
+def test_linear_matches_reference(gen):
     """y = x W^T; with qat_input the input is first FP8-rounded per 1x128 block (pow2 scale, e4m3)."""
     from nanoflash.model import Linear
     from nanoflash.quant import fp8_sim
     lin = randomize(Linear(256, 24))
-    x = torch.randn(3, 256, requires_grad=True)
+    x = torch.randn(3, 256, requires_grad=True, generator=gen)
     check_fwd_bwd(lin, lambda: lin(x), lambda: x.double() @ lin.weight.double().T, x, "Linear")
     q = Linear(256, 24, qat_input=True)
     q.load_state_dict(lin.state_dict())
@@ -107,10 +108,10 @@ def test_linear_matches_reference():
 
 # ------------------------------------------------------------------------------------------------ compressor
 @pytest.mark.parametrize("ratio", [4, 8])
-def test_compressor_matches_reference(ratio):
+def test_compressor_matches_reference(ratio, gen):
     cfg = cfg_()
     c = randomize(Compressor(cfg, ratio, cfg.head_dim))
-    x = torch.randn(2, 27, cfg.dim, requires_grad=True)
+    x = torch.randn(2, 27, cfg.dim, requires_grad=True, generator=gen)
     check_fwd_bwd(c, lambda: c(x, 0)[0], lambda: ref.compressor(c, x, cfg), x, f"Compressor m={ratio}")
 
 
@@ -138,10 +139,10 @@ def test_compressor_property_entries_and_streaming(ratio, gen):
 
 
 # ------------------------------------------------------------------------------------------------ indexer
-def test_indexer_matches_reference():
+def test_indexer_matches_reference(gen):
     cfg = cfg_(index_topk=3)
     idx = randomize(Indexer(cfg))
-    x, qr = torch.randn(2, 26, cfg.dim), torch.randn(2, 26, cfg.q_lora_rank)
+    x, qr = torch.randn(2, 26, cfg.dim, generator=gen), torch.randn(2, 26, cfg.q_lora_rank, generator=gen)
     keep, keys, _ = idx(x, qr, 0, None)
     scores = ref.indexer_scores(idx, x, qr, cfg)
     for b in range(2):
@@ -153,11 +154,11 @@ def test_indexer_matches_reference():
                 assert kept.min() >= dropped.max() - FWD_TOL, f"b={b} t={t}: not the top-k"
 
 
-def test_indexer_property_visibility_and_count():
+def test_indexer_property_visibility_and_count(gen):
     """Query t keeps exactly min(topk, (t+1)//4) entries, all with w < (t+1)//4 (the official -1 padding)."""
     cfg = cfg_(index_topk=3)
     idx = randomize(Indexer(cfg))
-    keep, _, _ = idx(torch.randn(1, 30, cfg.dim), torch.randn(1, 30, cfg.q_lora_rank), 0, None)
+    keep, _, _ = idx(torch.randn(1, 30, cfg.dim, generator=gen), torch.randn(1, 30, cfg.q_lora_rank, generator=gen), 0, None)
     for t in range(30):
         vis = (t + 1) // 4
         assert keep[0, t].sum() == min(3, vis), f"t={t}"
@@ -166,10 +167,10 @@ def test_indexer_property_visibility_and_count():
 
 # ------------------------------------------------------------------------------------------------ attention
 @pytest.mark.parametrize("layer_id,topk", [(0, 3), (1, 3), (1, 64), (2, 3)])  # sliding, C4 sparse/all, ratio 8
-def test_attention_matches_reference(layer_id, topk):
+def test_attention_matches_reference(layer_id, topk, gen):
     cfg = cfg_(index_topk=topk)
     a = randomize(Attention(layer_id, cfg), seed=layer_id)
-    x = torch.randn(2, 21, cfg.dim, requires_grad=True)
+    x = torch.randn(2, 21, cfg.dim, requires_grad=True, generator=gen)
     keep = None
     if layer_id == 1 and topk < 21 // 4:
         keep = a.compressed_keys(x, a.q_norm(a.wq_a(x)), 0, LayerCache())[1].detach()
@@ -177,20 +178,20 @@ def test_attention_matches_reference(layer_id, topk):
     check_fwd_bwd(a, lambda: a(x), lambda: ref.attention(a, x, cfg, keep), x, f"Attention layer {layer_id}")
 
 
-def test_attention_chunking_does_not_change_result():
+def test_attention_chunking_does_not_change_result(gen):
     cfg = cfg_()
     a = randomize(Attention(1, cfg))
-    x = torch.randn(2, 33, cfg.dim)
+    x = torch.randn(2, 33, cfg.dim, generator=gen)
     whole = a(x)
     a.cfg = cfg_(attn_chunk=5)
     assert_close(a(x), whole, 1e-6 * whole.abs().max().item(), "chunked attention (fp32 ulps of the output scale)")
 
 
 @pytest.mark.parametrize("layer_id", [0, 1, 2])
-def test_attention_property_causal_and_window(layer_id):
+def test_attention_property_causal_and_window(layer_id, gen):
     cfg = cfg_()
     a = randomize(Attention(layer_id, cfg))
-    x = torch.randn(1, 30, cfg.dim)
+    x = torch.randn(1, 30, cfg.dim, generator=gen)
     y = a(x)
     x2 = x.clone()
     x2[:, 20] += 1.0
@@ -201,23 +202,23 @@ def test_attention_property_causal_and_window(layer_id):
         assert not torch.equal(y[:, 20 + cfg.window_size - 1], y2[:, 20 + cfg.window_size - 1]), "window too short"
 
 
-def test_attention_property_compressed_visibility():
+def test_attention_property_compressed_visibility(gen):
     """Entry w is visible to t iff w < (t+1)//m: for m=8, query 14 sees entry 0 only, query 15 sees entry 1."""
     cfg = cfg_()
     a = randomize(Attention(2, cfg))
-    _, keep = a.compressed_keys(torch.randn(1, 16, cfg.dim), torch.randn(1, 16, cfg.q_lora_rank), 0, LayerCache())
+    _, keep = a.compressed_keys(torch.randn(1, 16, cfg.dim, generator=gen), torch.randn(1, 16, cfg.q_lora_rank, generator=gen), 0, LayerCache())
     assert keep[0, 14].tolist() == [True, False] and keep[0, 15].tolist() == [True, True]
     assert not keep[0, :7].any() and keep[0, 7, 0]
 
 
 # ------------------------------------------------------------------------------------------------ MoE
-def test_gate_matches_reference():
+def test_gate_matches_reference(gen):
     cfg = cfg_()
     for layer_id in (0, 3):                                   # hash layer, score layer
         g = randomize(Gate(layer_id, cfg))
         if g.hash:
-            g.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, g.tid2eid.shape))
-        x, ids = torch.randn(11, cfg.dim), torch.randint(0, cfg.vocab_size, (11,))
+            g.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, g.tid2eid.shape, generator=gen))
+        x, ids = torch.randn(11, cfg.dim, generator=gen), torch.randint(0, cfg.vocab_size, (11,), generator=gen)
         w, idx = g(x, ids)
         rw, ridx = ref.gate(g, x, ids, cfg)
         assert torch.equal(idx.sort(-1).values, ridx.sort(-1).values), f"layer {layer_id} experts"
@@ -225,14 +226,14 @@ def test_gate_matches_reference():
         assert_close(w.gather(1, order(idx)), rw.gather(1, order(ridx)), FWD_TOL, "gate weights")
 
 
-def test_gate_property_hash_ignores_bias_and_follows_table():
+def test_gate_property_hash_ignores_bias_and_follows_table(gen):
     cfg = cfg_()
     g = randomize(Gate(0, cfg))
     assert g.hash and not hasattr(g, "bias"), "hash layers have no selection bias"
-    g.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, g.tid2eid.shape))
-    ids = torch.randint(0, cfg.vocab_size, (9,))
+    g.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, g.tid2eid.shape, generator=gen))
+    ids = torch.randint(0, cfg.vocab_size, (9,), generator=gen)
     for scale in (0.0, 100.0):                                 # logits do not change the choice
-        _, idx = g(torch.randn(9, cfg.dim) * scale, ids)
+        _, idx = g(torch.randn(9, cfg.dim, generator=gen) * scale, ids)
         assert torch.equal(idx, g.tid2eid[ids])
     assert "tid2eid" in dict(g.named_buffers()) and "tid2eid" in g.state_dict(), "tid2eid must checkpoint"
     s = Gate(cfg.n_hash_layers, cfg)                           # first score layer
@@ -240,10 +241,10 @@ def test_gate_property_hash_ignores_bias_and_follows_table():
     assert not MTPBlock(cfg.n_layers, cfg).ffn.gate.hash, "the MTP layer is never hash-routed"
 
 
-def test_expert_matches_reference_clamp_and_weight_placement():
+def test_expert_matches_reference_clamp_and_weight_placement(gen):
     cfg = cfg_()
     e = randomize(Expert(cfg.dim, cfg.moe_inter_dim, swiglu_limit=0.5), std=1.0)   # clamp active
-    x, rw = torch.randn(7, cfg.dim, requires_grad=True), torch.rand(7, 1)
+    x, rw = torch.randn(7, cfg.dim, requires_grad=True, generator=gen), torch.rand(7, 1, generator=gen)
     check_fwd_bwd(e, lambda: e(x, rw), lambda: ref.expert(e, x, rw.double(), 0.5), x, "Expert")
     shared = randomize(Expert(cfg.dim, cfg.moe_inter_dim, swiglu_limit=0.0), std=1.0)
     want = ref.expert(shared, x)
@@ -251,9 +252,9 @@ def test_expert_matches_reference_clamp_and_weight_placement():
     assert_close(shared(x), want, 1e-6 * want.abs().max().item(), "shared expert has no clamp")
 
 
-def test_localdispatcher_matches_reference():
+def test_localdispatcher_matches_reference(gen):
     d = LocalDispatcher(list(range(5)))
-    x, idx, w = torch.randn(6, 4), torch.randint(0, 5, (6, 2)), torch.rand(6, 2)
+    x, idx, w = torch.randn(6, 4, generator=gen), torch.randint(0, 5, (6, 2), generator=gen), torch.rand(6, 2, generator=gen)
     xs, ws, counts, ctx = d.dispatch(x, idx, w)
     assert counts == [int((idx == e).sum()) for e in range(5)]
     expert_of_slot = torch.repeat_interleave(torch.arange(5), torch.tensor(counts))
@@ -262,55 +263,55 @@ def test_localdispatcher_matches_reference():
     assert_close(y, want, 1e-6, "dispatch/combine")
 
 
-def test_moe_matches_reference():
+def test_moe_matches_reference(gen):
     cfg = cfg_()
     for layer_id in (0, 3):
         m = randomize(MoE(layer_id, cfg), seed=layer_id)
         if m.gate.hash:
-            m.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, m.gate.tid2eid.shape))
-        x, ids = torch.randn(2, 5, cfg.dim, requires_grad=True), torch.randint(0, cfg.vocab_size, (2, 5))
+            m.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, m.gate.tid2eid.shape, generator=gen))
+        x, ids = torch.randn(2, 5, cfg.dim, requires_grad=True, generator=gen), torch.randint(0, cfg.vocab_size, (2, 5), generator=gen)
         check_fwd_bwd(m, lambda: m(x, ids), lambda: ref.moe(m, x, ids, cfg), x, f"MoE layer {layer_id}")
 
 
 # ------------------------------------------------------------------------------------------------ mHC
-def test_sinkhorn_matches_reference_and_is_doubly_stochastic():
-    M, mixes = 4, torch.randn(6, 24) * 3
-    scale, base = torch.tensor([0.7, 1.3, 2.0]), torch.randn(24)
+def test_sinkhorn_matches_reference_and_is_doubly_stochastic(gen):
+    M, mixes = 4, torch.randn(6, 24, generator=gen) * 3
+    scale, base = torch.tensor([0.7, 1.3, 2.0]), torch.randn(24, generator=gen)
     pre, post, comb = hc_split_sinkhorn(mixes, scale, base, M, 20, 1e-6)
     rp, rq, rc = ref.sinkhorn(mixes, scale.tolist(), base.tolist(), M, 20, 1e-6)
     assert_close(pre, rp, 1e-6, "pre"), assert_close(post, rq, 1e-6, "post"), assert_close(comb, rc, 1e-6, "comb")
     # Sinkhorn converges linearly: with |C| ~ 1 logits, 20 iterations leave row sums within ~3e-4 of 1
     # (columns, normalised last, are exact to fp32).
-    _, _, comb = hc_split_sinkhorn(torch.randn(6, 24), torch.ones(3), torch.randn(24), M, 20, 1e-6)
+    _, _, comb = hc_split_sinkhorn(torch.randn(6, 24, generator=gen), torch.ones(3), torch.randn(24, generator=gen), M, 20, 1e-6)
     assert_close(comb.sum(-2), torch.ones(6, M), 1e-5, "columns sum to 1")
     assert_close(comb.sum(-1), torch.ones(6, M), 1e-3, "rows sum to 1")
 
 
-def test_hc_post_property_comb_transposed():
+def test_hc_post_property_comb_transposed(gen):
     """out_k = post_k x + sum_j comb[j,k] res_j on a non-symmetric comb (the most common porting bug)."""
-    x, res, post = torch.randn(1, 2, 8), torch.randn(1, 2, 3, 8), torch.rand(1, 2, 3)
-    comb = torch.rand(1, 2, 3, 3)
+    x, res, post = torch.randn(1, 2, 8, generator=gen), torch.randn(1, 2, 3, 8, generator=gen), torch.rand(1, 2, 3, generator=gen)
+    comb = torch.rand(1, 2, 3, 3, generator=gen)
     assert not torch.allclose(comb, comb.transpose(-1, -2))
     assert_close(hc_post(x, res, post, comb), ref.hc_post(x, res, post, comb), 1e-6, "hc_post")
     wrong = ref.hc_post(x, res, post, comb.transpose(-1, -2))
     assert (hc_post(x, res, post, comb) - wrong).abs().max() > 1e-2, "orientation must matter"
 
 
-def test_hc_property_stream_sum_preserved():
+def test_hc_property_stream_sum_preserved(gen):
     """With the sublayer output zeroed, a doubly stochastic comb preserves the sum over streams."""
     cfg = cfg_()
     b = randomize(Block(3, cfg))
-    h = torch.randn(2, 5, cfg.hc_mult, cfg.dim)
+    h = torch.randn(2, 5, cfg.hc_mult, cfg.dim, generator=gen)
     _, post, comb = b.hc_pre(h, b.hc_attn_fn, b.hc_attn_scale, b.hc_attn_base)
     out = hc_post(torch.zeros(2, 5, cfg.dim), h, post, comb)
     assert_close(out.sum(2), h.sum(2), 1e-3 * h.abs().max().item(), "stream sum")
 
 
-def test_block_matches_reference():
+def test_block_matches_reference(gen):
     """Full Block: mHC pre/post around the attention and MoE references."""
     cfg = cfg_()
     b = randomize(Block(1, cfg), std=0.2)
-    h, ids = torch.randn(1, 10, cfg.hc_mult, cfg.dim), torch.randint(0, cfg.vocab_size, (1, 10))
+    h, ids = torch.randn(1, 10, cfg.hc_mult, cfg.dim, generator=gen), torch.randint(0, cfg.vocab_size, (1, 10), generator=gen)
 
     def reference():
         x = h
@@ -330,10 +331,10 @@ def test_block_matches_reference():
         assert_close(b(h, ids), reference(), 1e-4, "Block")
 
 
-def test_mtpblock_and_hc_head_match_reference():
+def test_mtpblock_and_hc_head_match_reference(gen):
     cfg = cfg_()
     model = randomize(Transformer(cfg), std=0.2)
-    h, nxt = torch.randn(1, 6, cfg.hc_mult, cfg.dim), torch.randint(0, cfg.vocab_size, (1, 6))
+    h, nxt = torch.randn(1, 6, cfg.hc_mult, cfg.dim, generator=gen), torch.randint(0, cfg.vocab_size, (1, 6), generator=gen)
     blk = model.mtp["0"]
     with torch.no_grad():
         e = ref.rmsnorm(model.embed.weight[nxt].double(), blk.enorm.weight, cfg.norm_eps)

@@ -78,10 +78,10 @@ def test_grid_rejects_bad_world():
         ParallelDims(pp=2)
 
 
-def test_single_process_dims_are_trivial():
+def test_single_process_dims_are_trivial(gen):
     dims = ParallelDims()
     assert (dims.pp, dims.dp, dims.ep, dims.world_size) == (1, 1, 1, 1)
     assert dims.pp_group is None and dims.ep_group is None and dims.data_group is None
     assert dims.is_first_stage and dims.is_last_stage and dims.prev_rank is None and dims.next_rank is None
-    x = torch.randn(5, 2)
+    x = torch.randn(5, 2, generator=gen)
     assert all_to_all(x, [5], [5], None) is x

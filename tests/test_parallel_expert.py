@@ -20,11 +20,11 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def _moe(skewed: bool):
-    torch.manual_seed(0)
     m = MoE(2, preset("tiny"))  # layer 2: score routing (not hash)
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in m.named_parameters():
-            p.normal_(0, 0.1)
+            p.normal_(0, 0.1, generator=g)
         if skewed:  # top-2 is always experts {0, 1}: every EP rank but the first receives nothing
             m.gate.bias.copy_(torch.tensor([100.0, 100.0] + [0.0] * 6))
     return m

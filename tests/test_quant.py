@@ -120,14 +120,14 @@ def test_fp8_fp32_miles_matches_naive_loop_bit_for_bit(dtype):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
-def test_dequantize_fp8_rejects_mismatched_scale():
-    q, s = Q.quantize_fp8_block(torch.randn(130, 10), "fp32")
+def test_dequantize_fp8_rejects_mismatched_scale(gen):
+    q, s = Q.quantize_fp8_block(torch.randn(130, 10, generator=gen), "fp32")
     with pytest.raises(ValueError, match="scale shape"):
         Q.dequantize_fp8_block(q, s[:1])
     with pytest.raises(ValueError, match="fmt"):
-        Q.quantize_fp8_block(torch.randn(4, 4), "e5m2")
+        Q.quantize_fp8_block(torch.randn(4, 4, generator=gen), "e5m2")
     with pytest.raises(ValueError, match="2-D"):
-        Q.quantize_fp8_block(torch.randn(4))
+        Q.quantize_fp8_block(torch.randn(4, generator=gen))
 
 
 # ---------------------------------------------------------------------------- FP4
@@ -259,9 +259,9 @@ def test_sim_gradient_is_identity(sim, dtype):
     assert torch.equal(x.grad, upstream)
 
 
-def test_sim_rejects_ragged_last_dim():
+def test_sim_rejects_ragged_last_dim(gen):
     with pytest.raises(ValueError, match="not a multiple of block"):
-        Q.fp8_sim(torch.randn(2, 100), 64)
+        Q.fp8_sim(torch.randn(2, 100, generator=gen), 64)
 
 
 # ---------------------------------------------------------------------------- non-finite inputs
@@ -299,22 +299,22 @@ def test_hadamard_matches_kronecker_matrix(n):
     torch.testing.assert_close(Q.hadamard(torch.eye(n, dtype=torch.float64)), h, rtol=0, atol=HADAMARD_FP64_TOL)
 
 
-def test_hadamard_orthogonal_self_inverse_differentiable():
+def test_hadamard_orthogonal_self_inverse_differentiable(gen):
     x = torch.randn(5, 128, generator=_gen(4))
     y = Q.hadamard(x)
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=HADAMARD_FP32_TOL, atol=0)
     torch.testing.assert_close(Q.hadamard(y), x, rtol=0, atol=HADAMARD_FP32_TOL)
     assert Q.hadamard(x.bfloat16()).dtype == torch.bfloat16
-    xd = torch.randn(2, 16, dtype=torch.float64, requires_grad=True)
+    xd = torch.randn(2, 16, dtype=torch.float64, requires_grad=True, generator=gen)
     assert torch.autograd.gradcheck(Q.hadamard, (xd,))
     with pytest.raises(ValueError, match="power-of-2"):
-        Q.hadamard(torch.randn(3, 96))
+        Q.hadamard(torch.randn(3, 96, generator=gen))
 
 
-def test_hadamard_cache_built_under_inference_mode_still_trains():
+def test_hadamard_cache_built_under_inference_mode_still_trains(gen):
     n = 32  # a size no other test uses, so the cached matrix is first built here, under inference_mode
     with torch.inference_mode():
-        Q.hadamard(torch.randn(2, n))
-    x = torch.randn(2, n, requires_grad=True)
+        Q.hadamard(torch.randn(2, n, generator=gen))
+    x = torch.randn(2, n, requires_grad=True, generator=gen)
     Q.hadamard(x).sum().backward()
     torch.testing.assert_close(x.grad, Q.hadamard(torch.ones(2, n)), rtol=0, atol=HADAMARD_FP32_TOL)
