@@ -12,6 +12,9 @@ test draws the same numbers on every run, on every machine, whatever ran before 
 * an autouse fixture seeds torch's, numpy's and `random`'s global generators with it too, so the draws
   the tests cannot route through `gen` (a module's default parameter init) are replayable as well.
 A failure is replayed by running the same node id again; the seed is printed in the failure report.
+
+The habit (tests/README.md): every test names the bug it would catch, and was seen once to fail on it,
+planted in a copy of the tree.
 """
 from __future__ import annotations
 
