@@ -1,12 +1,22 @@
 """Rollout benchmarks on H200s: FP8 quantization, NCCL weight push, embedded-server decode.
 
     python bench/bench_rollout.py --part quant            # one GPU
+    python bench/bench_rollout.py --part stream           # one GPU: the per-stage push's build, record, memory
+    python bench/bench_rollout.py --part plan             # no GPU: V4-Flash bytes per source at PP4 x EP4
     python bench/bench_rollout.py --part push             # two GPUs: trainer cuda:0 -> embedded server cuda:1
     python bench/bench_rollout.py --part decode           # one GPU; transformers baseline if installed
     python bench/bench_rollout.py --part all --preset tiny --device cpu    # smoke test
 
-quant:  `quant.quantize_fp8_block(w, fmt="fp32")` (Miles' convention) on bf16 weights; GB/s counts bytes read
-        (bf16) + written (e4m3 + fp32 scales), against a measured device copy of the same tensor (read + write).
+quant:  the stream's quantizer `quant.quantize_fp8_block_into` (Triton on CUDA; Miles' fmt="fp32" convention) and
+        the eager reference `quant.quantize_fp8_block` on a bf16 16384^2 weight; GB/s counts bytes read (bf16) +
+        written (e4m3 + fp32 scales), against a device copy of the same tensor (read + write) in the same run;
+        the kernel's output is compared with the reference bit for bit.
+stream: the per-stage push (`stage_push.StagePusher`, one process) of the `small` preset (bf16 on the GPU, FP8
+        stream, 256 MiB buckets) into a sink server over the disk transport: GB/s of building buckets (quantize +
+        cast into flat buffers), of the verification record (loader layout + SGLang's hash on the GPU), and the
+        GPU memory peak above the model against `stage_push.live_budget`.
+plan:   bytes of the V4-Flash FP8 stream per stage source and per EP rank at PP4 x EP4 (no hardware), and the
+        push time extrapolated from the measured GB/s (formula in docs/benchmarks.md).
 push:   the `small` model's FP8 stream (`iter_sglang_buckets`, 1 GiB buckets) from the trainer on cuda:0 into an
         embedded server on cuda:1 over NCCL (`update_weights_from_distributed`); GB/s of bytes moved, against a
         measured cuda:0 -> cuda:1 tensor copy; extrapolated to V4-Flash's FP8 stream size.
@@ -48,12 +58,99 @@ def timed(fn, dev, reps=5):
 
 
 def bench_quant(dev, rows=16384, cols=16384):
+    from nanoflash.quant import quantize_fp8_block_into
     w = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
+    q = torch.empty(rows, cols, device=dev, dtype=torch.float8_e4m3fn)
+    s = torch.empty(rows // 128, cols // 128, device=dev, dtype=torch.float32)
     t_copy = timed(lambda: w.clone(), dev)
-    t_q = timed(lambda: quantize_fp8_block(w, fmt="fp32"), dev)
-    moved = w.numel() * (2 + 1) + (rows // 128) * (cols // 128) * 4
-    return {"part": "quant", "shape": [rows, cols], "quant_s": t_q, "quant_GBps": moved / t_q / 1e9,
-            "copy_GBps": 2 * w.numel() * 2 / t_copy / 1e9, "ratio_to_copy": (moved / t_q) / (4 * w.numel() / t_copy)}
+    t_ref = timed(lambda: quantize_fp8_block(w, fmt="fp32"), dev, reps=2)
+    t_q = timed(lambda: quantize_fp8_block_into(w, q, s), dev, reps=20)
+    part = slice(0, 4096)              # bit-exactness against the CPU reference on a 4096-row slab
+    q_ref, s_ref = quantize_fp8_block(w[part].cpu(), fmt="fp32")
+    moved, copy_gbps = w.numel() * (2 + 1) + s.numel() * 4, 2 * w.numel() * 2 / t_copy / 1e9
+    return {"part": "quant", "shape": [rows, cols], "copy_GBps": copy_gbps,
+            "kernel_s": t_q, "kernel_GBps": moved / t_q / 1e9, "kernel_ratio_to_copy": moved / t_q / 1e9 / copy_gbps,
+            "eager_reference_GBps": moved / t_ref / 1e9, "eager_ratio_to_copy": moved / t_ref / 1e9 / copy_gbps,
+            "bit_identical_to_cpu_reference": bool(torch.equal(q[part].cpu().view(torch.uint8), q_ref.view(torch.uint8))
+                                                   and torch.equal(s[:32].cpu(), s_ref))}
+
+
+def bench_stream(preset_name, dev, bucket_bytes=1 << 28):
+    """One process's per-stage push of `preset_name` from `dev` into a sink server (disk transport)."""
+    import tempfile
+    from nanoflash.config import RolloutConfig
+    from nanoflash.parallel.dims import ParallelDims
+    from nanoflash.rollout import stage_push
+    from nanoflash.rollout.stream import stream_buckets
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_weight_sync_gpu import SinkClient
+    with torch.device(dev):
+        model = Transformer(preset(preset_name)).init_weights(0).cast_(torch.bfloat16)
+    named = [(n, t) for n, t in model.state_dict().items() if not n.startswith("mtp.")]   # never pushed
+    params_bytes = sum(t.numel() * t.element_size() for _, t in named)
+    sync(dev)
+    t0, nbytes = time.perf_counter(), 0
+    for fb in stream_buckets(named, model.cfg, fp8=True, bucket_bytes=bucket_bytes):
+        nbytes += fb.nbytes
+    sync(dev)
+    t_build = time.perf_counter() - t0
+    base = torch.cuda.memory_allocated() if dev.startswith("cuda") else 0
+    if dev.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as d:
+        client = SinkClient()
+        pusher = stage_push.StagePusher(ParallelDims(), client, RolloutConfig(weights="fp8", transport="disk",
+                                        bucket_bytes=bucket_bytes, verify=False), model.cfg, disk_dir=d)
+        t0 = time.perf_counter()
+        info = pusher.push(lambda: named, version=1)
+        sync(dev)
+        t_push = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated() - base) if dev.startswith("cuda") else None
+    largest = max(t.numel() * t.element_size() for _, t in named)
+    return {"part": "stream", "preset": preset_name, "device": dev, "bucket_bytes": bucket_bytes,
+            "param_bytes_bf16": params_bytes, "stream_bytes": nbytes, "build_s": t_build,
+            "build_GBps_in_plus_out": (params_bytes + nbytes) / t_build / 1e9,
+            "push_with_record_and_disk_s": t_push, "buckets": info["buckets"], "gpu_peak_above_model": peak,
+            "live_budget": stage_push.live_budget(max(bucket_bytes, largest), 1, 0)}
+
+
+def flash_plan(pp=4, ep=4, fp8=True):
+    """Bytes of the FP8 stream of V4-Flash per stage source / per EP rank (the inventory on paper, no tensors)."""
+    from nanoflash.checkpoint_names import official_inventory, scale_shape, storage_kind
+    from nanoflash.parallel.expert import is_expert_param
+    from nanoflash.parallel.pipeline import split_layers
+    from nanoflash.rollout.layout import sglang_fp8
+    from nanoflash.rollout.stream import _KIND_DTYPE
+    cfg = preset("flash")
+    stage_of = {lay: s for s, lays in enumerate(split_layers(cfg.n_layers, pp)) for lay in lays}
+    dense, experts = [0] * pp, [0] * pp
+    for name, shape in official_inventory(cfg).items():
+        if name.startswith("mtp."):
+            continue
+        n = torch.Size(shape).numel()
+        if fp8 and sglang_fp8(name, cfg):
+            b = n + torch.Size(scale_shape("fp8", shape)).numel() * 4
+        else:
+            b = n * torch.empty((), dtype=_KIND_DTYPE.get(storage_kind(name, cfg), torch.float32)).element_size()
+        top = 0 if name.startswith("embed") else pp - 1                  # embed: first stage; head/norm/hc_head: last
+        s = stage_of[int(name.split(".")[1])] if name.startswith("layers.") else top
+        (experts if is_expert_param(name) else dense)[s] += b
+    per_source = [d + e for d, e in zip(dense, experts)]
+    return {"part": "plan", "pp": pp, "ep": ep, "total_bytes": sum(per_source), "per_source_bytes": per_source,
+            "dense_bytes_per_stage": dense, "expert_bytes_per_ep_rank": [e // ep for e in experts]}
+
+
+def extrapolate(plan, quant_gbps, link_gbps=40.0, nvlink_gbps=300.0):
+    """T = sum over stages in turn of max(wire, quantize, gather) (double-buffered), per docs/benchmarks.md."""
+    ep, out = plan["ep"], []
+    for src, dense, exp_rank in zip(plan["per_source_bytes"], plan["dense_bytes_per_stage"],
+                                    plan["expert_bytes_per_ep_rank"]):
+        wire = src / (link_gbps * 1e9)
+        quant = (dense + exp_rank) * 3 / (quant_gbps * 1e9)     # bf16 read (2 B) + fp8 written (1 B) per param
+        gather = exp_rank * (ep - 1) / (nvlink_gbps * 1e9)      # the source receives ep-1 sub-buckets per bucket
+        out.append({"wire_s": wire, "quant_s": quant, "gather_s": gather, "stage_s": max(wire, quant, gather)})
+    return {"part": "flash_extrapolation", "link_GBps_assumed": link_gbps, "nvlink_GBps_assumed": nvlink_gbps,
+            "quant_GBps_measured": quant_gbps, "stages": out, "push_s": sum(x["stage_s"] for x in out)}
 
 
 def bench_push(preset_name, bucket_bytes):
@@ -152,23 +249,32 @@ def hf_generate_tok_s(cfg, dev, n, prompt, new_tokens):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="all", choices=["quant", "push", "decode", "all"])
+    ap.add_argument("--part", default="all", choices=["quant", "stream", "plan", "push", "decode", "all"])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--bucket-bytes", type=int, default=1 << 30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    results = []
-    if args.part in ("quant", "all"):
-        size = 16384 if args.device.startswith("cuda") else 1024
-        results.append(bench_quant(args.device, size, size))
-        print(json.dumps(results[-1]), flush=True)
-    if args.part in ("push", "all") and torch.cuda.device_count() >= 2:
-        results.append(bench_push(args.preset, args.bucket_bytes))
-        print(json.dumps(results[-1]), flush=True)
-    if args.part in ("decode", "all"):
-        results.append(bench_decode(args.preset, args.device))
-        print(json.dumps(results[-1]), flush=True)
+    results, parts = [], {"all": ("quant", "stream", "plan", "push", "decode")}.get(args.part, (args.part,))
+    for part in parts:
+        try:
+            if part == "quant":
+                size = 16384 if args.device.startswith("cuda") else 1024
+                results.append(bench_quant(args.device, size, size))
+            elif part == "stream":
+                results.append(bench_stream(args.preset, args.device))
+            elif part == "plan":
+                plan = flash_plan()
+                quant = next((r["kernel_GBps"] for r in results if r["part"] == "quant"), None)
+                results += [plan] + ([extrapolate(plan, quant)] if quant else [])
+            elif part == "push" and torch.cuda.device_count() >= 2:
+                results.append(bench_push(args.preset, args.bucket_bytes))
+            elif part == "decode":
+                results.append(bench_decode(args.preset, args.device))
+        except Exception as e:  # one broken part must not cost the others' numbers
+            results.append({"part": part, "error": f"{type(e).__name__}: {e}"})
+        if results:
+            print(json.dumps(results[-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

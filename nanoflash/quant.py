@@ -147,7 +147,9 @@ def quantize_fp8_block(w: torch.Tensor, fmt: str = "ue8m0", block: int = FP8_BLO
         q = w.float() / _expand_2d(s, block, block, m, n)
         out_scale = e8m0_encode(s)
     elif fmt == "fp32":
-        s = amax.clamp_min(MILES_AMAX_EPS) / E4M3_MAX
+        # a tensor divisor: PyTorch's CUDA division by a CPU scalar multiplies by 1/b, not IEEE a/b (on an H200
+        # the eager GPU bytes differed from the Triton kernel's, which equal the CPU reference's)
+        s = amax.clamp_min(MILES_AMAX_EPS) / torch.full_like(amax, E4M3_MAX)
         q = w.float() * _expand_2d(1.0 / s, block, block, m, n)
         out_scale = s
     else:

@@ -206,9 +206,14 @@ def encode_tensors(named: list) -> str:
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate tensor names in one payload: {sorted({n for n in names if names.count(n) > 1})}")
-    blob = safetensors.torch.save({n: t.detach().cpu().contiguous() for n, t in named},
+    return base64.b64encode(encode_blob(named, names)).decode()
+
+
+def encode_blob(named: list, names: list | None = None) -> bytes:
+    """[(name, tensor)] -> safetensors bytes (CPU copies), the send order in the metadata."""
+    names = names or [n for n, _ in named]
+    return safetensors.torch.save({n: t.detach().cpu().contiguous() for n, t in named},
                                   metadata={"order": json.dumps(names)})
-    return base64.b64encode(blob).decode()
 
 
 def decode_tensors(payload: str) -> list:

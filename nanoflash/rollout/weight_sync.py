@@ -24,7 +24,6 @@ Tests: `pytest tests/test_weight_sync.py tests/test_weight_sync_stage.py tests/t
 """
 from __future__ import annotations
 
-import base64
 import datetime
 import os
 import threading
@@ -35,8 +34,8 @@ import torch.distributed as dist
 from nanoflash.checkpoint_names import official_inventory, to_sglang
 from nanoflash.rollout.layout import compare_checksums, expected_checksums, sglang_fp8
 from nanoflash.rollout.stream import (ATOMIC, FLAT_FORMAT, SAFE_FORMAT, FlatBucket, Item, Slot,  # noqa: F401
-                                      convert_items, decode_blob, decode_tensors, encode_tensors, iter_units,
-                                      named_of, pack_units, stream_buckets)
+                                      convert_items, decode_blob, decode_tensors, encode_blob, encode_tensors,
+                                      iter_units, named_of, pack_units, stream_buckets)
 
 
 def iter_sglang_buckets(model, dims=None, *, fp8: bool, bucket_bytes: int):
@@ -245,7 +244,7 @@ def send_tensor_payload(client, bucket, version):
 def write_disk_bucket(directory: str, index: int, bucket) -> None:
     """One safetensors file per bucket, named by its index."""
     with open(os.path.join(directory, f"bucket-{index:05d}.safetensors"), "wb") as f:
-        f.write(base64.b64decode(encode_tensors(named_of(bucket))))
+        f.write(encode_blob(named_of(bucket)))
 
 
 def _send_disk(client, buckets, version, directory):
