@@ -14,10 +14,12 @@ untransposed) to show the threshold discriminates. It reports mean / p99 / max |
 `push` perturbs the trainer's weights, pushes them through nanoflash's weight stream (`iter_sglang_buckets`, FP8
 with Miles' fp32 `weight_scale_inv`) with SGLang's own FlattenedTensorBucket payload (colocated CUDA IPC), in the
 protocol the client detects, twice in a row, and verifies each push by behaviour (SGLang's log-probs on fixed
-tokens vs nanoflash's for the new weights) and by `/weights_checker`: FP8 tensors are hashed on the trainer side
-in SGLang's own way (dequantize to bf16, `tensor_hash`) from the derived loader layout; every other checksum
-must change exactly when its source tensor changed. It also shows that the client refuses a bucket that splits
-an atomic pair, before anything is sent.
+tokens vs nanoflash's for the new weights) and by `/weights_checker` through the library
+(`weight_sync.verify_real_server` on `layout.sglang_partials`): every tensor SGLang's GPU hash can be reproduced
+for is compared exactly -- FP8 dequantized to bf16, the fused experts `mlp.experts.w13_weight` / `w2_weight`
+stacked from their per-expert slabs -- and the rest (a raw tensor SGLang stores in another dtype) must change
+on the second push exactly when what was sent changed. It also shows that the client refuses a bucket that
+splits an atomic pair, before anything is sent.
 
 Experts: FP8 (`SGLANG_DSV4_FP4_EXPERTS=0`), `wo_a` BF16 (`SGLANG_OPT_FP8_WO_A_GEMM=0`), as Miles runs it.
 """
@@ -144,26 +146,16 @@ def perturb_(model, which: str, seed: int):
             t.copy_(torch.roll(t, 1, dims=0))
 
 
-def sglang_fp8_hashes(layout: dict) -> dict:
-    """SGLang's /weights_checker value for every FP8 parameter of the derived loader layout: dequantize to bf16
-    (`block_quant_dequant`), `tensor_hash` on the GPU; per-expert tensors stacked as SGLang's FusedMoE holds them."""
-    from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
-    from sglang.srt.managers.mm_utils import tensor_hash
-    stacked = {}
-    for name, t in layout.items():
-        parts = name.split(".")
-        if ".mlp.experts." in name and parts[5].isdigit():          # model.layers.L.mlp.experts.E.<leaf>
-            key = ".".join(parts[:5] + parts[6:])
-            stacked.setdefault(key, {})[int(parts[5])] = t
-    flat = {k: torch.stack([v[e] for e in sorted(v)]) for k, v in stacked.items()}
-    flat.update({k: v for k, v in layout.items() if not (".mlp.experts." in k and k.split(".")[5].isdigit())})
-    out = {}
-    for name, q in flat.items():
-        s = flat.get(name + "_scale_inv")
-        if q.dtype == torch.float8_e4m3fn and s is not None:
-            w = block_quant_dequant(q.cuda(), s.cuda().float(), [128, 128], torch.bfloat16)
-            out[name] = f"{tensor_hash(w):016x}"
-    return out
+def sglang_expected(buckets, n_experts: int) -> dict:
+    """SGLang's /weights_checker values for what was sent, from the library (`layout.sglang_partials` per bucket:
+    FP8 dequantized to bf16, the fused experts stacked per layer from their slabs) -> {name: (hex|None, fp, fp8)}."""
+    from nanoflash.rollout.layout import LoaderState, sglang_checksums, sglang_partials
+    partials = {}
+    for b in buckets:
+        st = LoaderState()
+        st.load(b)
+        partials.update(sglang_partials(st.params, n_experts))
+    return sglang_checksums(partials)
 
 
 def payload(bucket, transport):
@@ -179,9 +171,8 @@ def push_once(client, model, version: str, bucket_bytes: int, transport: str) ->
     from nanoflash.rollout.weight_sync import iter_sglang_buckets
     t0 = time.time()
     buckets = list(iter_sglang_buckets(model, fp8=True, bucket_bytes=bucket_bytes))
-    layout = LoaderState()
     for b in buckets:                       # derive the loader layout first: a split pair raises before sending
-        layout.load(b)
+        LoaderState().load(b)
     t1 = time.time()
     client.pause_generation()
     client.flush_cache()
@@ -194,7 +185,7 @@ def push_once(client, model, version: str, bucket_bytes: int, transport: str) ->
     t2 = time.time()
     nbytes = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
     return {"buckets": len(buckets), "tensors": sum(len(b) for b in buckets), "bytes": nbytes,
-            "prepare_s": round(t1 - t0, 3), "send_s": round(t2 - t1, 3), "layout": layout}
+            "prepare_s": round(t1 - t0, 3), "send_s": round(t2 - t1, 3), "buckets_sent": buckets}
 
 
 def behaviour(client, model, prompt, new_tokens=32):
@@ -204,21 +195,16 @@ def behaviour(client, model, prompt, new_tokens=32):
     return {"mean": r["mean"], "max": r["max"], "tokens": g.output_ids[:8], "version": g.weight_version}
 
 
-def verify_checksums(client, layout, before: dict, prev_layout, transport) -> dict:
-    after = client.weights_checksums(URL)
-    fp8 = sglang_fp8_hashes(layout.params) if transport == "sglang" else {
-        n: h for n, h in layout.checksums().items() if n in after}   # embedded: sha256 of the raw layout
-    fp8_ok = sorted(n for n in fp8 if after.get(n) == fp8[n])
-    fp8_bad = sorted(n for n in fp8 if after.get(n) != fp8[n])
-    ours_now, ours_prev = layout.checksums(), prev_layout.checksums()
-    changed_src = {n for n in ours_now if ours_prev.get(n) != ours_now[n]}
-    changed_srv = {n for n in after if before.get(n) != after[n]}
-    known = (set(ours_now) & set(after)) - set(fp8)   # raw (non-FP8) tensors: compared by change sets
-    return {"server_tensors": len(after), "fp8_derived_match": len(fp8_ok), "fp8_derived_mismatch": fp8_bad[:10],
-            "n_fp8": len(fp8), "raw_names_in_both_layouts": len(known),
-            "changed_on_server_not_sent_changed": sorted((changed_srv & known) - changed_src)[:10],
-            "sent_changed_not_changed_on_server": sorted((changed_src & known) - changed_srv)[:10],
-            "server_names_unknown_to_layout": sorted(set(after) - set(ours_now))[:10]}, after
+def verify_checksums(client, buckets, n_experts: int, prev, transport):
+    """The library's check of a real server (`weight_sync.verify_real_server`: SGLang's own hash where it can be
+    reproduced at TP 1, fused experts included; change sets for the rest); the embedded server: raw sha256."""
+    from nanoflash.rollout.layout import compare_checksums, expected_checksums
+    from nanoflash.rollout.weight_sync import verify_real_server
+    if transport != "sglang":
+        compare_checksums(expected_checksums(buckets), client.weights_checksums(URL), URL)
+        return {"embedded": "checksums"}, None
+    out = verify_real_server(client, URL, sglang_expected(buckets, n_experts), prev)
+    return out, out.pop("state")
 
 
 def cmd_push(a):
@@ -230,18 +216,14 @@ def cmd_push(a):
     model = load_model(a)
     prompt = torch.randint(3, VOCAB_HI, (48,), generator=torch.Generator().manual_seed(7)).tolist()
     res = {"protocol": client.protocol(URL), "before": behaviour(client, model, prompt)}
-    before = client.weights_checksums(URL)
-    prev = LoaderState()                  # what the server holds now (raw tensors are exact checkpoint values)
-    for b in iter_sglang_buckets(model, fp8=True, bucket_bytes=a.bucket_mb << 20):
-        prev.load(b)
+    prev = None                           # the first push is checked exactly where the hash is reproducible
     for i, which in enumerate(("even", "odd")):
         perturb_(model, which, seed=10 + i)
         fake_quant_(model)
         p = push_once(client, model, str(i + 1), a.bucket_mb << 20, a.transport)
-        layout = p.pop("layout")
+        buckets = p.pop("buckets_sent")
         p["behaviour"] = behaviour(client, model, prompt)
-        p["checksums"], before = verify_checksums(client, layout, before, prev, a.transport)
-        prev = layout
+        p["checksums"], prev = verify_checksums(client, buckets, model.cfg.n_routed_experts, prev, a.transport)
         res[f"push{i + 1}"] = p
         print(json.dumps({f"push{i + 1}": p}, indent=1), flush=True)
     bad = [[(n, t) for n, t in b if not n.endswith("self_attn.wkv.weight")] for b in
