@@ -30,8 +30,7 @@ import torch
 
 from nanoflash import episodes as ep
 from nanoflash import grpo, trainer
-from nanoflash.cli import dry_run_text, parse_args, to_dict
-from nanoflash.config import ModelConfig, preset
+from nanoflash.cli import to_dict
 from nanoflash.evaluate import evaluate
 from nanoflash import metrics
 from nanoflash.metrics import MetricsLog, progress
@@ -40,17 +39,14 @@ from nanoflash.parallel.checkpoint import latest_checkpoint
 from nanoflash.parallel.dims import init_distributed, print0
 from nanoflash.plots import write_plots
 from nanoflash.rollout.client import RequestRejected
+from nanoflash.startup import startup
 
 # ---------------------------------------------------------------------------------------------- config
-cfg = parse_args(sys.argv[1:])
+# --help, overrides, checks, the task's data and reward, the run directory: a user error is one line, exit 2
+cfg, mcfg, task = startup(sys.argv[1:])
 tc, gc, oc, par, rc, ec = cfg.train, cfg.grpo, cfg.optim, cfg.parallel, cfg.rollout, cfg.eval
-if tc.dry_run:
-    print(dry_run_text(cfg))
-    sys.exit(0)
 if tc.threads:
     torch.set_num_threads(tc.threads)
-if tc.warmup_steps and tc.task != "arith":
-    raise SystemExit(f"train.warmup_steps={tc.warmup_steps}: the supervised warm-up is for task=arith only")
 matched = rc.weights == "fp32" and tc.dtype == "fp32"  # batch-invariant scoring: |dlogp| must be exactly 0
 ckpt_dir = os.path.join(tc.out_dir, "checkpoints")
 ckpt_is_dcp = bool(tc.checkpoint) and os.path.exists(os.path.join(tc.checkpoint, "meta.json"))  # else HF layout
@@ -61,10 +57,6 @@ rank0 = dims.rank == 0
 torch.manual_seed(tc.seed)
 
 # ---------------------------------------------------------------------------------------------- actor: build, place, load
-if tc.checkpoint and not ckpt_is_dcp:
-    mcfg = dataclasses.replace(ModelConfig.from_hf_config(tc.checkpoint), **cfg.model)
-else:
-    mcfg = preset(tc.preset, **cfg.model)
 actor = trainer.Actor(cfg, mcfg, dims, tc.checkpoint, ckpt_is_dcp)
 print0(f"actor: {dims}, stage on {actor.device}, {sum(p.numel() for p in actor.model.parameters()) / 1e6:.1f}M "
        f"parameters on this rank")
@@ -75,7 +67,6 @@ step, pos, (latest, meta) = 0, 0, actor.resume(ckpt_dir) if tc.resume else (None
 if latest:
     step, pos = meta["step"], meta["extra"]["data_pos"]
     print0(f"resumed from {latest}: step {step}, data position {pos}")
-task = ep.make_task(tc, ec, mcfg.vocab_size)
 log = MetricsLog(os.path.join(tc.out_dir, "metrics.jsonl"), resume_step=step if latest else None,
                  tensorboard=tc.tensorboard, wandb=tc.wandb, config=to_dict(cfg), enabled=rank0)
 if not latest:
@@ -126,7 +117,7 @@ def run_eval(at: int) -> None:
 
 
 def save(at: int) -> None:
-    actor.save(ckpt_dir, at, extra={"data_pos": pos}, keep=tc.keep)
+    actor.save(ckpt_dir, at, extra={"data_pos": pos, "model_config": dataclasses.asdict(mcfg)}, keep=tc.keep)
 
 
 def rollout_batch(at: int):

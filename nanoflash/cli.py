@@ -11,6 +11,9 @@ overrides a `ModelConfig` field of the preset. Short forms: `--preset` = `--trai
 `--train.dry_run true`, `--steps` = `--train.steps`, `--out` = `--train.out_dir`. An unknown section or field,
 or a value that does not parse, is one error naming it.
 
+`--help` (`help_text`) lists every section and field with its type, default and comment, read from
+`config.py`, and the recipes. What train.py does with the parsed tree first: `nanoflash/startup.py`.
+
 Differs from Miles: Miles has ~400 flat argparse flags; we keep the config as the dataclasses of
 `config.py` and address their fields by path.
 
@@ -19,7 +22,10 @@ Tests: `pytest tests/test_train_cli.py -q`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import json
+import re
 import typing
 
 from nanoflash.config import ModelConfig, RunConfig
@@ -28,6 +34,12 @@ SHORT = {"--preset": "train.preset", "--steps": "train.steps", "--out": "train.o
          "--checkpoint": "train.checkpoint", "--seed": "train.seed"}
 FLAGS = {"--dry-run": ("train.dry_run", "true"), "--no-resume": ("train.resume", "false")}
 
+# one line per recipe for --help (a recipe without one is listed with its overrides)
+RECIPE_HELP = {
+    "demo": "CPU demo: tiny model, synthetic arithmetic, embedded FP8 server (docs/demo.md)",
+    "smoke": "a few-step CPU smoke of the demo's loop (CI)",
+    "flash": "the reference deployment's trainer: V4-Flash, PP4 x EP4, DAPO-Math-17K (use with --dry-run first)",
+}
 # Named recipes: lists of overrides applied before the command line.
 RECIPES: dict[str, list[str]] = {
     # CPU demo: tiny model, synthetic "last digit of a + 1" ("0527+1=" -> "8", 1,025 held out), a short SFT
@@ -84,7 +96,9 @@ def _parse_value(raw: str, tp, where: str):
 def _model_field_type(name: str):
     hints = typing.get_type_hints(ModelConfig)
     if name not in hints:
-        raise ValueError(f"--model.{name}: ModelConfig has no field {name!r}")
+        near = difflib.get_close_matches(name, list(hints), n=1)
+        raise ValueError(f"--model.{name}: ModelConfig has no field {name!r}" +
+                         (f" (did you mean --model.{near[0]}?)" if near else ""))
     return hints[name]
 
 
@@ -92,7 +106,7 @@ def apply_override(cfg: RunConfig, path: str, raw: str) -> None:
     """Set `cfg.<section>.<field>` from the string `raw`, in place."""
     section, _, name = path.partition(".")
     if not name:
-        raise ValueError(f"override {path!r} must be --<section>.<field>")
+        raise ValueError(f"--{path}: not an option; overrides look like --<section>.<field> VALUE (--help lists them)")
     if section == "model":
         tp = _model_field_type(name)
         cfg.model[name] = tuple(int(x) for x in raw.split(",")) if name == "compress_ratios" else \
@@ -104,7 +118,9 @@ def apply_override(cfg: RunConfig, path: str, raw: str) -> None:
     obj = getattr(cfg, section)
     hints = typing.get_type_hints(type(obj))
     if name not in hints:
-        raise ValueError(f"--{path}: {type(obj).__name__} has no field {name!r}; fields are {sorted(hints)}")
+        near = difflib.get_close_matches(name, list(hints), n=1)
+        hint = f" (did you mean --{section}.{near[0]}?)" if near else f"; fields are {sorted(hints)}"
+        raise ValueError(f"--{path}: {type(obj).__name__} has no field {name!r}{hint}")
     setattr(obj, name, _parse_value(raw, hints[name], f"--{path}"))
 
 
@@ -121,8 +137,8 @@ def _pairs(argv: list[str]) -> list[tuple[str, str]]:
             raise ValueError(f"unexpected argument {arg!r}; overrides look like --section.field value")
         key, eq, val = arg.partition("=")
         if not eq:
-            if i + 1 >= len(argv):
-                raise ValueError(f"{arg} needs a value")
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ValueError(f"{arg} needs a value (--help lists the options)")
             val, i = argv[i + 1], i + 1
         i += 1
         out.append((SHORT.get(key, key[2:]), val))
@@ -152,6 +168,48 @@ def parse_args(argv: list[str]) -> RunConfig:
 def to_dict(cfg: RunConfig) -> dict:
     """JSON-able view of the whole tree (written to out_dir/config.json)."""
     return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+# ---------------------------------------------------------------------------------------------- --help
+def _field_comments(cls) -> dict:
+    """field -> the `# comment` that ends its line in config.py (the one place fields are documented)."""
+    src = inspect.getsource(cls)
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^    (\w+): [^\n]*?  # (.*)$", src, re.M)}
+
+
+def _type_name(tp) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args and len(args) < len(typing.get_args(tp)):  # Optional[X]
+        return _type_name(args[0]) + "|none"
+    return "list" if tp is tuple or typing.get_origin(tp) is tuple else getattr(tp, "__name__", str(tp))
+
+
+def _section_help(name: str, cls, default_obj, note: str = "") -> list[str]:
+    doc = (cls.__doc__ or "").strip().splitlines()[0]
+    lines, hints, comments = [f"--{name}.* ({cls.__name__}): {doc}{note}"], typing.get_type_hints(cls), _field_comments(cls)
+    for f in dataclasses.fields(cls):
+        default = getattr(default_obj, f.name)
+        left = f"  --{name}.{f.name} {_type_name(hints[f.name]).upper()} = {default!r}"
+        lines.append(f"{left:<52} {comments.get(f.name, '')}")
+    return lines
+
+
+def help_text() -> str:
+    """Every section and field (type, default, comment) and the recipes: what `train.py --help` prints."""
+    short = ", ".join(f"{k} = --{v}" for k, v in SHORT.items())
+    flags = ", ".join(f"{k} = --{p} {v}" for k, (p, v) in FLAGS.items())
+    out = ["usage: python train.py [--recipe NAME] [--<section>.<field> VALUE | --<section>.<field>=VALUE ...]", "",
+           "GRPO for DeepSeek-V4. Later wins: defaults -> --recipe -> the command line. Values parse by the field's",
+           "type: int, float, bool (true/false), str, none (for |none fields), comma-separated lists.",
+           f"Short forms: {short}; {flags}.", "", "recipes (--recipe NAME):"]
+    out += [f"  {k:<8} {RECIPE_HELP.get(k) or ' '.join(v)}" for k, v in RECIPES.items()]
+    cfg = RunConfig()
+    for f in dataclasses.fields(RunConfig):
+        if f.name != "model":
+            out += [""] + _section_help(f.name, type(getattr(cfg, f.name)), getattr(cfg, f.name))
+    out += [""] + _section_help("model", ModelConfig, ModelConfig(),
+                                " -- overrides of the preset's value; the defaults shown are flash's")
+    return "\n".join(out)
 
 
 # ---------------------------------------------------------------------------------------------- dry run

@@ -215,9 +215,9 @@ class GRPOConfig:
     clip_c: float | None = None       # dual-clip bound for negative advantages (--eps-clip-c); None = off
     use_tis: bool = False             # truncated importance sampling on exp(old - rollout) (--use-tis, Miles default off)
     tis_cap: float = 2.0              # TIS upper clamp (Miles --tis-clip)
-    kl_coef: float = 0.0              # k3 KL-to-reference loss coefficient (V4 recipe: 0, so no ref model)
-    kl_type: str = "low_var_kl"       # KL estimator: k1 | k2 | k3 | low_var_kl
-    entropy_coef: float = 0.0         # entropy bonus coefficient (recipe: 0)
+    kl_coef: float = 0.0              # KL-to-reference coefficient: must be 0 (no reference policy is kept; V4 recipe: 0)
+    kl_type: str = "low_var_kl"       # KL estimator k1|k2|k3|low_var_kl: only with a KL term, so must stay the default
+    entropy_coef: float = 0.0         # entropy bonus: must be 0 (no entropy backward through the chunked head; recipe: 0)
     aggregation: str = "seq-mean-token-mean"  # loss aggregation: seq-mean-token-mean (Miles) | token-mean (DAPO)
     dynamic_sampling: bool = True     # drop groups whose rewards are all equal
     over_sampling_batch_size: int = 512  # prompts submitted per chunk while too few groups are kept
@@ -228,6 +228,12 @@ class GRPOConfig:
                              f"got {self.aggregation!r}")
         if self.group_size < 1 or self.n_prompts < 1:
             raise ValueError(f"GRPOConfig: n_prompts={self.n_prompts}, group_size={self.group_size} must be >= 1")
+        if self.kl_coef != 0.0 or self.kl_type != "low_var_kl":  # read by nobody: refused, never silently ignored
+            raise ValueError(f"grpo.kl_coef={self.kl_coef}, grpo.kl_type={self.kl_type!r}: the trainer keeps no "
+                             f"reference policy (the V4 recipe trains without KL), so there is no KL term to set")
+        if self.entropy_coef != 0.0:
+            raise ValueError(f"grpo.entropy_coef={self.entropy_coef}: an entropy bonus needs the full-vocabulary "
+                             f"entropy through the chunked head's backward, which is not implemented; leave it 0")
 
 
 @dataclass
@@ -302,6 +308,7 @@ class RolloutConfig:
     verify: bool = True               # compare /weights_checker checksums after every push
     routing_replay: bool = False      # R3: replay the rollout engine's expert choices in the trainer forward
     max_rounds: int = 8               # over-sampling rounds per step before training on what was kept
+    health_timeout_s: float = 900.0   # wait this long for every external server's /health before the first push
 
     def __post_init__(self):
         self.urls = tuple(self.urls)
@@ -323,7 +330,9 @@ class EvalConfig:
     k_samples: int = 4                # samples per problem (pass@1..k)
     temperature: float = 1.0          # eval sampling temperature (Miles: falls back to the rollout temperature)
     max_new_tokens: int = 8           # eval response limit (Miles V4: 4096)
-    data: str = "../shared/data/aime24.jsonl"  # eval file for task=dapo (AIME-2024), relative to the cwd
+    data: str = "../shared/data/aime24.jsonl"  # eval file (jsonl / parquet) for task=dapo|chat, relative to the cwd
+    prompt_key: str = ""              # eval file's prompt field, dotted for nested ("" = prompt, else problem)
+    answer_key: str = ""              # eval file's answer field ("" = reward_model.ground_truth, else label, else answer)
 
 
 @dataclass
@@ -332,8 +341,13 @@ class TrainConfig:
 
     preset: str = "tiny"              # model preset (ignored when `checkpoint` is a HF directory)
     checkpoint: str = ""              # HF-layout directory or nanoflash DCP checkpoint to start from ("" = init)
-    task: str = "arith"               # arith (synthetic, CPU demo) | dapo (DAPO-Math-17K)
-    data: str = "../shared/data/dapo_math_17k.parquet"  # DAPO parquet / jsonl / hub name (task=dapo)
+    task: str = "arith"               # arith (synthetic, CPU demo) | dapo (DAPO instruction added) | chat (prompts as is)
+    data: str = "../shared/data/dapo_math_17k.parquet"  # training parquet / jsonl (task=dapo|chat), relative to the cwd
+    prompt_key: str = ""              # training file's prompt field, dotted for nested ("" = prompt, else problem)
+    answer_key: str = ""              # training file's answer field ("" = reward_model.ground_truth, else label, else answer)
+    reward: str = ""                  # reward plug-in "module:function" (contract: nanoflash/plugins.py); "" = the task's own
+    reward_timeout_s: float = 10.0    # per response: a plug-in call past this is killed and scores 0
+    reward_workers: int = 2           # processes running the reward plug-in
     difficulty: int = 1               # arith operand digits
     steps: int = 20                   # GRPO steps
     seed: int = 1234                  # one seed for init, data order and per-request sampling seeds (Miles 1234)
@@ -355,8 +369,11 @@ class TrainConfig:
     max_skipped_steps: int = 3        # consecutive non-finite (skipped) GRPO steps before the run stops
 
     def __post_init__(self):
-        if self.task not in ("arith", "dapo"):
-            raise ValueError(f"TrainConfig.task must be arith|dapo, got {self.task!r}")
+        if self.task not in ("arith", "dapo", "chat"):
+            raise ValueError(f"TrainConfig.task must be arith|dapo|chat, got {self.task!r}")
+        if self.reward_timeout_s <= 0 or self.reward_workers < 1:
+            raise ValueError(f"TrainConfig: reward_timeout_s={self.reward_timeout_s} must be > 0 and "
+                             f"reward_workers={self.reward_workers} >= 1")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"TrainConfig.dtype must be fp32|bf16, got {self.dtype!r}")
         if self.steps < 0 or self.warmup_steps < 0:

@@ -9,7 +9,13 @@ it into prompt token ids. This module provides:
      `DAPO_TEMPLATE.format(problem=...)` asks for a final `Answer: ...` line (the reward reads it).
    - AIME-2024/2025 and MATH-500 jsonl (`{"problem", "answer"}`; the problem already asks for `\\boxed{}`).
    A row that cannot be read (missing prompt, empty/non-string answer) is skipped and counted, never fatal:
-   every loader returns `(problems, n_skipped)`. A missing file or an unknown format is one clear error.
+   every loader returns `(problems, n_skipped)`. A missing file, an unknown format, or a file of which *no*
+   row can be read (e.g. a wrong field name) is one clear error naming the file, the fields asked for and
+   the fields the first row has.
+   Any jsonl or parquet file (`load_problems`, any path; `~` expanded) with configurable field names:
+   `prompt_key` / `answer_key` are dotted paths into a row (`"question"`, `"reward_model.ground_truth"`);
+   "" means the automatic order (prompt: `prompt`, else `problem`; answer: `reward_model.ground_truth`, else
+   `label`, else `answer`). A prompt that is a list of chat messages contributes its last user message.
 2. **A synthetic arithmetic task** for the CPU demo: `"37+5="` -> `"42"`, seeded, with a difficulty knob (digits
    per operand; `*` joins at difficulty >= 3). The `mod10` family asks only for the last digit of a sum
    with a zero-padded `difficulty`-digit `a` and a small `b` (1..MOD10_MAX_ADDEND): `"0527+1="` -> `"8"` =
@@ -83,19 +89,32 @@ def _clean_answer(value: Any, where: str) -> str:
     return value.strip()
 
 
-def _row_to_problem(row: dict, idx: int, source: str, add_dapo_instruction: bool) -> Problem:
-    """Normalize one row of any accepted schema (verl parquet, Miles jsonl, plain problem/answer)."""
+def _get(row: dict, key: str):
+    """row["a"]["b"] for key "a.b"; None when any level is missing."""
+    for part in key.split("."):
+        if not isinstance(row, dict):
+            return None
+        row = row.get(part)
+    return row
+
+
+def _row_to_problem(row: dict, idx: int, source: str, add_dapo_instruction: bool, prompt_key: str = "",
+                    answer_key: str = "") -> Problem:
+    """Normalize one row of any accepted schema (verl parquet, Miles jsonl, plain problem/answer, or the
+    fields `prompt_key` / `answer_key` name)."""
     where = f"{source} row {idx}"
     if not isinstance(row, dict):
         raise BadRow(f"{where}: not an object but {type(row).__name__}")
-    prompt = row.get("prompt", row.get("problem"))
+    prompt = _get(row, prompt_key) if prompt_key else row.get("prompt", row.get("problem"))
     if isinstance(prompt, (list, tuple)):  # chat messages: take the (last) user message
         users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
         prompt = users[-1] if users else None
     if not isinstance(prompt, str) or not prompt.strip():
         raise BadRow(f"{where}: prompt {str(prompt)[:80]!r} is missing or empty")
     rm = row.get("reward_model")
-    if isinstance(rm, dict) and "ground_truth" in rm:
+    if answer_key:
+        answer = _get(row, answer_key)
+    elif isinstance(rm, dict) and "ground_truth" in rm:
         answer = rm["ground_truth"]
     else:
         answer = row.get("label", row.get("answer"))
@@ -107,13 +126,20 @@ def _row_to_problem(row: dict, idx: int, source: str, add_dapo_instruction: bool
     return Problem(id=f"{source}-{rid}", prompt=prompt, answer=answer, source=source)
 
 
-def _rows_to_problems(rows: Iterable[dict], source: str, add_dapo_instruction: bool) -> tuple[list[Problem], int]:
-    problems, skipped = [], 0
+def _rows_to_problems(rows: list, source: str, add_dapo_instruction: bool, prompt_key: str = "",
+                      answer_key: str = "", path: str = "") -> tuple[list[Problem], int]:
+    problems, skipped, first_error = [], 0, None
     for idx, row in enumerate(rows):
         try:
-            problems.append(_row_to_problem(row, idx, source, add_dapo_instruction))
-        except BadRow:
+            problems.append(_row_to_problem(row, idx, source, add_dapo_instruction, prompt_key, answer_key))
+        except BadRow as e:
             skipped += 1
+            first_error = first_error or str(e)
+    if rows and not problems:  # every row skipped: a wrong field name, not a few bad rows
+        fields = sorted(rows[0]) if isinstance(rows[0], dict) else type(rows[0]).__name__
+        raise ValueError(f"{path or source}: none of its {len(rows)} rows gives a problem (prompt_key="
+                         f"{prompt_key or 'auto'!r}, answer_key={answer_key or 'auto'!r}; first row's fields: "
+                         f"{fields}; {first_error})")
     return problems, skipped
 
 
@@ -132,6 +158,9 @@ def _read_jsonl(path: str) -> list:
 
 
 def _read_rows(path_or_name: str) -> list:
+    path_or_name = os.path.expanduser(path_or_name)
+    if os.path.isdir(path_or_name):
+        raise ValueError(f"data path {path_or_name!r} is a directory; give a .jsonl or .parquet file")
     if os.path.exists(path_or_name):
         if path_or_name.endswith(".parquet"):
             import pyarrow.parquet as pq
@@ -148,17 +177,24 @@ def _read_rows(path_or_name: str) -> list:
         raise FileNotFoundError(f"{path_or_name!r} is neither a local file nor a loadable hub dataset: {e}") from e
 
 
-def load_dapo(path_or_name: str) -> tuple[list[Problem], int]:
-    """DAPO-Math-17K with the DAPO `Answer:` instruction re-added. Returns (problems, n_skipped)."""
-    return _rows_to_problems(_read_rows(path_or_name), "dapo", add_dapo_instruction=True)
-
-
-def load_jsonl_problems(path: str, source: str | None = None) -> tuple[list[Problem], int]:
-    """AIME-2024/2025 or MATH-500 jsonl (`problem` already asks for `\\boxed{}`). Returns (problems, n_skipped)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"data file {path!r} does not exist")
+def load_problems(path: str, source: str | None = None, add_dapo_instruction: bool = False, prompt_key: str = "",
+                  answer_key: str = "") -> tuple[list[Problem], int]:
+    """Any jsonl / parquet file (or hub name) of prompt/answer rows. Returns (problems, n_skipped)."""
     source = source or os.path.splitext(os.path.basename(path))[0]
-    return _rows_to_problems(_read_jsonl(path), source, add_dapo_instruction=False)
+    return _rows_to_problems(_read_rows(path), source, add_dapo_instruction, prompt_key, answer_key, path)
+
+
+def load_dapo(path_or_name: str, prompt_key: str = "", answer_key: str = "") -> tuple[list[Problem], int]:
+    """DAPO-Math-17K with the DAPO `Answer:` instruction re-added. Returns (problems, n_skipped)."""
+    return load_problems(path_or_name, "dapo", True, prompt_key, answer_key)
+
+
+def load_jsonl_problems(path: str, source: str | None = None, prompt_key: str = "",
+                        answer_key: str = "") -> tuple[list[Problem], int]:
+    """AIME-2024/2025 or MATH-500 jsonl (`problem` already asks for `\\boxed{}`). Returns (problems, n_skipped)."""
+    if not os.path.exists(os.path.expanduser(path)):
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    return load_problems(path, source, False, prompt_key, answer_key)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ from typing import Callable
 
 import torch
 
-from nanoflash import data, grpo, rewards
-from nanoflash.rollout.client import SGLangClient, decode_routed_experts
+from nanoflash import data, grpo, plugins, rewards
+from nanoflash.rollout.client import ServerGoneError, SGLangClient, decode_routed_experts
 from nanoflash.rollout.engine import RolloutEngine, sample
 from nanoflash.rollout.server import serve
 from nanoflash.rollout.weight_sync import Broadcaster, iter_sglang_buckets, push_weights
@@ -71,29 +71,47 @@ def arith_answer(tc) -> str:
 
 def make_task(tc, ec, vocab_size: int) -> Task:
     """arith: synthetic `a+b=` problems with CharTokenizer (`train.data=arith:mod10`: the last-digit family of
-    the CPU demo); dapo: DAPO-Math-17K + AIME with the V4 tokenizer."""
-    if tc.task == "arith":
-        tok = data.CharTokenizer()
-        if tok.vocab_size > vocab_size:
-            raise ValueError(f"the arithmetic tokenizer needs {tok.vocab_size} ids; the model has {vocab_size}")
-        answer = arith_answer(tc)
-        pct = ARITH_HELDOUT_PERCENT.get(tc.difficulty, 10) if answer == "value" else 10
-        n_train, n_held = _arith_split_sizes(tc.difficulty, pct, answer)
-        kw = dict(difficulty=tc.difficulty, seed=0, heldout_percent=pct, answer=answer)
-        train = data.arithmetic_problems(n_train, "train", **kw)
-        random.Random(tc.seed).shuffle(train)
-        heldout = data.arithmetic_problems(min(ec.n_problems, n_held), "heldout", **kw)
-        return Task(train, heldout, tok.encode_prompt, tok.decode,
-                    rewards.token_reward_fn(tok.decode, rewards.arith_reward), [tok.eos_id], tok.pad_id)
-    tok = data.V4Tokenizer()
-    train, skipped = data.load_dapo(tc.data)
-    heldout, _ = data.load_jsonl_problems(ec.data)
-    print(f"task dapo: {len(train)} training problems ({skipped} rows skipped), {len(heldout)} eval problems")
+    the CPU demo); dapo: DAPO-Math-17K (DAPO instruction re-added) + AIME with the V4 tokenizer; chat: any
+    jsonl / parquet of prompt-answer rows, prompts as they are. `train.reward=module:function` replaces the
+    task's reward by a plug-in (`plugins.PluginReward`: the contract, timeouts and errors)."""
+    task = _arith_task(tc, ec, vocab_size) if tc.task == "arith" else _chat_task(tc, ec, vocab_size)
+    if tc.reward:
+        plugin = plugins.PluginReward(tc.reward, n_workers=tc.reward_workers, timeout_s=tc.reward_timeout_s)
+        task.reward = plugins.token_plugin_fn(task.decode, plugin)
+    return task
+
+
+def _arith_task(tc, ec, vocab_size: int) -> Task:
+    """task=arith: the synthetic family of `train.data` (arith:mod10 / value), hash-split train / held out."""
+    tok = data.CharTokenizer()
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"train.task=arith: the arithmetic tokenizer needs {tok.vocab_size} ids but the "
+                         f"model's vocab_size is {vocab_size}; set --model.vocab_size {tok.vocab_size}")
+    answer = arith_answer(tc)
+    pct = ARITH_HELDOUT_PERCENT.get(tc.difficulty, 10) if answer == "value" else 10
+    n_train, n_held = _arith_split_sizes(tc.difficulty, pct, answer)
+    kw = dict(difficulty=tc.difficulty, seed=0, heldout_percent=pct, answer=answer)
+    train = data.arithmetic_problems(n_train, "train", **kw)
     random.Random(tc.seed).shuffle(train)
-    scorer = rewards.MathReward()
-    eos = tok.token_id(data.EOS)
-    return Task(train, heldout[:ec.n_problems], tok.encode_chat, lambda ids: tok.decode(ids, True),
-                rewards.token_reward_fn(lambda ids: tok.decode(ids, True), scorer), [eos], eos)
+    heldout = data.arithmetic_problems(min(ec.n_problems, n_held), "heldout", **kw)
+    return Task(train, heldout, tok.encode_prompt, tok.decode,
+                rewards.token_reward_fn(tok.decode, rewards.arith_reward), [tok.eos_id], tok.pad_id)
+
+
+def _chat_task(tc, ec, vocab_size: int) -> Task:
+    """task=dapo|chat: the V4 tokenizer and chat format; the model's vocabulary must hold its ids."""
+    tok = data.V4Tokenizer()
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"train.task={tc.task}: the DeepSeek-V4 tokenizer has {tok.vocab_size:,} ids but the model's "
+                         f"vocab_size is {vocab_size}; use --preset small or flash (or --model.vocab_size "
+                         f"{tok.vocab_size})")
+    train, skipped = data.load_problems(tc.data, tc.task, tc.task == "dapo", tc.prompt_key, tc.answer_key)
+    heldout = data.load_problems(ec.data, None, False, ec.prompt_key, ec.answer_key)[0] if ec.every else []
+    print(f"task {tc.task}: {len(train)} training problems ({skipped} rows skipped), {len(heldout)} eval problems")
+    random.Random(tc.seed).shuffle(train)
+    eos, decode = tok.token_id(data.EOS), lambda ids: tok.decode(ids, True)
+    reward = None if tc.reward else rewards.token_reward_fn(decode, rewards.MathReward())  # (make_task: plug-in)
+    return Task(train, heldout[:ec.n_problems], tok.encode_chat, decode, reward, [eos], eos)
 
 
 def _arith_split_sizes(difficulty: int, pct: int, answer: str = "value") -> tuple[int, int]:
@@ -140,6 +158,14 @@ def push(client, model, rc, version: int, disk_dir: str, broadcaster=None) -> di
                         disk_dir=disk_dir, broadcaster=broadcaster)
 
 
+def wait_for_servers(client, timeout_s: float) -> None:
+    """Block until every external server answers /health; after `timeout_s` stop with one line naming them."""
+    try:
+        client.wait_healthy(timeout=timeout_s)
+    except ServerGoneError as e:
+        raise SystemExit(f"rollout.urls: {e} (rollout.health_timeout_s={timeout_s:g}; is SGLang still loading?)") from None
+
+
 class Rollouts:
     """The rollout side of the loop, on rank 0: the client, the servers (embedded ones it starts itself, or
     SGLang at `rollout.urls`), the task, and the weight-push transport.
@@ -153,6 +179,7 @@ class Rollouts:
         self.cfg, self.task, self.mcfg, rc = cfg, task, mcfg, cfg.rollout
         if rc.urls:
             self.client, self.engines, self.httpds = SGLangClient(list(rc.urls)), [], []
+            wait_for_servers(self.client, rc.health_timeout_s)  # a cold SGLang start outlasts the client's retries
         else:
             self.client, self.engines, self.httpds = start_embedded(model, rc.n_servers, rc.weights, cfg.train.seed)
         self.broadcaster = make_broadcaster(self.client, rc)

@@ -6,11 +6,16 @@ numbers as `<kind>/<name>` when installed and asked for, and are skipped with on
 
 Resume: `MetricsLog(path, resume_step=N)` first drops every record with step > N (they belong to steps the
 crashed run finished after its last checkpoint and that the resumed run will redo), so the file never holds
-two records of one step.
+two records of one step. The mirrors follow the same rule: TensorBoard's writer opens with
+`purge_step = N + 1` (TensorBoard then discards the events of steps > N that the crashed run wrote), and W&B
+resumes the *same* run: its id is drawn once and kept in `out_dir/wandb_run_id`, and every later start calls
+`wandb.init(id=..., resume="allow")`, so a resumed run continues one W&B run instead of opening a new one.
+W&B ignores steps at or below the last one it holds, so a redone step keeps the crashed run's record there
+(the resumed run redraws it bit for bit; only its timings differ).
 
 Differs from Miles: Miles logs to W&B / TensorBoard through Ray actors; here rank 0 writes a flat file.
 
-Tests: `pytest tests/test_train_e2e.py -q`.
+Tests: `pytest tests/test_metrics_log.py tests/test_train_e2e.py -q`.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import json
 import math
 import os
 import sys
+import uuid
 
 import torch
 
@@ -51,6 +57,18 @@ def _clean(v):
     return v
 
 
+def wandb_run_id(run_dir: str, fresh: bool) -> str:
+    """The W&B run id of `run_dir`: a new random one for a fresh run (written to `wandb_run_id`), else the stored one."""
+    path = os.path.join(run_dir, "wandb_run_id")
+    if not fresh and os.path.exists(path):
+        with open(path) as f:
+            return f.read().strip()
+    run_id = uuid.uuid4().hex[:12]
+    with open(path, "w") as f:
+        f.write(run_id + "\n")
+    return run_id
+
+
 class MetricsLog:
     """Append-only JSONL log with optional TensorBoard / W&B mirrors (rank 0 only; others pass enabled=False)."""
 
@@ -64,16 +82,19 @@ class MetricsLog:
         with open(path, "w") as f:  # rewrite: a fresh run starts empty, a resumed one keeps steps <= N
             for r in keep:
                 f.write(json.dumps(r) + "\n")
+        run_dir = os.path.dirname(path) or "."
+        purge = None if resume_step is None else resume_step + 1  # drop the redone steps' old events
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(os.path.join(os.path.dirname(path), "tb"))
+                self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=purge)
             except ImportError:
                 print("metrics: tensorboard is not installed; logging to JSONL only", file=sys.stderr)
         if wandb:
             try:
                 import wandb as wb
-                self.wb = wb.init(project=wandb, config=config or {}, resume="allow")
+                self.wb = wb.init(project=wandb, id=wandb_run_id(run_dir, fresh=resume_step is None),
+                                  config=config or {}, resume="allow")
             except ImportError:
                 print("metrics: wandb is not installed; logging to JSONL only", file=sys.stderr)
 

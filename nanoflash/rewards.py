@@ -21,6 +21,8 @@ counted, nothing hangs.
 
 The synthetic arithmetic task uses `integer_match` on the whole decoded response.
 
+Reward plug-ins (`--train.reward module:function`): `nanoflash/plugins.py`.
+
 Differs from production: Miles grades with the deepscaler/verl sympy grader (`grade_answer_mathd` or
 `grade_answer_sympy`) on the last `\\boxed{}` only, without a process pool; DAPO's own reward reads the
 `Answer:` line and pays +1/-1. We pay 1/0 like Miles' V4 recipe.
@@ -317,3 +319,4 @@ def token_reward_fn(decode: Callable[[Sequence[int]], str], text_reward: Callabl
     def reward_fn(problems, responses_ids):
         return text_reward([decode(ids) for ids in responses_ids], [p.answer for p in problems])
     return reward_fn
+

@@ -1,0 +1,117 @@
+"""Export a training checkpoint to the Hugging Face layout: `python -m nanoflash.export SOURCE OUT_DIR`.
+
+    python -m nanoflash.export runs/demo runs/demo-hf                 # newest checkpoint of a run, BF16 linears
+    python -m nanoflash.export runs/demo/checkpoints/step_00000080 out --weights fp8   # FP8 + FP4, the release's
+
+SOURCE is a run directory (its newest committed checkpoint) or one `checkpoints/step_N` directory. The model
+config comes from the checkpoint itself (`meta.json` -> `extra.model_config`, which `train.py` writes into every
+checkpoint); for a checkpoint written before that, from the run's `config.json` (preset + `--model.*`). The
+weights are rebuilt as one full model on the CPU from any PP/EP layout (DCP reshards by name:
+`parallel.checkpoint.export_hf`) and written by `checkpoint.save_hf_checkpoint`: `config.json` (HF keys plus the
+exact nanoflash config), the index and the shards, official tensor names.
+
+Storage (`--weights`, `--experts`): bf16 (default) keeps every FP8-kind linear and expert in BF16, the
+norms / mHC / sinks in FP32; fp8 writes the release's FP8 128x128 blocks and FP4 experts (`--experts fp8`: the
+re-pack SGLang serves on Hopper). `--dtype bf16` rebuilds the model in BF16 (half the host memory; the FP32
+tensors are then rounded too).
+
+Who reads the result: `checkpoint.load_hf_checkpoint` (and `train.py --train.checkpoint OUT_DIR`),
+transformers' `DeepseekV4ForCausalLM.from_pretrained` (its conversion mapping reads the official names), and
+SGLang (`scripts/sglang_h200.sh` serves directories written by the same writer; docs/sglang.md).
+
+Errors (missing checkpoint, no model config, unwritable output) are one line and exit code 2.
+
+Tests: `pytest tests/test_export.py -q`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+from nanoflash.config import ModelConfig, preset
+from nanoflash.parallel.checkpoint import META, latest_checkpoint
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_checkpoint(source: str) -> str:
+    """A step directory as is; a run directory -> its newest committed checkpoint."""
+    if os.path.exists(os.path.join(source, META)):
+        return source
+    latest = latest_checkpoint(os.path.join(source, "checkpoints"))
+    if latest is None:
+        raise ValueError(f"{source}: neither a checkpoint (no {META}) nor a run directory with committed "
+                         f"checkpoints under {os.path.join(source, 'checkpoints')}")
+    return latest
+
+
+def checkpoint_model_config(ckpt: str) -> ModelConfig:
+    """The model config stored in the checkpoint, else rebuilt from the run's config.json two levels up."""
+    with open(os.path.join(ckpt, META)) as f:
+        stored = json.load(f).get("extra", {}).get("model_config")
+    if stored:
+        return ModelConfig.from_dict(stored)
+    run_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), "config.json")
+    if not os.path.exists(run_cfg):
+        raise ValueError(f"{ckpt}: its meta.json has no model_config and there is no run config.json at {run_cfg}")
+    with open(run_cfg) as f:
+        run = json.load(f)
+    if run["train"].get("checkpoint"):  # a run that started from a HF directory: that directory's config
+        return dataclasses.replace(ModelConfig.from_hf_config(run["train"]["checkpoint"]), **run.get("model", {}))
+    return preset(run["train"]["preset"], **run.get("model", {}))
+
+
+def add_transformers_keys(out_dir: str, cfg: ModelConfig) -> None:
+    """Add transformers' per-layer keys to config.json: its legacy `compress_ratios` reader accepts only 0/4/128,
+    so a model with another heavy ratio (the tiny preset's 8) needs `layer_types` + `compress_rates` spelled out."""
+    heavy = sorted({r for r in cfg.compress_ratios[:cfg.n_layers] if r not in (0, 4)})
+    if len(heavy) > 1:
+        return  # transformers has one rate per layer type; such a model is not expressible there
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        hf = json.load(f)
+    names = {0: "sliding_attention", 4: "compressed_sparse_attention"}
+    hf["layer_types"] = [names.get(r, "heavily_compressed_attention") for r in cfg.compress_ratios[:cfg.n_layers]]
+    hf["compress_rates"] = {"compressed_sparse_attention": 4, "heavily_compressed_attention": (heavy or [128])[0]}
+    with open(path, "w") as f:
+        json.dump(hf, f, indent=2)
+
+
+def export(source: str, out_dir: str, weights: str = "bf16", experts: str | None = None,
+           dtype: str = "fp32") -> dict:
+    """SOURCE (run or step directory) -> HF-layout OUT_DIR. Returns {"checkpoint", "tensors", "out_dir"}."""
+    from nanoflash.parallel.checkpoint import export_hf
+    ckpt = resolve_checkpoint(source)
+    cfg = checkpoint_model_config(ckpt)
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"{out_dir} exists and is not empty; export into a new directory")
+    index = export_hf(ckpt, cfg, out_dir, dtype=DTYPES[dtype], weights=weights, experts=experts)
+    add_transformers_keys(out_dir, cfg)
+    return {"checkpoint": ckpt, "tensors": len(index["weight_map"]), "out_dir": out_dir}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m nanoflash.export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", help="run directory (newest checkpoint) or checkpoints/step_N directory")
+    ap.add_argument("out_dir", help="new directory for the HF-layout checkpoint")
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="FP8-kind linears (default bf16)")
+    ap.add_argument("--experts", choices=("fp4", "fp8", "bf16"), default=None,
+                    help="routed experts (default: bf16 with --weights bf16, fp4 with --weights fp8)")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="dtype of the rebuilt model (default fp32)")
+    args = ap.parse_args(argv)
+    try:
+        info = export(args.source, args.out_dir, args.weights, args.experts, args.dtype)
+    except (ValueError, OSError) as e:
+        print(f"nanoflash.export: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(f"exported {info['checkpoint']} -> {info['out_dir']} ({info['tensors']} tensors)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

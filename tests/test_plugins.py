@@ -1,0 +1,119 @@
+"""Reward plug-ins (`--train.reward module:function`, nanoflash/plugins.py): loaded from a module in a temporary
+directory, run in worker processes; the contract's outcomes (value, timeout, exception, non-number) each
+checked, and one short train.py run that trains on a plug-in reward.
+
+Run: `pytest tests/test_plugins.py -q`.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nanoflash import cli, episodes, plugins
+from nanoflash.data import Problem
+from nanoflash.metrics import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 1.0  # the plug-in's "hang" sleeps 30 s: far past this, so the timeout path is the only way out
+PLUGIN = '''
+import time
+
+def score(response, problem):
+    """1 for the reference answer, 0.5 for any other single digit, 0 otherwise."""
+    if response == "hang":
+        time.sleep(30)
+    if response == "boom":
+        raise ValueError("cannot score " + response)
+    if response == "nan":
+        return float("nan")
+    if response.strip() == problem.answer:
+        return 1.0
+    return 0.5 if len(response) == 1 and response.isdigit() else 0.0
+
+def even(response, problem):
+    return response.isdigit() and int(response) % 2 == 0
+
+def one_arg(response):
+    return 0.0
+'''
+
+
+@pytest.fixture()
+def plugin_dir(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_plugin_values_bools_and_timeouts(plugin_dir, capsys):
+    p = Problem("t-0", "0527+1=", "8")
+    reward = plugins.PluginReward("my_rewards:score", n_workers=2, timeout_s=TIMEOUT_S)
+    try:
+        assert reward(["8", "3", "x8", "hang"], [p] * 4) == [1.0, 0.5, 0.0, 0.0]
+        assert reward.counts["ok"] == 3 and reward.counts["timeout"] == 1
+        assert "1 of 4 calls timed out" in capsys.readouterr().err
+    finally:
+        reward.close()
+    even = plugins.PluginReward("my_rewards:even", n_workers=1, timeout_s=TIMEOUT_S)
+    try:
+        assert even(["4", "7", "x"], [p] * 3) == [1.0, 0.0, 0.0]        # bools count as 0 / 1
+    finally:
+        even.close()
+
+
+@pytest.mark.parametrize("response, says", [("boom", "ValueError: cannot score boom"), ("nan", "not a finite number")])
+def test_plugin_exception_or_non_number_stops_with_one_line(plugin_dir, response, says):
+    reward = plugins.PluginReward("my_rewards:score", n_workers=1, timeout_s=TIMEOUT_S)
+    try:
+        with pytest.raises(plugins.RewardPluginError) as exc:
+            reward(["8", response], [Problem("t-7", "0527+1=", "8")] * 2)
+    finally:
+        reward.close()
+    assert isinstance(exc.value, SystemExit) and "my_rewards:score" in str(exc.value) and "'t-7'" in str(exc.value)
+    assert says in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("spec, says", [("my_rewards", "module:function"), ("my_rewards:nope", "no function 'nope'"),
+                                        ("my_rewards:one_arg", "one_arg(response) cannot be called"),
+                                        ("missing_mod_q:score", "cannot import 'missing_mod_q'")])
+def test_plugin_load_errors_name_the_spec(plugin_dir, spec, says):
+    with pytest.raises(ValueError, match="train.reward=") as exc:
+        plugins.load_plugin(spec)
+    assert says in str(exc.value)
+
+
+def test_make_task_uses_the_plugin_for_token_responses(plugin_dir):
+    cfg = cli.parse_args(["--recipe", "smoke", "--train.reward", "my_rewards:score"])
+    task = episodes.make_task(cfg.train, cfg.eval, 18)
+    prob = task.train[0]
+    right = task.encode(Problem("x", prob.prompt + prob.answer, prob.answer))[len(task.encode(prob)):]
+    other = str((int(prob.answer) + 1) % 10)
+    wrong = task.encode(Problem("x", prob.prompt + other, other))[len(task.encode(prob)):]
+    eos = task.stop_ids[0]
+    assert task.reward([prob, prob], [right + [eos], wrong + [eos]]) == [1.0, 0.5]
+
+
+LOGGING_PLUGIN = PLUGIN + '''
+
+def logged(response, problem):
+    import os
+    with open(os.path.join(os.path.dirname(__file__), "calls.log"), "a") as f:
+        f.write(problem.id + "\\n")
+    return score(response, problem)
+'''
+
+
+def test_train_py_trains_on_a_plugin_from_the_working_directory(tmp_path):
+    """The module sits in the directory train.py is started from (not on PYTHONPATH): rollouts and evals call it."""
+    (tmp_path / "my_rewards.py").write_text(LOGGING_PLUGIN)
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--recipe", "smoke", "--steps", "1",
+                        "--train.reward", "my_rewards:logged", "--out", str(out), "--train.progress", "false",
+                        "--train.plots", "false"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    calls = (tmp_path / "calls.log").read_text().split()
+    train = read_jsonl(str(out / "metrics.jsonl"), "train")
+    assert len(train) == 1 and sum(c.startswith("arith-train-") for c in calls) == train[0]["n_episodes"]
+    n_eval = len(read_jsonl(str(out / "metrics.jsonl"), "eval"))   # steps 0 and 1: 16 problems x 2 samples each
+    assert sum(c.startswith("arith-heldout-") for c in calls) == n_eval * 16 * 2

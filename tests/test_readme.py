@@ -1,0 +1,66 @@
+"""The README's commands as a new user types them: the quick start's two commands (the first is CI's own, the
+second runs verbatim from a clean environment with a 1-step override), and every train.py command of the
+README writes its own run directory.
+
+Run: `pytest tests/test_readme.py -q`.
+"""
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+
+from nanoflash.cli import parse_args
+from nanoflash.metrics import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+# appended to the demo command so the suite stays short: 1 GRPO step, a 2-step warm start, a small eval
+SHORT = ["--steps", "1", "--train.warmup_steps", "2", "--eval.n_problems", "16", "--eval.k_samples", "2",
+         "--train.plots", "false"]
+
+
+def code_lines(section: str | None = None) -> list[str]:
+    """Command lines of the README's ```bash blocks (of one `## section` if given), comments stripped."""
+    text = open(README).read()
+    if section is not None:
+        text = text.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        joined = block.replace("\\\n", " ")
+        lines += [ln.split("  #")[0].strip() for ln in joined.splitlines() if ln.strip() and not ln.startswith("#")]
+    return lines
+
+
+def test_quick_start_is_two_commands_and_the_first_is_ci():
+    cmds = code_lines("Quick start: two commands, from the repository root, in a fresh shell")
+    assert cmds == ["bash scripts/setup.sh --test", ".venv/bin/python train.py --recipe demo"]
+    assert cmds[0] in open(os.path.join(ROOT, ".ci", "run")).read().splitlines()   # CI runs exactly this line
+
+
+def test_demo_command_runs_verbatim_in_a_clean_environment(tmp_path):
+    """No activated venv, no PYTHONPATH, a bare PATH: what a fresh shell has."""
+    if not os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")):
+        pytest.skip("no .venv: this test runs after scripts/setup.sh (CI's command)")
+    cmd = code_lines("Quick start: two commands, from the repository root, in a fresh shell")[1]
+    out = tmp_path / "demo"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8"}
+    full = cmd + " " + " ".join(shlex.quote(a) for a in SHORT + ["--out", str(out), "--train.progress", "false"])
+    p = subprocess.run(["bash", "-c", full], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, f"{full}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+    assert [r["step"] for r in read_jsonl(str(out / "metrics.jsonl"), "train")] == [1]
+    assert os.path.exists(out / "config.json") and os.path.isdir(out / "checkpoints")
+
+
+def test_every_train_command_writes_its_own_run_directory():
+    outs = {}
+    for line in dict.fromkeys(code_lines()):      # the same command twice is the same run
+        words = shlex.split(line)
+        if "train.py" not in words or "--dry-run" in words:
+            continue
+        argv = words[words.index("train.py") + 1:]
+        out = parse_args(argv).train.out_dir
+        assert out not in outs, f"{line!r} and {outs.get(out)!r} both write {out}"
+        outs[out] = line
+    assert len(outs) >= 5, outs

@@ -1,0 +1,139 @@
+"""train.py's startup (nanoflash/startup.py): --help, one-line user errors with exit code 2 before any model is
+built, knobs nothing reads refused, run directories that refuse another run.
+
+Run: `pytest tests/test_startup.py -q`.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nanoflash import cli, startup
+from nanoflash.config import GRPOConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fail_line(capsys, argv) -> str:
+    """Run startup(argv), expect exit code 2 and exactly one stderr line; return it."""
+    with pytest.raises(SystemExit) as exc:
+        startup.startup(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train.py: error: "), err
+    return err[0]
+
+
+def test_help_lists_sections_fields_defaults_comments_and_recipes(capsys):
+    with pytest.raises(SystemExit) as exc:
+        startup.startup(["--recipe", "demo", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for section in ("--train.*", "--grpo.*", "--optim.*", "--parallel.*", "--rollout.*", "--eval.*", "--model.*"):
+        assert section in out, section
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("--grpo.clip_high "))
+    assert "FLOAT = 0.28" in line and "clip-higher" in line          # type, default, the config.py comment
+    assert "INT|NONE = None" in out                                 # an optional field's type
+    for recipe in cli.RECIPES:
+        assert f"  {recipe} " in out
+    assert "--train.reward STR = ''" in out and "--model.vocab_size INT" in out
+
+
+def test_help_from_train_py_exits_0_without_a_traceback():
+    p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "--rollout.health_timeout_s" in p.stdout and not p.stderr.strip(), p.stderr
+
+
+@pytest.mark.parametrize("argv, culprit", [
+    (["--grpo.clip_hgh", "0.3"], "did you mean --grpo.clip_high"),
+    (["--steps", "abc"], "'abc'"),
+    (["--recipe", "nonexistent"], "'nonexistent'"),
+    (["--grpo.kl_coef", "0.1"], "grpo.kl_coef=0.1"),             # declared, read by nobody: refused
+    (["--grpo.kl_type", "k3"], "kl_type='k3'"),
+    (["--grpo.entropy_coef", "0.01"], "grpo.entropy_coef=0.01"),
+    (["--train.task", "dapo"], "vocab_size is 256"),               # tiny model vs the V4 tokenizer
+    (["--train.task", "dapo", "--preset", "small", "--train.data", "nope/missing.parquet"], "train.data="),
+    (["--train.task", "chat", "--preset", "small", "--eval.data", "nope/x.jsonl"], "eval.data="),
+    (["--recipe", "demo", "--train.reward", "no_such_module_xyz:score"], "no_such_module_xyz"),
+    (["--recipe", "demo", "--train.reward", "score_only"], "module:function"),
+    (["--train.checkpoint", "/nonexistent/ckpt"], "train.checkpoint="),
+    (["--rollout.urls", "node0:30000"], "node0:30000"),
+    (["--recipe", "demo", "--model.vocab_size", "12"], "--model.vocab_size 18"),
+    (["--help-me"], "--help-me"),
+])
+def test_user_mistakes_are_one_line_and_exit_2(capsys, tmp_path, argv, culprit):
+    rows = tmp_path / "rows.jsonl"                                 # a data file for the non-arith tasks
+    rows.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    files = ["--train.data", str(rows), "--eval.data", str(rows)]
+    line = fail_line(capsys, files + argv + ["--out", str(tmp_path / "run")])
+    assert culprit in line, line
+    assert not os.path.exists(tmp_path / "run")                   # refused before anything was written
+
+
+def test_default_data_path_missing_explains_the_shared_folder(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                                    # ../shared/data does not exist from here
+    line = fail_line(capsys, ["--train.task", "dapo", "--preset", "small"])
+    assert "shared data folder" in line and "../shared/data/dapo_math_17k.parquet" in line
+
+
+def test_grpo_config_refuses_unread_knobs_directly():
+    GRPOConfig()  # the defaults are fine
+    with pytest.raises(ValueError, match="reference policy"):
+        GRPOConfig(kl_coef=0.05)
+
+
+def test_train_py_mistake_is_one_line_no_traceback(tmp_path):
+    p = subprocess.run([sys.executable, "train.py", "--grpo.clip_hgh", "0.3", "--out", str(tmp_path / "r")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines() == ["train.py: error: --grpo.clip_hgh: GRPOConfig has no field 'clip_hgh' "
+                                             "(did you mean --grpo.clip_high?)"]
+
+
+# ---------------------------------------------------------------------------------------------- run directories
+def fake_checkpoint(out: str, step: int) -> None:
+    d = os.path.join(out, "checkpoints", f"step_{step:08d}")
+    os.makedirs(d)
+    with open(os.path.join(d, "meta.json"), "w") as f:
+        json.dump({"step": step, "extra": {}}, f)
+
+
+def test_out_dir_gets_config_json(tmp_path):
+    out = str(tmp_path / "run")
+    cfg, mcfg, task = startup.startup(["--recipe", "smoke", "--out", out])
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f) == cli.to_dict(cfg)
+    assert mcfg.vocab_size == 18 and len(task.heldout) == cfg.eval.n_problems
+
+
+def test_another_runs_directory_is_refused_naming_the_difference(capsys, tmp_path):
+    out = str(tmp_path / "run")
+    startup.startup(["--recipe", "smoke", "--out", out])
+    fake_checkpoint(out, 3)
+    line = fail_line(capsys, ["--recipe", "smoke", "--out", out, "--rollout.weights", "fp32", "--steps", "10"])
+    assert "rollout.weights 'fp8' there, 'fp32' here" in line and "new --out" in line
+    line = fail_line(capsys, ["--recipe", "smoke", "--out", out, "--no-resume"])
+    assert "up to step 3" in line
+    line = fail_line(capsys, ["--recipe", "smoke", "--out", out, "--steps", "2"])
+    assert "past train.steps=2" in line
+
+
+def test_finished_run_says_so_and_exits_0_while_more_steps_continue(capsys, tmp_path):
+    out = str(tmp_path / "run")
+    startup.startup(["--recipe", "smoke", "--out", out])
+    fake_checkpoint(out, 3)
+    with pytest.raises(SystemExit) as exc:
+        startup.startup(["--recipe", "smoke", "--out", out])
+    assert exc.value.code == 0 and "already finished (3 of 3 steps)" in capsys.readouterr().out
+    cfg, _, _ = startup.startup(["--recipe", "smoke", "--out", out, "--steps", "5", "--train.progress", "false"])
+    assert cfg.train.steps == 5                                      # resumable fields may change
+
+
+def test_config_diff_ignores_resumable_and_unknown_fields():
+    a = cli.to_dict(cli.parse_args(["--recipe", "smoke"]))
+    b = cli.to_dict(cli.parse_args(["--recipe", "smoke", "--steps", "9", "--parallel.pp", "2", "--seed", "7"]))
+    assert startup.config_diff(a, b) == ["train.seed 1234 there, 7 here"]
+    del a["train"]["reward"]                                         # a config.json written before the field existed
+    assert startup.config_diff(a, cli.to_dict(cli.parse_args(["--recipe", "smoke"]))) == []
