@@ -20,3 +20,4 @@ python -c "import torch; print('torch', torch.__version__, 'cuda' if torch.cuda.
 if [ "${1:-}" = "--test" ]; then
   python -m pytest -q -x --durations=15
 fi
+echo "next (no activation needed): .venv/bin/python train.py --recipe demo    # or .venv/bin/python train.py --help"

@@ -137,3 +137,30 @@ def test_config_diff_ignores_resumable_and_unknown_fields():
     assert startup.config_diff(a, b) == ["train.seed 1234 there, 7 here"]
     del a["train"]["reward"]                                         # a config.json written before the field existed
     assert startup.config_diff(a, cli.to_dict(cli.parse_args(["--recipe", "smoke"]))) == []
+
+
+# ---------------------------------------------------------------------------------------------- external servers
+def test_external_server_started_late_is_waited_for_and_a_dead_one_is_one_line():
+    """A cold SGLang start: the server comes up 1 s after the trainer asks; one that never does stops the run
+    with one line naming it once `rollout.health_timeout_s` is over."""
+    import threading
+    import time
+
+    from conftest import free_port
+    from nanoflash import episodes
+    from nanoflash.config import preset
+    from nanoflash.model import Transformer
+    from nanoflash.rollout.client import SGLangClient
+    from nanoflash.rollout.engine import RolloutEngine
+    from nanoflash.rollout.server import serve
+
+    port = free_port()
+    late = threading.Timer(1.0, lambda: serve(RolloutEngine(Transformer(preset("tiny")), weights="fp32"), port=port))
+    late.start()
+    t0 = time.monotonic()
+    episodes.wait_for_servers(SGLangClient([f"http://127.0.0.1:{port}"]), timeout_s=60)
+    assert 0.9 < time.monotonic() - t0 < 60
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as exc:
+        episodes.wait_for_servers(SGLangClient([dead]), timeout_s=0.5)
+    assert dead in str(exc.value) and "health_timeout_s=0.5" in str(exc.value) and "\n" not in str(exc.value)
