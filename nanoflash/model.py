@@ -561,6 +561,13 @@ def hc_post(x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
     return (post.unsqueeze(-1) * x.float().unsqueeze(-2) + mixed).to(x.dtype)
 
 
+def hc_pre_reference(h, fn, scale, base, M: int, iters: int, eps: float, norm_eps: float):
+    """hc_pre of one sublayer: mixes -> Sinkhorn split -> collapse (spec §2.2.1, §2.2.3).
+    h [B,S,M,D] -> (x [B,S,D], post [B,S,M], comb [B,S,M,M])"""
+    pre, post, comb = hc_split_sinkhorn(hc_mixes(h, fn, norm_eps), scale.float(), base.float(), M, iters, eps)
+    return hc_collapse(h, pre), post, comb
+
+
 def hc_head(h, fn, scale, base, cfg: ModelConfig) -> torch.Tensor:
     """Final collapse of the streams: pre = sigmoid(mixes*scale + base) + hc_eps (no Sinkhorn, no post).
     h [B,S,M,D] -> [B,S,D]"""
@@ -593,18 +600,23 @@ class Block(nn.Module):
         self.hc_attn_scale = nn.Parameter(torch.ones(3))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3))
 
-    def hc_pre(self, h, fn, scale, base):
+    def hc_pre(self, h, fn, scale, base, fused: bool = False):
         """Collapse the M streams into one sublayer input; return the post / comb coefficients."""
         cfg = self.cfg
-        pre, post, comb = hc_split_sinkhorn(hc_mixes(h, fn, cfg.norm_eps), scale.float(), base.float(),
-                                            cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        return hc_collapse(h, pre), post, comb
+        if fused:  # nanoflash.kernels.mhc: the same function, compiled
+            from nanoflash.kernels.mhc import hc_pre_fused
+            return hc_pre_fused(h, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        return hc_pre_reference(h, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
     def forward(self, h, ids, start_pos: int = 0, cache: Optional[LayerCache] = None, replay=None):
-        x, post, comb = self.hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        h = hc_post(self.attn(self.attn_norm(x), start_pos, cache), h, post, comb)
-        x, post, comb = self.hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        return hc_post(self.ffn(self.ffn_norm(x), ids, replay), h, post, comb)
+        fused = h.is_cuda and use_kernels(self.cfg, h, cache)  # compiled mHC on GPUs; CPU keeps the reference
+        post_fn = hc_post
+        if fused:
+            from nanoflash.kernels.mhc import hc_post_fused as post_fn
+        x, post, comb = self.hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, fused)
+        h = post_fn(self.attn(self.attn_norm(x), start_pos, cache), h, post, comb)
+        x, post, comb = self.hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, fused)
+        return post_fn(self.ffn(self.ffn_norm(x), ids, replay), h, post, comb)
 
 
 class MTPBlock(Block):
