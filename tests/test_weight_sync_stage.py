@@ -192,3 +192,36 @@ def test_failed_push_keeps_servers_paused_then_retries_or_names_the_server(tmp_p
     for h, _ in servers:
         h.shutdown()
 
+
+
+def _failing_source_ranks(rank, world, port):
+    """EP2: the source's server refuses a bucket mid-stage; the source keeps draining its EP rank's gathers, so
+    both ranks stop with the same error instead of one waiting forever in a collective."""
+    dims = ParallelDims(pp=1, ep=2)
+    model = _sharded_model(dims)
+    servers = _servers("fp8") if rank == 0 else []
+    client = SGLangClient([u for _, u in servers], retry_s=0.0) if rank == 0 else None
+    if client is not None:
+        real_post, n = client.post, [0]
+
+        def refuse_third(url, path, body=None, **kw):
+            n[0] += path == "/update_weights_from_tensor"
+            if n[0] == 3 and path == "/update_weights_from_tensor":
+                raise RequestRejected(url + path, 500, "injected failure")
+            return real_post(url, path, body, **kw)
+        client.post = refuse_third
+    rc = RolloutConfig(weights="fp8", transport="tensor", bucket_bytes=BUCKET, sync_addr=f"127.0.0.1:{port}")
+    pusher = StagePusher(dims, client, rc, model.cfg, max_retries=0)
+    try:
+        pusher.push(list(model.state_dict().items()), version=2)
+        return "pushed"
+    except SystemExit as e:
+        return str(e)
+    finally:
+        for h, _ in servers:
+            h.shutdown()
+
+
+def test_failing_source_stops_every_rank_naming_the_server():
+    msgs = run_ranks(_failing_source_ranks, 2, free_port(), timeout=120)
+    assert all("injected failure" in m and "failed after 1 attempt" in m for m in msgs), msgs

@@ -267,18 +267,20 @@ class StagePusher:
                     lambda n, e=e: shift_expert(n, e * per - d.ep_rank * per)) for e, p in enumerate(parts)])
 
     def _send_stage(self, named, ledger: Ledger, version: int):
-        sender = _Sender(self, version) if self.is_source else None
-        try:
-            for fb in self._buckets(named):
-                if sender is not None:
-                    self._record(fb, ledger)
-                    sender.start(fb)      # bucket k goes out; the loop builds k+1 meanwhile
-            if sender is not None:
-                sender.close()
-        except Exception:
-            if sender is not None:
+        sender, err = (_Sender(self, version) if self.is_source else None), None
+        for fb in self._buckets(named):   # a failed source keeps draining: its EP ranks still gather into it
+            if sender is None or err is not None:
+                continue
+            try:
+                self._record(fb, ledger)
+                sender.start(fb)          # bucket k goes out; the loop builds k+1 meanwhile
+            except Exception as e:
+                err = e
                 sender.abandon()
-            raise
+        if sender is not None and err is None:
+            sender.close()
+        if err is not None:
+            raise err
 
     def _record(self, fb, ledger: Ledger):
         named = fb.tensors()
