@@ -389,7 +389,7 @@ class Attention(nn.Module):
             from nanoflash.kernels import sparse_attention
             comp = comp.to(q.dtype) if comp is not None else None
             return sparse_attention(q, window.to(q.dtype), self.attn_sink, self.cfg.head_dim ** -0.5,
-                                    self.cfg.window_size, comp, keep)
+                                    self.cfg.window_size, comp, keep, prefix=True)
         W, S, out = self.cfg.window_size, q.shape[1], []
         first = start_pos + S - window.shape[1]                       # position of window[:, 0]
         for a in range(0, S, self.cfg.attn_chunk):

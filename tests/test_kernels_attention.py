@@ -83,7 +83,7 @@ def _patch_interpreter():
     ti.InterpreterBuilder.create_dot = lambda self, a, b, d, *args: dot(self, widen(a), widen(b), d, *args)
 
 
-def _attention_case(B, S, H, D, W, C, K, dtype, g, batch_sel=True, fused=None):
+def _attention_case(B, S, H, D, W, C, K, dtype, g, batch_sel=True, fused=None, prefix=False):
     from nanoflash.kernels import attention as ka
     from nanoflash.model import sink_attention
     q = torch.randn(B, S, H, D, generator=g).to(dtype).requires_grad_()
@@ -95,11 +95,13 @@ def _attention_case(B, S, H, D, W, C, K, dtype, g, batch_sel=True, fused=None):
         comp = torch.randn(B, C, D, generator=g).to(dtype).requires_grad_()
         sel = random_selection(B if batch_sel else 1, S, C, K, g)
         sel[:, 3] = -1                                       # a query that keeps no entry at all
+        if prefix:                                           # valid entries first (as model.py's lists)
+            sel = sel.sort(-1, descending=True).values
         leaves.append(comp)
     if fused is not None:   # small blocks, as the shapes are small
         blocks = dict(BLOCK_H=16, BLOCK_K=16, num_warps=4, num_stages=2)
         ka.BWD_CONFIG = dict(fused=fused, dq=blocks, dkv=blocks)
-    out = ka.sparse_attention(q, kv, sink, D ** -0.5, W, comp, sel)
+    out = ka.sparse_attention(q, kv, sink, D ** -0.5, W, comp, sel, prefix=prefix)
     keys = kv if comp is None else torch.cat([kv, comp], 1)
     ref = sink_attention(q.double(), keys.double(), dense_mask(S, W, sel, C), sink.double(), D ** -0.5)
     cot = torch.randn(out.shape, generator=g)
@@ -124,6 +126,8 @@ def case_window_and_selection_fp32(g):
     _assert_all(_attention_case(2, 30, 4, 32, 8, 9, 5, torch.float32, g), FP32_TOL, "per-batch selection")
     _assert_all(_attention_case(2, 30, 4, 32, 1, 9, 5, torch.float32, g, batch_sel=False), FP32_TOL,
                 "shared selection, window 1")
+    _assert_all(_attention_case(2, 30, 4, 32, 8, 9, 5, torch.float32, g, prefix=True), FP32_TOL,
+                "selection already in prefix form (no compaction)")
 
 
 def case_bf16_split_and_fused_backward(g):

@@ -268,15 +268,23 @@ def _check(q, kv, sink, window, comp, sel):
         raise ValueError(f"sparse_attention: q, kv, comp need one dtype and one device, got {dts} on {devs}")
 
 
-def sparse_attention(q, kv, sink, scale: float, window: int, comp=None, sel=None) -> torch.Tensor:
+def sparse_attention(q, kv, sink, scale: float, window: int, comp=None, sel=None, prefix: bool = False):
     """Sink attention of query t over kv[t-W+1..t] and comp[sel[t]] (see the module docstring).
 
     q [B,S,H,Dh] (query t at position t), kv [B,S,Dh] (the shared K=V head, row t = position t),
-    sink [H], comp [B,C,Dh] and sel [B|1,S,K] (entries of comp, -1 padded) or both None -> [B,S,H,Dh]"""
+    sink [H], comp [B,C,Dh] and sel [B|1,S,K] (entries of comp, -1 padded) or both None -> [B,S,H,Dh]
+
+    prefix=True: the caller guarantees every row of sel lists distinct entries < C first and only -1 after
+    them (model.py's lists are so by construction: the indexer's sorted top-k, the C128 visible prefix), so
+    the sort and the checks (one host sync) are skipped; otherwise any -1 padded list is compacted and checked."""
     _check(q, kv, sink, window, comp, sel)
     n_sel = None
-    if comp is not None:
+    if comp is not None and prefix:
+        sel = sel.to(torch.int32).contiguous()
+        n_sel = (sel >= 0).sum(-1, dtype=torch.int32)
+    elif comp is not None:
         sel, n_sel = compact_selection(sel, comp.shape[1])
+    if comp is not None:
         comp = comp.contiguous()
     return _SparseAttention.apply(q.contiguous(), kv.contiguous(), comp, sel, n_sel, sink, scale, window)
 
