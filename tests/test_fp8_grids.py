@@ -126,8 +126,8 @@ def big_tiny():
     """A tiny-shaped model whose FP8 weights span several blocks each way, each block scaled differently."""
     model = Transformer(preset("tiny", **BIG_TINY)).init_weights(0)
     g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
+    with torch.no_grad():   # official names (state_dict): per-expert views even if experts are stored stacked
+        for name, p in model.state_dict(keep_vars=True).items():
             if p.dim() == 2 and sglang_fp8(name, model.cfg):
                 factor = 2.0 ** torch.randint(-6, 7, grid(p.shape), generator=g).float()   # [rb,cb]
                 p.mul_(per_element(factor, p.shape))
@@ -136,7 +136,7 @@ def big_tiny():
 
 def test_pushed_scale_grids_are_the_block_amax(big_tiny):
     sent = {n: t for bucket in iter_sglang_buckets(big_tiny, fp8=True, bucket_bytes=1 << 40) for n, t in bucket}
-    params = dict(big_tiny.named_parameters())
+    params = big_tiny.state_dict()
     fp8 = [n for n, t in sent.items() if t.dtype == torch.float8_e4m3fn]
     assert len(fp8) > 20
     multi = 0
@@ -153,12 +153,12 @@ def test_pushed_scale_grids_are_the_block_amax(big_tiny):
 def test_engine_dequantizes_pushed_grids_like_the_naive_loop(big_tiny):
     """Fused halves (wqkv_a, w13, shared gate_up) carry their own scale rows; the derived weights must equal
     the naive per-block round trip of the trainer's weights exactly."""
-    want = {n: naive_fp8_round_trip(p.detach()) for n, p in big_tiny.named_parameters()
+    want = {n: naive_fp8_round_trip(p) for n, p in big_tiny.state_dict().items()
             if p.dim() == 2 and sglang_fp8(n, big_tiny.cfg) and not n.startswith("mtp.")}   # MTP is not pushed
-    original = {n: p.detach().clone() for n, p in big_tiny.named_parameters()}
+    original = {n: p.clone() for n, p in big_tiny.state_dict().items()}
     engine = RolloutEngine(big_tiny, weights="fp8", decode="full")   # derives the model's weights in place
     try:
-        got = dict(engine.model.named_parameters())
+        got = engine.model.state_dict()
         for n, w in want.items():
             same = torch.equal(got[n].detach(), w)
             assert same, f"{n}: max |diff| {(got[n].detach() - w).abs().max().item():.3e}"
@@ -166,5 +166,5 @@ def test_engine_dequantizes_pushed_grids_like_the_naive_loop(big_tiny):
             "self-check: the engine really runs on FP8-rounded weights"
     finally:
         with torch.no_grad():                                           # leave the module fixture as it was
-            for n, p in big_tiny.named_parameters():
+            for n, p in big_tiny.state_dict(keep_vars=True).items():
                 p.copy_(original[n])
