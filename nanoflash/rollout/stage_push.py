@@ -75,8 +75,7 @@ class Ledger:
     buckets: int = 0
     bytes: int = 0
     loader: dict = field(default_factory=dict)     # embedded servers: {layout name: sha256}
-    sglang: dict = field(default_factory=dict)     # real servers: {SGLang name[#expert]: (tile sum, words)}
-    error: str = ""
+    sglang: dict = field(default_factory=dict)     # real servers: layout.sglang_partials of every bucket
 
 
 def live_budget(bucket_bytes: int, ep: int, scratch: int) -> int:
@@ -257,7 +256,7 @@ class StagePusher:
             return
         per = len(expert_range(cfg.n_routed_experts, d.ep, 0))
         for sub in stream_buckets(experts, cfg, fp8=self.fp8, bucket_bytes=max(1, size // d.ep)):
-            parts = [torch.empty_like(sub.flat) for _ in range(d.ep)] if self.is_source else None
+            parts = None
             if self.is_source:  # one buffer, the parts are views of it: the bucket needs no concatenation
                 buf = torch.empty(sub.nbytes * d.ep, dtype=torch.uint8, device=sub.flat.device)
                 parts = list(buf.view(d.ep, sub.nbytes).unbind(0))
