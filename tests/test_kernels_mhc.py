@@ -17,10 +17,11 @@ ITERS, EPS, NORM_EPS = 20, 1e-6, 1e-6  # the official Sinkhorn iterations and ep
 # decomposition (e.g. the einsum's transposes in another order): fp32 rounding, observed 1.1e-7 relative to
 # the gradient's scale; bound 1e-6 relative.
 CPU_ATOL, CPU_GRAD_RTOL = 0.0, 1e-6
-# inductor on the GPU reorders fp32 reductions (over M*D = 16384 for the mixes) and reads bf16 h in registers:
-# outputs are bf16 (x, post-mixed streams, ~3 significant digits) -> 2 bf16 ulps at |x| ~ 4; post / comb
-# are fp32 products of 20 normalisations -> 1e-5. Gradients: the same, relative to their scale.
-GPU_TOL = {"x": 3e-2, "post": 1e-5, "comb": 1e-5, "grad": 2e-2}
+# inductor on the GPU reorders fp32 reductions (over M*D = 16384 for the mixes) and rounds to bf16 at other
+# points: bf16 outputs (x, the mixed streams) within 2 bf16 ulps of their scale (2 * 2^-8 relative; observed
+# 0.016 at |x| ~ 4 and 0.0625 at |out| ~ 16, one ulp each); post / comb are fp32 after 20 normalisations ->
+# 1e-5 absolute (observed 3.6e-7). Gradients: 2e-2 relative to their scale.
+GPU_TOL = {"bf16_rel": 2 * 2 ** -8, "post": 1e-5, "comb": 1e-5, "grad": 2e-2}
 
 
 def _inputs(B, S, M, D, dtype, device, gen):
@@ -66,8 +67,11 @@ def test_compiled_mhc_equals_reference_gpu_real_width(gen):
     got, ggot = _run(pre_c, post_c, args, 1)
     errs = {k: float((got[k].float() - ref[k].float()).abs().max()) for k in ref}
     print("mhc max errors", errs)
-    assert errs["x"] <= GPU_TOL["x"] and errs["out"] <= GPU_TOL["x"]
+    for k in ("x", "out"):
+        assert errs[k] <= GPU_TOL["bf16_rel"] * float(ref[k].float().abs().max()), k
     assert errs["post"] <= GPU_TOL["post"] and errs["comb"] <= GPU_TOL["comb"]
     for a, b in zip(ggot, gref):
         scale = float(b.float().abs().max())
-        assert float((a.float() - b.float()).abs().max()) <= GPU_TOL["grad"] * scale
+        err = float((a.float() - b.float()).abs().max())
+        print(f"grad max error {err:.3e} (scale {scale:.3e})")
+        assert err <= GPU_TOL["grad"] * scale
