@@ -218,7 +218,8 @@ def compare_checksums(expected: dict, actual: dict, server: str = "server", full
 # Tiles only interact through that sum, so a stacked tensor (`mlp.experts.w13_weight` [E, 2I, D]) is hashed
 # from its per-expert slabs wherever a slab is a whole number of tiles: each source adds its experts' tile
 # sums, the coordinator adds the sources'. Transcribed from the 0.5.16 wheel; `tests/test_weight_sync_hash.py`
-# checks it against a word-by-word transcription (it was not run against SGLang's Triton kernel here).
+# checks it against a word-by-word transcription, and `sglang_check.py` (opt-in) against SGLang's own Triton
+# kernels run by Triton's interpreter on a CPU (equal, 2026-12-01); on a GPU the torch code gives the CPU values.
 HASH_TILE_WORDS = 8192
 _M32, _M64 = 0xFFFFFFFF, (1 << 64) - 1
 _SEED = 0x243F6A88

@@ -6,7 +6,8 @@ One command builds the environment (once) and runs the check (sglang_loader_chec
     python -m nanoflash.rollout.sglang_check --build-env .venv-sglang-0.5.16 --sglang 0.5.16
 
 Both pass (2026-11-29, CPU): BF16 101/101 and FP8 138/138 SGLang parameters bit-identical after each of two
-updates, and the control push without tid2eid is reported.
+updates, and the control push without tid2eid is reported; 0.5.16 again on 2026-12-01 with the flat-bucket
+stream, and the hash check (6.) equal on all six cases.
 
 What it does, inside that environment:
 1. builds SGLang's own `DeepseekV4ForCausalLM` on the CPU for a small V4 geometry (real per-head sizes:
@@ -21,7 +22,10 @@ What it does, inside that environment:
 4. perturbs the weights and pushes again (two updates in a row), this time through SGLang's own colocated
    payload (`weight_sync.sglang_flattened_payload` -> SGLang's safe unpickler -> `reconstruct_tensors`),
    and compares again;
-5. lists every SGLang parameter the push did not cover (there must be none besides attention KV scales).
+5. lists every SGLang parameter the push did not cover (there must be none besides attention KV scales);
+6. runs SGLang's own `gpu_tensor_hash` Triton kernels (Triton's interpreter, on the CPU) and its FP8
+   `Fp8BlockComparable.dequantize` against nanoflash's reproduction of `/weights_checker` (`layout.sglang_hash`),
+   on the shapes of fused experts too: the hash every push into real SGLang is verified with.
 
 Exit status 0 iff everything matched. `tests/test_rollout_sglang_loader.py` (marker `sglang`) runs it.
 """
@@ -217,12 +221,58 @@ def run_check(fp8: bool, bucket_bytes: int) -> int:
     return failures + (0 if caught else 1)
 
 
+def sglang_kernel_hash(t):
+    """SGLang's own `gpu_tensor_hash` kernels (0.5.16 `kernels/ops/memory/gpu_tensor_hash.py`), run by Triton's
+    interpreter on the CPU: its body without the `is_cuda` assert."""
+    import torch
+    import triton
+    import sglang.kernels.ops.memory.gpu_tensor_hash as H
+    tb = t.contiguous().reshape(-1).view(torch.uint8)
+    tb = torch.cat([tb, tb.new_zeros(-tb.numel() % 4)])
+    u32, seed = tb.view(torch.uint32), 0x243F6A88
+    cur = torch.empty(triton.cdiv(u32.numel(), 8192), dtype=torch.uint64)
+    H.hash_tiles32_kernel_blocked[(cur.numel(),)](
+        u32, cur, u32.numel(), seed1=seed & 0xFFFFFFFF, seed2=((seed * 0x9E3779B1) ^ 0xDEADBEEF) & 0xFFFFFFFF,
+        FM_C1=H.FMIX32_C1, FM_C2=H.FMIX32_C2, POS_A=H.POS_C1, POS_B=H.POS_C2, TILE=8192, BLOCK=256, USE_CG=False)
+    while cur.numel() > 1:
+        nxt = torch.empty(triton.cdiv(cur.numel(), 1024), dtype=torch.uint64)
+        H.add_tree_reduce_u64_kernel[(nxt.numel(),)](cur, nxt, cur.numel(), CHUNK=1024)
+        cur = nxt
+    return f"{H._final_splitmix64(int(cur.view(torch.int64).item())):016x}"
+
+
+def run_hash_check() -> int:
+    """nanoflash's reproduction of SGLang's `/weights_checker` value (layout.sglang_hash, _comparable) against
+    SGLang's own kernels and its FP8 dequantization (`Fp8BlockComparable`), fused-expert shapes included."""
+    import torch
+    from sglang.srt.utils.weight_checker_comparator import Fp8BlockComparable
+    from nanoflash.quant import quantize_fp8_block
+    from nanoflash.rollout.layout import _comparable, sglang_hash
+    g, bad = torch.Generator().manual_seed(0), 0
+    for numel, dt in [(5, torch.float32), (3, torch.bfloat16), (8192 * 2 + 77, torch.bfloat16),
+                      (9001, torch.float8_e4m3fn), (300000, torch.bfloat16)]:
+        t = (torch.randn(numel, generator=g) * 3).to(dt)
+        ok = sglang_kernel_hash(t) == sglang_hash(t)
+        bad += not ok
+        print(f"[hash] {numel} x {dt}: {'equal' if ok else 'DIFFERENT'}")
+    qs = [quantize_fp8_block(torch.randn(256, 384, generator=g), fmt="fp32") for _ in range(3)]  # [E, 2I, D]
+    q, s = torch.stack([a for a, _ in qs]), torch.stack([b for _, b in qs])
+    ours, theirs = _comparable({"w": q, "w_scale_inv": s}, "w"), Fp8BlockComparable(q, s).dequantize()
+    ok = torch.equal(ours.view(torch.int16), theirs.view(torch.int16)) \
+        and sglang_hash(ours) == sglang_kernel_hash(theirs)
+    print(f"[hash] stacked FP8 experts [3, 256, 384] dequantized and hashed: {'equal' if ok else 'DIFFERENT'}")
+    return bad + (not ok)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build-env", default=None, help="create this venv (if missing) and re-run inside it")
     ap.add_argument("--sglang", default="0.5.23", choices=sorted(PINS))
     ap.add_argument("--bucket-bytes", type=int, default=4 << 20)
+    ap.add_argument("--hash", action="store_true", help=argparse.SUPPRESS)   # the interpreted-Triton part
     args = ap.parse_args(argv)
+    if args.hash:
+        sys.exit(1 if run_hash_check() else 0)
     if args.build_env:
         py = os.path.join(args.build_env, "bin", "python")
         if not os.path.exists(py):
@@ -238,6 +288,8 @@ def main(argv=None):
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29633", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
         os.environ.setdefault(k, v)
     failures = sum(run_check(fp8=fp8, bucket_bytes=args.bucket_bytes) for fp8 in (False, True))
+    env = dict(os.environ, TRITON_INTERPRET="1")   # SGLang's hash kernels on the CPU (a process of their own)
+    failures += subprocess.run([sys.executable, "-m", "nanoflash.rollout.sglang_check", "--hash"], env=env).returncode
     print("OK: every SGLang parameter is what nanoflash meant" if failures == 0 else f"FAILED: {failures} problem(s)")
     sys.exit(1 if failures else 0)
 
