@@ -11,8 +11,10 @@ Which path runs is one config switch, `ModelConfig.kernels` (read by `model.use_
     "reference"  always model.py (matched precision forces this: train.py sets it);
     "triton"     these kernels wherever there is no decode cache, also on CPU under TRITON_INTERPRET=1 (tests).
 
-Triton reads TRITON_INTERPRET when it is first imported, so this package imports it lazily inside the
-modules below and the CPU tests run the kernels in a subprocess (`tests/test_kernels_attention.py`).
+model.py imports this package only when the kernel path is taken, so the reference needs no Triton. Triton
+reads TRITON_INTERPRET when it is first imported, so the CPU tests run the kernels under the interpreter in a
+subprocess (`tests/test_kernels_attention.py`); GPU tests: `tests/test_kernels_attention_gpu.py`; speed:
+`bench/bench_attention.py`, docs/benchmarks.md K1.
 """
 from nanoflash.kernels.attention import sparse_attention, window_and_selection_mask
 from nanoflash.kernels.indexer import index_scores, indexer_topk, topk_lower_index_wins
