@@ -11,9 +11,11 @@ from nanoflash.model import (Attention, Block, Compressor, Expert, Gate, Indexer
                              RMSNorm, Transformer, apply_rope, hc_head, hc_post, hc_split_sinkhorn, rope_angles,
                              rope_inv_freq)
 
-# fp32 module vs float64 reference: a few hundred fp32 roundings of O(1) values.
+# fp32 module vs float64 reference: a few hundred fp32 roundings, relative to max(1, the reference's largest
+# |value|) -- MoE outputs reach ~80 with these weights, where 2e-5 absolute would be 2 ulps (measured worst over
+# 60 seeds: 5e-7 relative, 4 ulps).
 FWD_TOL = 2e-5
-# Gradients accumulate more roundings (sums over tokens and heads) than the forward.
+# Gradients accumulate more roundings (sums over tokens and heads) than the forward; same relative form.
 GRAD_TOL = 1e-4
 COTANGENT_SEED = 12345  # the random cotangent of every backward check
 
@@ -44,10 +46,15 @@ def assert_close(a, b, tol, what):
     assert err <= tol, f"{what}: max |diff| {err:.3e} > {tol:.1e}"
 
 
+def scaled(tol, ref):
+    """An absolute tolerance for values of the reference's scale (never tighter than `tol` itself)."""
+    return tol * max(1.0, ref.detach().abs().max().item())
+
+
 def check_fwd_bwd(module, ours, theirs, x, what):
     """Compare outputs, then d(out.g)/d(x, params) for a random cotangent g."""
-    out = ours()
-    assert_close(out, theirs(), FWD_TOL, f"{what} forward")
+    out, want = ours(), theirs()
+    assert_close(out, want, scaled(FWD_TOL, want), f"{what} forward")
     (gx, *gp), g = grads(module, out, x)
     ref_out = theirs()
     ref_grads = torch.autograd.grad((ref_out * g.double()).sum(), [x] + [p for p in module.parameters()],
@@ -56,7 +63,7 @@ def check_fwd_bwd(module, ours, theirs, x, what):
         if a is None or b is None:
             assert (a is None or a.abs().max() == 0) and (b is None or b.abs().max() == 0), f"{what} grad {name}"
             continue
-        assert_close(a, b, GRAD_TOL, f"{what} grad {name}")
+        assert_close(a, b, scaled(GRAD_TOL, b), f"{what} grad {name}")
 
 
 # ------------------------------------------------------------------------------------------------ norms, rope
@@ -274,17 +281,25 @@ def test_moe_matches_reference(gen):
 
 
 # ------------------------------------------------------------------------------------------------ mHC
+SINKHORN_LONG = 200       # iterations for the doubly-stochastic property (linear convergence)
+SINKHORN_COL_TOL = 1e-5   # 4 column sums of fp32 values in [0, 1]: a few ulps
+SINKHORN_ROW_TOL = 1e-5   # measured worst 1.1e-6 after 200 iterations (500 seeds)
+
+
 def test_sinkhorn_matches_reference_and_is_doubly_stochastic(gen):
     M, mixes = 4, torch.randn(6, 24, generator=gen) * 3
     scale, base = torch.tensor([0.7, 1.3, 2.0]), torch.randn(24, generator=gen)
     pre, post, comb = hc_split_sinkhorn(mixes, scale, base, M, 20, 1e-6)
     rp, rq, rc = ref.sinkhorn(mixes, scale.tolist(), base.tolist(), M, 20, 1e-6)
     assert_close(pre, rp, 1e-6, "pre"), assert_close(post, rq, 1e-6, "post"), assert_close(comb, rc, 1e-6, "comb")
-    # Sinkhorn converges linearly: with |C| ~ 1 logits, 20 iterations leave row sums within ~3e-4 of 1
-    # (columns, normalised last, are exact to fp32).
-    _, _, comb = hc_split_sinkhorn(torch.randn(6, 24, generator=gen), torch.ones(3), torch.randn(24, generator=gen), M, 20, 1e-6)
-    assert_close(comb.sum(-2), torch.ones(6, M), 1e-5, "columns sum to 1")
-    assert_close(comb.sum(-1), torch.ones(6, M), 1e-3, "rows sum to 1")
+    # Columns are normalised last: exact to fp32 after any number of iterations. Rows converge linearly, at
+    # a rate that depends on the logits: after 20 iterations they were off by up to 2e-2 over 500 seeds
+    # (so that is no property of the model), after SINKHORN_LONG iterations by at most 1.1e-6.
+    mixes, base = torch.randn(6, 24, generator=gen), torch.randn(24, generator=gen)
+    _, _, comb = hc_split_sinkhorn(mixes, torch.ones(3), base, M, 20, 1e-6)
+    assert_close(comb.sum(-2), torch.ones(6, M), SINKHORN_COL_TOL, "columns sum to 1")
+    _, _, comb = hc_split_sinkhorn(mixes, torch.ones(3), base, M, SINKHORN_LONG, 1e-6)
+    assert_close(comb.sum(-1), torch.ones(6, M), SINKHORN_ROW_TOL, "rows sum to 1 once converged")
 
 
 def test_hc_post_property_comb_transposed(gen):
