@@ -225,3 +225,29 @@ def _failing_source_ranks(rank, world, port):
 def test_failing_source_stops_every_rank_naming_the_server():
     msgs = run_ranks(_failing_source_ranks, 2, free_port(), timeout=120)
     assert all("injected failure" in m and "failed after 1 attempt" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("fault,match", [("lost", "missing"), ("doubled", "sent twice")])
+def test_manifest_names_a_lost_or_doubled_bucket(fault, match):
+    """The coordinator checks every source's manifest against the model's inventory before any checksum: a bucket
+    that never reached the manifest, or reached it twice, is named."""
+    servers = _servers("fp8")
+    client = SGLangClient([u for _, u in servers])
+    model = Transformer(preset("tiny")).init_weights(0)
+    rc = RolloutConfig(weights="fp8", transport="tensor", bucket_bytes=BUCKET, sync_addr="127.0.0.1:1")
+    pusher = StagePusher(ParallelDims(), client, rc, model.cfg, max_retries=0)
+    record, seen = pusher._record, []
+
+    def faulty(fb, ledger):
+        seen.append(fb)
+        if fault == "lost" and len(seen) == 2:
+            return                      # bucket 2 is sent but never recorded
+        record(fb, ledger)
+        if fault == "doubled" and len(seen) == 2:
+            record(fb, ledger)
+    pusher._record = faulty
+    with pytest.raises(SystemExit, match=match) as e:
+        pusher.push(list(model.state_dict().items()), version=1)
+    assert any(slot.name in str(e.value) for slot in seen[1].slots), e.value   # named by the bucket's tensors
+    for h, _ in servers:
+        h.shutdown()
