@@ -1,23 +1,33 @@
-"""Benchmark (c) of the training-engine issue: MoE-MLP forward+backward vs a dense GEMM of the same FLOPs.
+"""MoE forward+backward vs a dense GEMM of the same FLOPs, measured in the same run (issue 13; B2 before).
 
-V4-Flash expert shapes at EP4: 64 local experts, D=4096, I=2048 (SwiGLU: w1|w3 fused [D,2I], w2 [I,D]), bf16.
-Three ways to run the experts on T = 64 x rows tokens (already sorted by expert):
-    grouped   torch._grouped_mm over all experts (one kernel per projection)
-    loop      one torch.mm per expert (what a plain-PyTorch MoE does)
-    model     nanoflash.model.MoE itself (gate + LocalDispatcher + Expert modules, fp32 SwiGLU) on
-              T*? tokens with top-6 routing (its rows per expert are whatever the router picks)
-against   dense     one [T,D] x [D,2I] and one [T,I] x [I,D] GEMM (same FLOPs as grouped/loop).
-Ratio = dense time / method time (1.0 = as fast as a dense GEMM). Goal >= 0.6 at >= 768 rows/expert.
+V4-Flash expert shapes at EP4: 64 local experts, D=4096, I=2048, top-6, bf16 weights and activations. Each case
+fixes the rows per expert through routing replay (the gate's weights still come from its scores), balanced
+(every expert exactly R rows) or skewed (experts drawn per token with lognormal popularity, no repeats):
 
-Run on a GPU: PYTHONPATH=. python bench/parallel_moe_gemm.py
+    dense     the ceiling: swiglu(x W13) W2 on T rows as two plain GEMMs (+ bf16 SwiGLU), T = the rows of
+              the method measured, so both do the same GEMM FLOPs; fwd + bwd (dx and both weight grads)
+    experts   nanoflash.kernels.moe.grouped_experts on T = 64 R expert-sorted rows (grouped GEMMs + fused SwiGLU)
+    raw       torch._grouped_mm + bf16 SwiGLU, no clamp / routing weight (the ceiling of the grouped GEMMs)
+    moe       nanoflash.model.MoE (kernels="auto" -> grouped): gate, slot permutation, experts, combine and
+              the shared expert, on N = 64 R / 6 tokens; its dense twin has T = N (6 + 1) rows
+    moe_ref   the same module with kernels="reference" (per-expert loop, counts on the host), balanced only
+
+ratio = dense time / method time at equal FLOPs (1.0 = as fast as a dense GEMM). Target >= 0.6 at 768 rows.
+
+Run on a GPU: PYTHONPATH=. python bench/parallel_moe_gemm.py [--out results.json]
 """
-import dataclasses
+import argparse
+import json
 import statistics
 
 import torch
 import torch.nn.functional as F
 
-E, D, I = 64, 4096, 2048
+from nanoflash.config import preset
+from nanoflash.kernels.moe import grouped_experts
+from nanoflash.model import MoE
+
+E, D, I, K = 64, 4096, 2048, 6
 WARMUP, ITERS = 3, 10
 
 
@@ -36,88 +46,81 @@ def timed(fn) -> float:
     return statistics.median(times)
 
 
-def swiglu(h):
-    g, u = h.chunk(2, -1)
-    return F.silu(g) * u
+def leaf(*shape, std=0.02):
+    return (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * std).requires_grad_()
 
 
-def make_counts(rows: int, skew: bool, g) -> torch.Tensor:
+def dense_ms(T: int) -> float:
+    x, w13, w2, dy = leaf(T, D, std=1.0), leaf(2 * I, D), leaf(D, I), torch.randn(T, D, device="cuda").bfloat16()
+
+    def run():
+        g, u = F.linear(x, w13).chunk(2, -1)
+        F.linear(F.silu(g) * u, w2).backward(dy)
+    return timed(run)
+
+
+def replay(N: int, skew: bool, g) -> torch.Tensor:
+    """[N,K] experts per token: round robin (each expert N K / E rows) or lognormal popularity."""
     if not skew:
-        return torch.full((E,), rows, dtype=torch.long)
-    w = torch.distributions.LogNormal(0.0, 1.0).sample((E,))
-    c = (w / w.sum() * rows * E).round().long().clamp(min=1)
-    c[0] += rows * E - c.sum()
-    return c
+        return (torch.arange(N)[:, None] * K + torch.arange(K)[None]) % E
+    pop = torch.randn(E, generator=g).exp()                                             # lognormal(0, 1)
+    return torch.multinomial(pop.expand(N, E), K, replacement=False, generator=g)
 
 
-def bench(rows: int, skew: bool, dev="cuda") -> dict:
-    g = torch.Generator().manual_seed(0)
-    counts = make_counts(rows, skew, g)
+def experts_case(rows: int, skew: bool, g) -> dict:
+    idx = replay(E * rows // K, skew, g)
+    counts = torch.bincount(idx.flatten(), minlength=E).cuda()
     T = int(counts.sum())
-    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    # nn.Linear layout [out, in] per expert; the transposed view is the column-major B that grouped GEMMs want
-    w13_p = (torch.randn(E, 2 * I, D, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
-    w2_p = (torch.randn(E, D, I, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
-    w13, w2 = w13_p.transpose(-2, -1), w2_p.transpose(-2, -1)  # [E,D,2I], [E,I,D]
-    d13 = (torch.randn(D, 2 * I, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
-    d2 = (torch.randn(I, D, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
-    dy = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-    offs = counts.cumsum(0).to(dev, torch.int32)
-    splits = counts.tolist()
+    x, rw, dy = leaf(T, D, std=1.0), torch.rand(T, 1, device="cuda").requires_grad_(), leaf(T, D, std=1.0).detach()
+    w13, w2 = leaf(E, 2 * I, D), leaf(E, D, I)
+    offs = counts.cumsum(0).to(torch.int32)
+    t_exp = timed(lambda: grouped_experts(x, rw, counts, w13, w2, 10.0).backward(dy))
 
-    def grouped():
-        y = torch._grouped_mm(swiglu(torch._grouped_mm(x, w13, offs=offs)), w2, offs=offs)
-        y.backward(dy)
-
-    # separate leaf tensors per expert, as in a model with one module per expert (indexing one big tensor
-    # would make every expert's backward write a full-size zero gradient)
-    w13_l = [w.detach().clone().requires_grad_() for w in w13]
-    w2_l = [w.detach().clone().requires_grad_() for w in w2]
-
-    def loop():
-        ys = [swiglu(xe @ w13_l[e]) @ w2_l[e] for e, xe in enumerate(x.split(splits))]
-        torch.cat(ys).backward(dy)
-
-    def dense():
-        (swiglu(x @ d13) @ d2).backward(dy)
-
-    flops = 3 * 2 * T * (D * 2 * I + I * D)  # fwd + 2x bwd
-    out = {"rows/expert": rows, "skew": skew, "max rows": int(counts.max()), "T": T}
-    t_dense = timed(dense)
-    out["dense ms"], out["dense TFLOP/s"] = t_dense, flops / t_dense / 1e9
-    for name, fn in (("grouped", grouped), ("loop", loop)):
-        try:
-            t = timed(fn)
-            out[f"{name} ms"], out[f"{name} TFLOP/s"], out[f"{name}/dense"] = t, flops / t / 1e9, t_dense / t
-        except Exception as e:  # e.g. _grouped_mm without a backward on this torch build
-            out[f"{name} error"] = f"{type(e).__name__}: {str(e)[:120]}"
-    return out
+    def raw():
+        g_, u = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs).chunk(2, -1)
+        torch._grouped_mm(F.silu(g_) * u, w2.transpose(-2, -1), offs=offs).backward(dy)
+    t_raw, t_dense = timed(raw), dense_ms(T)
+    return {"case": "experts", "rows/expert": rows, "skew": skew, "max rows": int(counts.max()), "T": T,
+            "dense ms": t_dense, "experts ms": t_exp, "experts/dense": t_dense / t_exp,
+            "raw ms": t_raw, "raw/dense": t_dense / t_raw, "TFLOP/s": 18 * T * D * I / t_exp / 1e9}
 
 
-def bench_model_moe(tokens: int) -> dict:
-    """nanoflash.model.MoE with 64 experts, top-6, flash dims, bf16 weights; fwd+bwd vs dense same FLOPs."""
-    from nanoflash.config import preset
-    from nanoflash.model import MoE
-    cfg = dataclasses.replace(preset("flash"), n_routed_experts=E, n_hash_layers=0)
+def moe_case(rows: int, skew: bool, g, kernels="auto") -> dict:
+    N = E * rows // K
+    cfg = preset("flash", n_routed_experts=E, n_hash_layers=0, kernels=kernels)
     with torch.device("cuda"):
         moe = MoE(5, cfg)
     with torch.no_grad():
         for n, p in moe.named_parameters():
             p.zero_() if n.endswith("bias") else p.normal_(0, 0.02)
     moe.to(torch.bfloat16)
-    x = torch.randn(1, tokens, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ids = torch.zeros(1, tokens, dtype=torch.long, device="cuda")
-    t = timed(lambda: moe(x, ids).float().sum().backward())
-    K = cfg.n_activated_experts
-    flops = 3 * 2 * tokens * (K + 1) * 3 * D * I  # routed top-K + shared expert, 3 projections each
-    return {"tokens": tokens, "rows/expert (mean)": tokens * K / E, "model MoE ms": t, "TFLOP/s": flops / t / 1e9}
+    x = leaf(1, N, D, std=1.0)
+    ids, rx, dy = torch.zeros(1, N, dtype=torch.long, device="cuda"), replay(N, skew, g).cuda(), leaf(1, N, D).detach()
+    t = timed(lambda: moe(x, ids, rx).backward(dy))
+    t_dense = dense_ms(N * (K + 1))
+    counts = torch.bincount(rx.flatten(), minlength=E)
+    return {"case": "moe" if kernels == "auto" else "moe_ref", "rows/expert": rows, "skew": skew,
+            "max rows": int(counts.max()), "tokens": N, "dense ms": t_dense, "moe ms": t, "moe/dense": t_dense / t,
+            "TFLOP/s": 18 * N * (K + 1) * D * I / t / 1e9}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    g, rows_ = torch.Generator().manual_seed(0), []
+    for rows, skew in ((768, False), (768, True), (192, False), (192, True)):
+        for fn in (experts_case, moe_case):
+            rows_.append(fn(rows, skew, g))
+            print(json.dumps(rows_[-1]), flush=True)
+    rows_.append(moe_case(768, False, g, kernels="reference"))
+    print(json.dumps(rows_[-1]), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows_, f, indent=1)
 
 
 if __name__ == "__main__":
-    torch.backends.cuda.matmul.allow_tf32 = False
-    print(torch.__version__, torch.cuda.get_device_name())
-    for rows in (192, 768):
-        for skew in (False, True):
-            print(bench(rows, skew), flush=True)
-    for tokens in (8192, 16384):
-        print(bench_model_moe(tokens), flush=True)
+    main()

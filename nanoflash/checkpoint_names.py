@@ -1,7 +1,7 @@
 """The one name table: nanoflash FQN <-> official DeepSeek-V4 name <-> transformers name <-> SGLang name, plus storage.
 
-A nanoflash parameter's FQN is (today, for every row) its official checkpoint name (`layers.3.attn.wq_a.weight`),
-so the difference between a model's `state_dict()` and the release is storage: the release keeps most linears
+A nanoflash `state_dict()` key is the official checkpoint name (`layers.3.attn.wq_a.weight`), so the difference
+between a model's `state_dict()` and the release is storage: the release keeps most linears
 as FP8 E4M3 (128x128 blocks) or packed FP4 (1x32 blocks) with a `.scale` sibling, the model keeps them
 dequantized. `NAME_TABLE` holds every tensor once, in four spellings and one storage kind:
 
@@ -14,8 +14,9 @@ dequantized. `NAME_TABLE` holds every tensor once, in four spellings and one sto
     embed.weight               model.embed_tokens.weight         model.embed_tokens.weight       bf16
     mtp.K.e_proj.weight        mtp.K.e_proj.weight               (not pushed)                    fp8
 
-The nanoflash column is separate so that a parameter nanoflash stores differently from the release (stacked
-experts) changes one row, not a second table. The SGLang column is the HF-style spelling of Miles'
+The nanoflash column is the state_dict key; routed experts are *stored* stacked (`EXPERT_STACKS`: one
+`ffn.experts.w13` / `w2` parameter per layer), and `official_views` maps a stack (or its gradient / optimizer
+moment) back to these rows, so no consumer sees the stacks. The SGLang column is the HF-style spelling of Miles'
 `convert_deepseekv4_to_hf`, which SGLang's `DeepseekV4ForCausalLM.load_weights` accepts (rl_and_sglang.md §4.4);
 MTP has none: SGLang's main model skips `mtp.*`. An FP8 weight's scale travels as `<X>.weight_scale_inv` (fp32).
 
@@ -125,6 +126,25 @@ MTP_EXTRA = [_row(o, o, None, k) for o, k in [
     ("e_proj.weight", "fp8"), ("h_proj.weight", "fp8"), ("enorm.weight", "bf16"), ("hnorm.weight", "bf16"),
     ("norm.weight", "bf16"), ("hc_head_fn", "fp32"), ("hc_head_base", "fp32"), ("hc_head_scale", "fp32")]]
 _HALF = {"w1": 0, "w3": 1}  # position of each expert matrix inside transformers' gate_up_proj rows
+EXPERT_STACKS = {"w13": ("w1", "w3"), "w2": ("w2",)}  # model.RoutedExperts' stacks -> official leaves along the rows
+
+
+def official_views(name: str, p: torch.Tensor, t: torch.Tensor) -> list:
+    """(official name, view) pieces of parameter `name` = p, or of `t` shaped like it (gradient, moment). A stack
+    (`expert_ids` tagged by RoutedExperts) splits per expert: `..experts.w13` [i] -> `..experts.{e}.w1.weight`
+    (rows :I), `.w3.weight` (rows I:); `..experts.w2` [i] -> `..experts.{e}.w2.weight`. Else t itself."""
+    ids = getattr(p, "expert_ids", None)
+    if ids is None:
+        return [(name, t)]
+    prefix, parts = name[: name.rfind(".") + 1], EXPERT_STACKS[name[name.rfind(".") + 1:]]
+    rows = t.shape[1] // len(parts)
+    return [(f"{prefix}{e}.{w}.weight", t[i, j * rows:(j + 1) * rows]) for i, e in enumerate(ids)
+            for j, w in enumerate(parts)]
+
+
+def official_parameters(model: torch.nn.Module) -> list:
+    """(official name, view) of every parameter of `model`, stacked experts split per expert."""
+    return [piece for n, p in model.named_parameters() for piece in official_views(n, p, p)]
 
 
 def _whole(r: Row, mine: str, hf: str, sglang: str | None) -> Row:

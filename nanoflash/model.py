@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from nanoflash.checkpoint_names import EXPERT_STACKS, official_parameters, official_views
 from nanoflash.config import ModelConfig
 from nanoflash.quant import fp4_sim, fp8_sim, hadamard
 
@@ -448,9 +449,27 @@ class Gate(nn.Module):
         return w * self.cfg.route_scale, idx
 
 
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, rw: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a = silu(min(g, L)) * clamp(u, -L, L) [* rw] in fp32 (L = 0: no clamp).  g, u [T,I], rw [T,1] -> [T,I]"""
+    g, u = g.float(), u.float()
+    if limit > 0:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return F.silu(g) * u if rw is None else F.silu(g) * u * rw
+
+
+def expert_ffn(x, w1, w3, w2, limit: float, rw: Optional[torch.Tensor] = None, qat: bool = False) -> torch.Tensor:
+    """One SwiGLU expert from its official matrices: w2( swiglu(w1 x, w3 x) * rw ), rw before w2 in fp32; `qat`
+    FP8-simulates both GEMM inputs per 1x128 block, as `Linear(qat_input=True)`.
+    x [T,D], w1/w3 [I,D], w2 [D,I], rw [T,1] or None -> [T,D]"""
+    h = x.to(w1.dtype)
+    h = fp8_sim(h, qat_block(h.shape[-1], ACT_QAT_BLOCK)) if qat else h
+    a = swiglu(F.linear(h, w1), F.linear(h, w3), limit, rw).to(x.dtype).to(w2.dtype)
+    return F.linear(fp8_sim(a, qat_block(a.shape[-1], ACT_QAT_BLOCK)) if qat else a, w2)
+
+
 class Expert(nn.Module):
     """SwiGLU expert: y = w2( rw * silu(min(w1 x, L)) * clamp(w3 x, -L, L) ) with the routing weight rw applied
-    before w2 in fp32 (spec §2.4.2). The shared expert has no clamp (L = 0) and no rw.
+    before w2 in fp32 (spec §2.4.2); the shared expert (dense matmuls) has no clamp (L = 0) and no rw.
 
     Shapes: x [T,D], rw [T,1] or None -> [T,D]
     """
@@ -463,65 +482,136 @@ class Expert(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, rw: Optional[torch.Tensor] = None) -> torch.Tensor:
-        g, u = self.w1(x).float(), self.w3(x).float()
-        if self.swiglu_limit > 0:
-            g = g.clamp(max=self.swiglu_limit)
-            u = u.clamp(-self.swiglu_limit, self.swiglu_limit)
-        a = F.silu(g) * u
-        if rw is not None:
-            a = a * rw
-        return self.w2(a.to(x.dtype))
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.swiglu_limit, rw).to(x.dtype))   # = expert_ffn
+
+
+class RoutedExperts(nn.Module):
+    """The routed experts of one layer as two stacked parameters (an EP rank holds a contiguous block `ids`):
+
+        w13 [E_l, 2I, D] = per expert cat(w1, w3) (rows),    w2 [E_l, D, I]
+        y_t = w2_e( swiglu(w13_e x_t) * rw_t )       for the rows t of expert e (rows sorted by expert)
+
+    Outside, only official per-expert tensors exist: `state_dict` / `load_state_dict` use `{e}.w1.weight`,
+    `{e}.w2.weight`, `{e}.w3.weight` (views into the stacks, in the former per-expert modules' order) and
+    `checkpoint_names.official_views` splits a gradient or an optimizer moment the same way.
+    `cfg.kernels`: "reference" (and "auto" off CUDA) loops `expert_ffn` over the experts (counts read on the
+    host); else `nanoflash.kernels.moe.grouped_experts` (grouped GEMMs + fused SwiGLU, no host sync).
+
+    Shapes: x [T,D] sorted by expert, rw [T,1] fp32, counts [E_l] int64 -> [T,D]
+    """
+
+    def __init__(self, cfg: ModelConfig, ids):
+        super().__init__()
+        self.cfg, self.ids, D, I = cfg, list(ids), cfg.dim, cfg.moe_inter_dim
+        self.w13 = nn.Parameter(torch.empty(len(self.ids), 2 * I, D).uniform_(-D ** -0.5, D ** -0.5))  # as nn.Linear
+        self.w2 = nn.Parameter(torch.empty(len(self.ids), D, I).uniform_(-I ** -0.5, I ** -0.5))
+        self._tag()
+
+    def _tag(self):   # the layout `official_views` reads off a parameter (the optimizer sees only parameters)
+        self.w13.expert_ids = self.w2.expert_ids = tuple(self.ids)
+
+    def _apply(self, fn, recurse=True):   # .to() / to_empty() may build new Parameter objects: tag them again
+        super()._apply(fn, recurse)
+        self._tag()
+        return self
+
+    def __setstate__(self, state):        # deepcopy / unpickling builds new Parameter objects too
+        super().__setstate__(state)
+        self._tag()
+
+    def keep(self, ids):
+        """Hold only experts `ids`, a contiguous block of the held ones (EP sharding slices the stacks)."""
+        ids = list(ids)
+        if not ids or not set(ids) <= set(self.ids) or ids != list(range(ids[0], ids[0] + len(ids))):
+            raise ValueError(f"RoutedExperts.keep: {ids} is not a contiguous block of the held experts {self.ids}")
+        a = self.ids.index(ids[0])
+        for leaf in EXPERT_STACKS:
+            p = getattr(self, leaf)
+            setattr(self, leaf, nn.Parameter(p.detach()[a:a + len(ids)].clone(), requires_grad=p.requires_grad))
+        self.ids = ids
+        self._tag()
+
+    def _official(self, prefix: str, keep_vars: bool) -> dict:
+        views = {n: t for leaf in EXPERT_STACKS for n, t in official_views(
+            prefix + leaf, getattr(self, leaf), getattr(self, leaf) if keep_vars else getattr(self, leaf).detach())}
+        return {k: views[k] for k in (f"{prefix}{e}.{w}.weight" for e in self.ids for w in ("w1", "w2", "w3"))}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination.update(self._official(prefix, keep_vars))
+
+    def _load_from_state_dict(self, sd, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        mine = self._official(prefix, keep_vars=False)
+        for key, dst in mine.items():
+            if key not in sd:
+                missing_keys.append(key)
+            elif tuple(sd[key].shape) != tuple(dst.shape):
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(sd[key].shape)}, "
+                                  f"the shape in current model is {tuple(dst.shape)}")
+            else:
+                with torch.no_grad():
+                    dst.copy_(sd[key])
+        if strict:
+            unexpected_keys.extend(k for k in sd if k.startswith(prefix) and k not in mine)
+
+    def forward(self, x: torch.Tensor, rw: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        k = self.cfg.kernels
+        if k == "triton" or (k == "auto" and x.is_cuda):
+            from nanoflash.kernels.moe import grouped_experts
+            return grouped_experts(x, rw, counts, self.w13, self.w2, self.cfg.swiglu_limit, self.cfg.qat)
+        I, out, a = self.w2.shape[2], [], 0
+        for w13, w2, n in zip(self.w13.unbind(0), self.w2.unbind(0), counts.tolist()):   # host sync
+            if n:
+                out.append(expert_ffn(x[a:a + n], w13[:I], w13[I:], w2, self.cfg.swiglu_limit, rw[a:a + n],
+                                      self.cfg.qat))
+            a += n
+        return torch.cat(out) if out else x[:0]   # x[:0]: a rank with no rows still runs the exchange's backward
 
 
 class LocalDispatcher:
-    """Token dispatcher for EP = 1: sort the N*K (token, expert) slots by expert; combine sums them back.
+    """Token dispatcher for EP = 1: the N*K (token, expert) slots sorted by expert; combine sums them back in
+    fp32. The slot permutation (`nanoflash.kernels.moe`, plain torch: stable sort, deterministic gather and
+    sum, counts on the device, no host sync) is the EP dispatcher's too, on every `kernels` path.
 
-    Shapes: dispatch x [N,D], indices/weights [N,K] -> x_sorted [T,D], w_sorted [T,1], counts [E_local];
-            combine y_sorted [T,D] -> [N,D] fp32
+    Shapes: dispatch x [N,D], indices/weights [N,K] -> x_sorted [T,D], w_sorted [T,1], counts [E] (device);
+            combine y_sorted [T,D] -> [N,D] fp32      (T = N*K)
     """
 
     def __init__(self, local_experts: list):
         self.local_experts = list(local_experts)
 
     def dispatch(self, x, indices, weights):
-        K = indices.shape[1]
-        order = indices.flatten().argsort(stable=True)                                  # [T]
-        counts = torch.bincount(indices.flatten(), minlength=max(self.local_experts) + 1)
-        token = order // K
-        return x[token], weights.flatten()[order, None], counts[self.local_experts].tolist(), (token, x.shape[0])
+        from nanoflash.kernels.moe import GatherSlots, expert_counts, sort_slots
+        order, inv = sort_slots(indices)
+        ws = weights.flatten().index_select(0, order)[:, None]                         # [T,1]
+        counts = expert_counts(indices, len(self.local_experts))
+        return GatherSlots.apply(x, order, inv, indices.shape[1]), ws, counts, (inv, indices.shape[1])
 
     def combine(self, y, ctx):
-        token, n = ctx
-        return y.new_zeros(n, y.shape[1], dtype=torch.float32).index_add_(0, token, y.float())
+        from nanoflash.kernels.moe import combine_slots
+        return combine_slots(y, *ctx)
 
 
 class MoE(nn.Module):
-    """y = sum_{e in top-k} w_e * Expert_e(x) + SharedExpert(x), summed in fp32 (spec §2.4).
+    """y = sum_{e in top-k} w_e * Expert_e(x) + SharedExpert(x), summed in fp32 (spec §2.4):
+    Gate -> dispatch (slots sorted by expert) -> RoutedExperts -> combine, plus the shared expert.
 
-    Shapes: x [B,S,D], ids [B,S] -> [B,S,D]
+    Shapes: x [B,S,D], ids [B,S], replay [B*S,K] or None -> [B,S,D]
     """
 
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
         self.gate = Gate(layer_id, cfg)
-        self.experts = nn.ModuleDict({str(e): Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, cfg.qat)
-                                      for e in range(cfg.n_routed_experts)})
+        self.experts = RoutedExperts(cfg, range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, 0.0, cfg.qat)
-        self.local_experts = list(range(cfg.n_routed_experts))
-        self.dispatcher = LocalDispatcher(self.local_experts)
+        self.dispatcher = LocalDispatcher(list(range(cfg.n_routed_experts)))
         self.last_indices: Optional[torch.Tensor] = None   # [N,K] experts of the last forward (routing replay)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, replay: Optional[torch.Tensor] = None) -> torch.Tensor:
         xf = x.flatten(0, 1)                                                            # [N,D]
         weights, indices = self.gate(xf, ids.flatten(), replay)
         self.last_indices = indices.detach()
-        xs, ws, counts, ctx = self.dispatcher.dispatch(xf, indices, weights)
-        ys, off = [], 0
-        for e, n in zip(self.local_experts, counts):
-            if n:
-                ys.append(self.experts[str(e)](xs[off:off + n], ws[off:off + n]))
-            off += n
-        y = self.dispatcher.combine(torch.cat(ys) if ys else xs[:0], ctx)              # [N,D] fp32
+        xs, ws, counts, ctx = self.dispatcher.dispatch(xf, indices, weights)          # [T,D], [T,1], [E_l]
+        y = self.dispatcher.combine(self.experts(xs, ws, counts), ctx)                # [N,D] fp32
         y = y + self.shared_experts(xf).float()
         return y.to(x.dtype).view_as(x)
 
@@ -726,7 +816,7 @@ class Transformer(nn.Module):
         Layout-independent: each parameter draws from its own CPU generator seeded by (seed, its official
         name), so a pipeline stage or an EP rank that holds only some tensors gets exactly the values the
         full model has, on any device."""
-        for name, p in self.named_parameters():
+        for name, p in official_parameters(self):   # stacked experts: one draw per official expert tensor
             if p.is_meta:
                 continue
             if name.endswith(("norm.weight", "_scale")):

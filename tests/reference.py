@@ -5,6 +5,7 @@ complex-number RoPE and dense masks, reading the parameters off the module under
 with model.py except the config, so a bug has to be made twice to go unnoticed.
 """
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -160,11 +161,13 @@ def moe(mod, x, ids, cfg):
     xf, idf = x.flatten(0, 1), ids.flatten()
     w, idx = gate(mod.gate, xf, idf, cfg)
     y = expert(mod.shared_experts, xf)
+    sd = mod.experts.state_dict(keep_vars=True)  # official per-expert names; differentiable views of the stacks
+    routed = lambda e: SimpleNamespace(**{m: SimpleNamespace(weight=sd[f"{e}.{m}.weight"]) for m in ("w1", "w2", "w3")})
     rows = []
     for n in range(len(xf)):
         acc = torch.zeros(xf.shape[1], dtype=torch.float64)
         for k in range(idx.shape[1]):
-            acc = acc + expert(mod.experts[str(int(idx[n, k]))], xf[n:n + 1], w[n, k], cfg.swiglu_limit)[0]
+            acc = acc + expert(routed(int(idx[n, k])), xf[n:n + 1], w[n, k], cfg.swiglu_limit)[0]
         rows.append(acc)
     return (torch.stack(rows) + y).view_as(x).to(x.dtype)
 

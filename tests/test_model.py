@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoflash.config import preset
-from nanoflash.model import Transformer
+from nanoflash.model import RoutedExperts, Transformer
 from nanoflash.quant import hadamard
 
 # Decode and prefill take different reduction orders (chunked softmax, concatenated caches): fp32 ulps,
@@ -168,8 +168,9 @@ def test_qat_switch_changes_numerics_but_not_much(gen):
     q(ids).sum().backward()   # straight-through gradients flow
     assert q.layers["0"].attn.wq_a.weight.grad.abs().sum() > 0
     fp8_inputs = {n for n, mod in q.named_modules() if getattr(mod, "qat_input", False)}
-    assert {"layers.0.attn.wq_a", "layers.0.attn.wo_b", "layers.1.attn.indexer.wq_b", "layers.0.ffn.experts.3.w2",
+    assert {"layers.0.attn.wq_a", "layers.0.attn.wo_b", "layers.1.attn.indexer.wq_b",
             "layers.0.ffn.shared_experts.w1", "mtp.0.e_proj"} <= fp8_inputs
+    assert q.layers["0"].ffn.experts.cfg.qat  # stacked routed experts quantize both GEMM inputs (tests/test_model_moe.py)
     assert not {"layers.0.attn.wo_a", "layers.1.attn.compressor.wkv", "head", "layers.1.attn.indexer.weights_proj"} \
         & fp8_inputs, "BF16 weights of the release get no FP8 activation quantization"
 
@@ -188,7 +189,7 @@ def _qat_spy(model, monkeypatch):
     import nanoflash.model as M
     calls, current, rotated = [], [None], set()
     for name, mod in model.named_modules():
-        if isinstance(mod, M.Linear):
+        if isinstance(mod, (M.Linear, M.RoutedExperts)):  # stacked experts: their two GEMM inputs
             mod.register_forward_pre_hook(lambda m, a, n=name: current.__setitem__(0, (n, m)))
             mod.register_forward_hook(lambda m, a, o: current.__setitem__(0, None))
 
@@ -223,10 +224,13 @@ def test_qat_is_the_plain_model_plus_exactly_the_official_sites(monkeypatch, gen
         assert torch.equal(q(ids), plain(ids)), "QAT with identity simulations must be the plain model"
     cfg = q.cfg
     for kind, site, n, block, mod in calls:
-        if mod is not None:
+        if isinstance(mod, RoutedExperts):
+            assert kind == "fp8" and n in (cfg.dim, cfg.moe_inter_dim) and block == QAT_ACT_BLOCK, (site, n, block)
+        elif mod is not None:
             assert kind == "fp8" and mod.qat_input and n == mod.in_features and block == QAT_ACT_BLOCK, (site, n, block)
     ran_qat_linears = {site for kind, site, *_ in calls if site not in ("other", "rotated")}
-    assert {"layers.0.attn.wq_a", "layers.0.attn.wo_b", "layers.1.attn.indexer.wq_b"} <= ran_qat_linears
+    assert {"layers.0.attn.wq_a", "layers.0.attn.wo_b", "layers.1.attn.indexer.wq_b", "layers.0.ffn.experts",
+            "layers.0.ffn.shared_experts.w2"} <= ran_qat_linears
     n_attn = cfg.n_layers
     n_plain_compressors = sum(1 for r in cfg.compress_ratios[:cfg.n_layers] if r)
     n_indexers = sum(1 for r in cfg.compress_ratios[:cfg.n_layers] if r == 4)

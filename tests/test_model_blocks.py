@@ -269,8 +269,8 @@ def test_localdispatcher_matches_reference(gen):
     d = LocalDispatcher(list(range(5)))
     x, idx, w = torch.randn(6, 4, generator=gen), torch.randint(0, 5, (6, 2), generator=gen), torch.rand(6, 2, generator=gen)
     xs, ws, counts, ctx = d.dispatch(x, idx, w)
-    assert counts == [int((idx == e).sum()) for e in range(5)]
-    expert_of_slot = torch.repeat_interleave(torch.arange(5), torch.tensor(counts))
+    assert counts.tolist() == [int((idx == e).sum()) for e in range(5)]   # counts stay on the device
+    expert_of_slot = torch.repeat_interleave(torch.arange(5), counts)
     y = d.combine(xs * ws * (expert_of_slot[:, None] + 1), ctx)      # each slot scaled by (expert + 1)
     want = sum(x * w[:, k:k + 1] * (idx[:, k:k + 1] + 1) for k in range(2))
     assert_close(y, want, 1e-6, "dispatch/combine")

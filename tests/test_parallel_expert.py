@@ -1,11 +1,14 @@
 """Expert parallelism at the MoE level: AllToAllDispatcher vs the single-process LocalDispatcher, forward and
-backward, with balanced routing and with routing so skewed that some ranks receive no rows at all; plus the
-(src, expert) -> (expert, src) permutation against a Python loop.
+backward, with balanced routing and with routing so skewed that some ranks receive no rows at all (the
+`kernels="reference"` loop on CPU; the grouped path at EP2 runs in tests/test_model_moe.py); gradients compared
+by official per-expert name (an EP rank's stacks hold experts by global id); plus the (src, expert) ->
+(expert, src) permutation against a Python loop.
 Run: pytest tests/test_parallel_expert.py -q"""
 import pytest
 import torch
 
 from conftest import run_ranks
+from nanoflash.checkpoint_names import official_views
 from nanoflash.config import preset
 from nanoflash.model import MoE
 from nanoflash.parallel.dims import ParallelDims
@@ -45,7 +48,13 @@ def _ep_rank(rank, world, skewed):
     y = moe(xs, ids[:, sl])
     (y * c[:, sl]).sum().backward()
     reduce_gradients(moe, dims)
-    return y.detach(), xs.grad, {n: p.grad for n, p in moe.named_parameters()}, moe.local_experts
+    return y.detach(), xs.grad, official_grads(moe), moe.experts.ids
+
+
+def official_grads(m) -> dict:
+    """{official name: gradient}; stacks split per expert, zeros for a parameter that got no gradient."""
+    return {n: t for name, p in m.named_parameters()
+            for n, t in official_views(name, p, torch.zeros_like(p) if p.grad is None else p.grad)}
 
 
 @pytest.mark.parametrize("world,skewed", [(2, False), (4, True)])
@@ -62,10 +71,10 @@ def test_all_to_all_dispatcher_matches_local(world, skewed):
         torch.testing.assert_close(yr, y[:, sl].detach(), rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(dx, x.grad[:, sl], rtol=RTOL, atol=ATOL)
         assert local == list(range(rank * 8 // world, (rank + 1) * 8 // world))
+        want = official_grads(moe)   # zeros for an expert no token chose
+        assert set(grads) <= set(want) and len([n for n in grads if n.startswith("experts.")]) == 3 * 8 // world
         for n, g in grads.items():
-            ref = dict(moe.named_parameters())[n].grad
-            ref = torch.zeros_like(g) if ref is None else ref  # an expert no token chose
-            torch.testing.assert_close(g, ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"rank {rank} {n}: {m}")
+            torch.testing.assert_close(g, want[n], rtol=RTOL, atol=ATOL, msg=lambda m: f"rank {rank} {n}: {m}")
 
 
 def test_expert_major_perm_matches_loop():
@@ -78,4 +87,4 @@ def test_expert_major_perm_matches_loop():
             rows[(p, e)] = list(range(start, start + int(recv[p, e])))
             start += int(recv[p, e])
     want = [i for e in range(5) for p in range(3) for i in rows[(p, e)]]
-    assert _expert_major_perm(recv).tolist() == want
+    assert _expert_major_perm(recv, int(recv.sum())).tolist() == want

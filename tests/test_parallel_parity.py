@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import run_ranks
+from nanoflash.checkpoint_names import official_views
 from nanoflash.config import OptimConfig, ParallelConfig, preset
 from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
@@ -51,7 +52,8 @@ def reference():
     batch = make_batch()
     logprobs = model.token_logprobs(batch["input_ids"], batch["targets"]).detach()
     out = train_step(model, ParallelDims(), [batch], opt, 1.0 / float(batch["loss_mask"].sum()), grad_clip=CLIP)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    grads = {n: g.clone() for name, p in model.named_parameters() if p.requires_grad  # stacked experts by official name
+             for n, g in official_views(name, p, p.grad)}
     out["logprobs"] = logprobs
     return out, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
@@ -73,7 +75,8 @@ def _rank_fn(rank, world, pp, ep, layer_split, mbs_per_rank, recompute):
     first = dims.is_first_stage  # data and loss scale only where the data is read; the rest travels
     logp = forward_only(model, dims, mbs if first else None, lambda m, h, mb: stage_logprobs(m, h, mb["targets"]))
     out = train_step(model, dims, mbs if first else None, opt, 1.0 / z if first else None, grad_clip=CLIP)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    grads = {n: g.clone() for name, p in model.named_parameters() if p.requires_grad  # stacked experts by official name
+             for n, g in official_views(name, p, p.grad)}
     out["logprobs"] = (dims.data_rank, torch.cat(logp))
     return out, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
 

@@ -89,7 +89,8 @@ def _push_ranks(rank, world, base_port, disk_root):
     dims = ParallelDims(pp=2, ep=2)
     model, out = _sharded_model(dims), {}
     shard = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
-    shard_bytes = sum(t.untyped_storage().nbytes() for t in model.state_dict().values())
+    shard_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # stacked experts: one
+                       for t in model.state_dict().values()}.values())               # storage, many views
     for i, (weights, transport) in enumerate(COMBOS):
         servers = _servers(weights) if rank == 0 else []
         client = SGLangClient([u for _, u in servers]) if rank == 0 else None

@@ -5,6 +5,9 @@
                   forward and backward (dQ, dKV, dComp, dSink), bf16 MMA with fp32 accumulation.
     indexer.py    indexer_topk: the lightning indexer's scores for each query's visible entries, fused
                   (no [S, heads, C] tensor), then top-k with the reference's tie-break (lower index wins).
+    moe.py        the routed experts: slot permutation on the device (both dispatchers, every path),
+                  grouped GEMMs over the stacked w13 / w2 and a fused SwiGLU (`model.RoutedExperts`);
+                  imported by its users directly, not re-exported here.
 
 Which path runs is one config switch, `ModelConfig.kernels` (read by `model.use_kernels`):
     "auto"       Triton on CUDA for bf16/fp16 training forwards (no decode cache), the reference elsewhere;

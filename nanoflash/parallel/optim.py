@@ -45,6 +45,8 @@ import os
 import torch
 from torch import nn
 
+from nanoflash.checkpoint_names import official_views
+
 FROZEN_KEYS = (".ffn.gate.weight", ".ffn.gate.bias", ".attn.indexer.")  # frozen in V4 RL (Miles)
 MTP_PREFIX = "mtp."
 # Cuts inside one tensor fall on multiples of this many elements: the fused CPU kernel splits work into
@@ -250,20 +252,23 @@ class AdamW:
 
     # ------------------------------------------------------------------ checkpoint I/O (flat, by FQN)
     def state_dict(self) -> dict:
-        """{"step": int, "<fqn>.<exp_avg|exp_avg_sq|master>": tensor} - flat, so DCP can reshard it by name."""
+        """{"step": int, "<official fqn>.<exp_avg|exp_avg_sq|master>": tensor} - flat, so DCP can reshard it by
+        name; a stacked expert parameter's state is its per-expert views (`checkpoint_names.official_views`)."""
         sd = {"step": self.step_count}
-        for name, st in self.state.items():
-            for k, v in st.items():
-                sd[f"{name}.{k}"] = v
+        sd.update(self._official_state())
         return sd
 
+    def _official_state(self) -> dict:
+        return {f"{n}.{k}": t for name, st in self.state.items() for k, v in st.items()
+                for n, t in official_views(name, self.params[name], v)}
+
     def load_state_dict(self, sd: dict) -> None:
-        missing = [f"{n}.{k}" for n, st in self.state.items() for k in st if f"{n}.{k}" not in sd]
+        mine = self._official_state()
+        missing = [key for key in mine if key not in sd]
         if missing or "step" not in sd:
             raise ValueError(f"optimizer state lacks {missing[:5]}{'...' if len(missing) > 5 else ''}"
                              f"{' and step' if 'step' not in sd else ''}")
         self.step_count = int(sd["step"])
-        for name, st in self.state.items():
-            for k, v in st.items():
-                v.copy_(sd[f"{name}.{k}"])
+        for key, v in mine.items():
+            v.copy_(sd[key])
 

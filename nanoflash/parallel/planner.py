@@ -32,6 +32,7 @@ import dataclasses
 
 import torch
 
+from nanoflash.checkpoint_names import official_parameters
 from nanoflash.config import ParallelConfig, preset
 from nanoflash.model import Block, Transformer
 from nanoflash.parallel.expert import EXPERT_KEY, expert_range
@@ -90,7 +91,7 @@ def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: b
     dp = par.dp or 1
     rows = {(s, e): dict(pp_rank=s, ep_rank=e, params=0, param_bytes=0, grad_bytes=0, optim_bytes=0)
             for s in range(par.pp) for e in range(par.ep)}
-    for name, p in model.named_parameters():
+    for name, p in official_parameters(model):  # stacked experts by their official per-expert names
         stage, ep_rank = owner(name, cfg, par.pp, par.ep, par.layer_split)
         for e in ([ep_rank] if ep_rank is not None else range(par.ep)):
             r = rows[(stage, e)]
