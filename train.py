@@ -103,12 +103,12 @@ def sync_weights(version: int) -> dict:
 
 
 def run_eval(at: int) -> None:
-    """pass@k on held-out problems with the trainer's full weights (rank 0)."""
+    """pass@k on held-out problems of the weights the rollout servers hold, just pushed (rank 0): in-process on
+    the embedded engine or through the servers (`eval.path`, `Rollouts.eval_generate`)."""
     if not rank0 or not ec.every:
         return
     t0 = time.time()
-    gen = lambda prompts, n: ep.sample_batched(shadow, prompts, n, ec.max_new_tokens, ec.temperature,  # noqa: E731
-                                               task.stop_ids, ep.request_seed(tc.seed + 1, at))
+    gen = lambda prompts, n: rollouts.eval_generate(prompts, n, ep.eval_seeds(tc.seed, at, len(prompts)))  # noqa: E731
     res = evaluate(task.heldout, gen, ec.k_samples, task.reward, ec.max_new_tokens, task.encode)
     acc = torch.tensor(res.pop("per_problem_correct"), dtype=torch.float64) / ec.k_samples  # [P] per-problem accuracy
     res["pass@1_se"] = float(acc.std() / len(acc) ** 0.5) if len(acc) > 1 else 0.0  # standard error over problems
@@ -119,6 +119,8 @@ def run_eval(at: int) -> None:
 def save(at: int) -> None:
     actor.save(ckpt_dir, at, extra={"data_pos": pos, "model_config": dataclasses.asdict(mcfg)}, keep=tc.keep)
 
+    if tc.save_every < 0:  # no checkpoints at all (throughput runs: the `gpu` recipe)
+        return
 
 def rollout_batch(at: int):
     """Rank 0: dynamic-sampling rollout -> advantages -> the packed global batch and the step's metrics."""
@@ -140,7 +142,8 @@ def rollout_batch(at: int):
 
 sync_weights(step)
 if not latest:
-    run_eval(0)
+    if ec.before_train:
+        run_eval(0)
     save(0)
 
 # ---------------------------------------------------------------------------------------------- loop
@@ -155,11 +158,13 @@ while step < tc.steps:
         old = actor.logprobs(shard)
         if shard is not None:
             shard.old_logprobs = old
+        m["logprobs_s"] = time.time() - t1
         actor.optimizer.lr = oc.lr * min(1.0, step / tc.lr_warmup_steps) if tc.lr_warmup_steps else oc.lr
         m["lr"] = actor.optimizer.lr
         m.update(actor.train(shard))
         n_tok = float(batch.mask.sum()) if batch is not None else 0.0
-        m.update(train_s=time.time() - t1, train_tokens_per_s=n_tok / (time.time() - t1))
+        m.update(train_s=time.time() - t1, train_tokens_per_s=n_tok / (time.time() - t1),
+                 optim_s=actor.optimizer.last_step_s)
     skipped = m.pop("skipped", False)
     streak, total_skipped = (streak + 1 if skipped else 0), total_skipped + skipped
     m["skipped_steps"] = total_skipped

@@ -333,6 +333,15 @@ class EvalConfig:
     data: str = "../shared/data/aime24.jsonl"  # eval file (jsonl / parquet) for task=dapo|chat, relative to the cwd
     prompt_key: str = ""              # eval file's prompt field, dotted for nested ("" = prompt, else problem)
     answer_key: str = ""              # eval file's answer field ("" = reward_model.ground_truth, else label, else answer)
+    top_p: float = 1.0                # eval nucleus sampling (Miles V4: 0.7)
+    path: str = "auto"                # batched (in-process on an embedded engine) | servers (rollout client) | auto
+    before_train: bool = True         # also evaluate at step 0 (Miles: --skip-eval-before-train turns it off)
+
+    def __post_init__(self):
+        if self.path not in ("auto", "batched", "servers"):
+            raise ValueError(f"EvalConfig.path must be auto|batched|servers, got {self.path!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"EvalConfig.top_p={self.top_p} must be in (0, 1]")
 
 
 @dataclass
@@ -352,7 +361,7 @@ class TrainConfig:
     steps: int = 20                   # GRPO steps
     seed: int = 1234                  # one seed for init, data order and per-request sampling seeds (Miles 1234)
     out_dir: str = "runs/tiny"        # metrics.jsonl, checkpoints/, plots/
-    save_every: int = 10              # checkpoint every n steps (0 = only at the end)
+    save_every: int = 10              # checkpoint every n steps (0 = only at the end, -1 = never)
     keep: int = 2                     # checkpoints kept
     resume: bool = True               # continue from the newest checkpoint in out_dir if there is one
     warmup_steps: int = 0             # supervised warm-up steps on reference answers before RL (0 = pure RL)

@@ -16,9 +16,13 @@ Routing replay (R3): with `rollout.routing_replay` every request asks for `retur
 and the embedded server answer, per input position and MoE layer, the top-k experts the engine routed to
 (base64 int32 [P + R - 1, n_layers, K]), which the episode carries to the trainer (`Episode.routed_experts`).
 
-Evaluation (`sample_batched`) runs on the trainer's full model, batched over all problems of one prompt
-length with full forwards (no cache), because hundreds of held-out problems through one-request-at-a-time
-HTTP would dominate a CPU demo; it is the same sampler as the engine's (`rollout.engine.sample`).
+Evaluation (`Rollouts.eval_generate`) samples the weights the rollout servers hold, n per held-out prompt, with
+the per-prompt seeds of `eval_seeds`, on one of two paths (`eval.path`): through the servers (`sample_servers`:
+the rollout client, one /generate per prompt, the servers' KV caches; SGLang and at scale), or, for embedded
+servers on one machine, in-process on the first engine's model (`sample_batched`: forwards batched over all
+prompts of one length, no HTTP, which costs >= 0.2 s a request on the 2-core CPU demo). Both draw prompt i's
+samples with the engine's sampler (`rollout.engine.sample`) from a generator seeded seeds[i], so on the same
+weights they give the same samples and the same pass@k (`tests/test_eval_servers.py`).
 
 Tests: `pytest tests/test_train_e2e.py -q`.
 """
@@ -191,6 +195,25 @@ class Rollouts:
     def push(self, model, version: int, disk_dir: str) -> dict:
         return push(self.client, model, self.cfg.rollout, version, disk_dir, self.broadcaster)
 
+    def eval_generate(self, prompts: list, n: int, seeds: list) -> list:
+        """n samples per prompt from the weights the servers hold -> per prompt [(ids, finish_reason)] * n.
+        eval.path: "batched" = in-process on the first embedded engine's model, forwards batched over prompts
+        (one machine, the CPU demo); "servers" = one /generate per prompt through the rollout client (SGLang,
+        at scale); "auto" = batched when the servers are embedded. Same seeds -> the same samples."""
+        ec = self.cfg.eval
+        path = ec.path if ec.path != "auto" else ("batched" if self.engines else "servers")
+        if path == "batched":
+            if not self.engines:
+                raise ValueError("eval.path=batched samples an embedded engine in-process; with rollout.urls "
+                                 "use eval.path=servers (or auto)")
+            engine = self.engines[0]
+            with engine.lock:  # no weight update while it samples
+                return sample_batched(engine.model, prompts, n, ec.max_new_tokens, ec.temperature,
+                                      list(self.task.stop_ids), seeds, top_p=ec.top_p)
+        sp = {"n": n, "temperature": ec.temperature, "top_p": ec.top_p, "max_new_tokens": ec.max_new_tokens,
+              "stop_token_ids": list(self.task.stop_ids)}
+        return sample_servers(self.client, prompts, sp, seeds, self.cfg.rollout.max_workers)
+
     def close(self) -> None:
         for httpd in self.httpds:
             httpd.shutdown()
@@ -242,24 +265,35 @@ def collect(client, task: Task, pos: int, gc, rc, seed: int, mcfg, bar=None) -> 
 
 
 # ---------------------------------------------------------------------------------------------- eval
+def eval_seeds(run_seed: int, at: int, n_prompts: int) -> list:
+    """Sampling seed of held-out prompt i at the eval of step `at`: the same on both eval paths."""
+    base = request_seed(run_seed + 1, at)
+    return [request_seed(base, i) for i in range(n_prompts)]
+
+
 @torch.no_grad()
-def sample_batched(model, prompts: list, n: int, max_new: int, temperature: float, stop_ids: list, seed: int,
-                   rows_per_forward: int = 1024) -> list:
-    """n samples per prompt, batched over prompts of equal length. -> per prompt [(ids, finish_reason)] * n"""
+def sample_batched(model, prompts: list, n: int, max_new: int, temperature: float, stop_ids: list, seeds: list,
+                   top_p: float = 1.0, rows_per_forward: int = 1024) -> list:
+    """n samples per prompt, the forwards batched over prompts of equal length; prompt i draws from its own
+    generator seeded seeds[i], one `sample` call per step on its n rows -- the embedded engine's draws for a
+    request with sampling_seed seeds[i]. -> per prompt [(ids, finish_reason)] * n"""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"sample_batched: {len(seeds)} seeds for {len(prompts)} prompts")
     dev = next(model.parameters()).device
-    gen = torch.Generator(device=dev).manual_seed(seed)
     out: list = [None] * len(prompts)
     by_len: dict = {}
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p), []).append(i)
     stops = torch.tensor(stop_ids, device=dev)
     for L, idx in sorted(by_len.items()):
-        seqs = torch.tensor([prompts[i] for i in idx for _ in range(n)], device=dev)  # [R,L]
+        gens = [torch.Generator(device=dev).manual_seed(seeds[i]) for i in idx]
+        seqs = torch.tensor([prompts[i] for i in idx for _ in range(n)], device=dev)  # [R,L], R = len(idx) n
         done = torch.zeros(len(seqs), dtype=torch.bool, device=dev)
         for _ in range(max_new):
             logits = torch.cat([model(seqs[a:a + rows_per_forward])[:, -1]
                                 for a in range(0, len(seqs), rows_per_forward)])      # [R,V]
-            nxt = sample(logits, temperature, 1.0, -1, gen)
+            nxt = torch.cat([sample(logits[j * n:(j + 1) * n], temperature, top_p, -1, g)
+                             for j, g in enumerate(gens)])                            # [R]
             nxt = torch.where(done, stops[0], nxt)
             seqs = torch.cat([seqs, nxt[:, None]], 1)                                 # [R,L+1]
             done |= torch.isin(nxt, stops)
@@ -271,4 +305,23 @@ def sample_batched(model, prompts: list, n: int, max_new: int, temperature: floa
                 hit = next((t for t, tok in enumerate(row) if tok in stop_ids), None)
                 group.append((row[:hit + 1], "stop") if hit is not None else (row, "length"))
             out[i] = group
+    return out
+
+
+def sample_servers(client, prompts: list, sp: dict, seeds: list, max_workers: int) -> list:
+    """One /generate request per prompt (n = sp["n"] samples, sampling_seed seeds[i]) through the rollout
+    client, spread over its servers, their KV caches doing the decoding. -> per prompt [(ids, reason)] * n"""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"sample_servers: {len(seeds)} seeds for {len(prompts)} prompts")
+    with ThreadPoolExecutor(max_workers=max_workers) as pool:
+        futs = [pool.submit(client.generate, ids, {**sp, "sampling_seed": s}, return_logprob=False)
+                for ids, s in zip(prompts, seeds)]
+        gens = [f.result() for f in futs]
+    out = []
+    for i, group in enumerate(gens):
+        bad = [g.finish_reason for g in group if g.finish_reason not in ("stop", "length")]
+        if bad or len(group) != sp["n"]:
+            raise ValueError(f"eval prompt {i}: {group[0].server if group else 'a server'} returned "
+                             f"{len(group)} samples (n={sp['n']}), finish reasons {bad or 'ok'}")
+        out.append([(g.output_ids, g.finish_reason) for g in group])
     return out

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import torch
 from torch import nn
@@ -137,6 +138,7 @@ class AdamW:
         self.chunk_elems = min(chunk_elems, max(ALIGN, -(-sum(n for _, n in sizes) // ALIGN) * ALIGN))
         self.chunks = plan_chunks(sizes, self.chunk_elems) if offload else []
         self._staging = None  # made on the first offloaded step: [down0, down1], [up0, up1], streams, events
+        self.last_step_s = 0.0  # wall time of the last step, weights back on their device
 
     def zero_grad(self) -> None:
         for p in self.params.values():
@@ -145,7 +147,11 @@ class AdamW:
     @torch.no_grad()
     def step(self) -> None:
         self.step_count += 1
+        t0 = time.perf_counter()
         (self._offload_step if self.offload else self._device_step)()
+        if any(p.is_cuda for p in self.params.values()):
+            torch.cuda.synchronize()
+        self.last_step_s = time.perf_counter() - t0
 
     def _decay(self, name: str) -> float:
         return self.weight_decay if self.params[name].ndim >= 2 else 0.0

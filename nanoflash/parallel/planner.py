@@ -1,29 +1,50 @@
-"""Memory planner: a dry run of a PP x EP x DP layout on the meta device, per rank and per host.
+"""Memory planner: a dry run of a PP x EP x DP layout on the meta device, per GPU, per rank's host share, per node.
 
     python -m nanoflash.parallel.planner --preset flash --pp 4 --ep 4 --recompute --offload
 
-Per rank (pp_rank, ep_rank) it counts, from the parameter names of a model built on `meta` and the same
-ownership rules as `build_stage` / `apply_expert_parallel` (layers by stage, experts by EP shard):
+Per rank (pp_rank, ep_rank; DP replicas are equal) it counts, from the parameter names of a model built on
+`meta` and the same ownership rules as `build_stage` / `apply_expert_parallel`, every term below. GPU:
 
-    params      numel x element size after `model.cast_(bf16)` (fp32 where the official model keeps fp32)
-    grads       same bytes as the trainable params (frozen router / indexer / MTP get none)
-    optimizer   fp32 master + Adam m, v = 12 bytes per trainable param (8 if the param is fp32) - on the
-                host with --offload
-    activations per in-flight micro-batch of T = micro_batch_tokens tokens (one sequence, the worst case);
-                1F1B keeps min(pp - pp_rank, m) micro-batches alive on stage pp_rank.
+    weights     numel x element size after `model.cast_(bf16)` (fp32 where the official model keeps fp32)
+    grads       trainable numel x the gradient dtype: autograd accumulates micro-batches into `.grad` in the
+                parameter's dtype (bf16), no fp32 main-grad (`grad_dtype=fp32` counts one: ~+37 GiB at flash)
+    optimizer   fp32 master + Adam m, v = 12 bytes per trainable param (8 if the param is fp32); host w/ offload
+    activations per in-flight micro-batch of T = micro_batch_tokens tokens in sequences of `seq_len` (default:
+                one sequence, the worst case); 1F1B keeps pp - pp_rank micro-batches alive on stage pp_rank.
                 recompute: the stored layer inputs h [T,M,D] per layer, plus one layer's full activations
-                (the layer being recomputed); no recompute: every layer's full activations.
+                (the layer being recomputed); no recompute: every layer's full activations
+    imbalance   EP > 1: the busiest EP rank receives `imbalance` x its share of routed rows; the extra rows'
+                expert activations (x, w1 x, w3 x, swiglu: K (D + 3 I) per token) in every full layer
+    a2a         EP > 1: one MoE exchange in flight: send [T K, D] + receive imbalance x [T K, D], with weights
+    backward    the stream gradients in and out of the layer in backward (2 x [T,M,D]); on the last stage
+                the chunked head's fp32 logits and their gradient (2 x [1024, V])
+    clip        `grad_norm`: g.float().square() of the largest gradient tensor the rank holds
+    opt step    fp32 gradient casts: on device a batch of >= one chunk (`optim.HOST_CHUNK_ELEMS`) plus its last
+                tensor; offloaded one piece (<= a chunk) at a time
+    nccl        NCCL_COMM_BYTES per communicator the rank joins (assumption: not measurable on one GPU)
+    push        a push source (dp 0, ep 0 of each stage) or EP peer: `stage_push.live_budget` buckets
+    engine      an embedded rollout engine on rank 0's GPU (the `gpu` recipe): its fp32 (bf16) model copy,
+                the loader store of the pushed layout (built on the GPU at start-up; HTTP pushes then land
+                it on the host, so it is counted on both), its decode cache; batched eval's logits
+
+Host, per rank: the offloaded optimizer state (pageable), its pinned staging (2 slots per direction of one
+chunk), push payloads (transport=tensor to embedded servers: safetensors + base64 + JSON on both ends;
+disk: blob + base64; gloo: the bucket), the embedded engine's loader store (HTTP pushes land on the host) or
+whole engine on a CPU, rank 0's TEMPORARY full fp32 copy (`trainer.gather_full_state` + shadow model, world
+> 1) and HOST_PROCESS_BYTES of Python / torch / CUDA runtime. Per node: the ranks of the grid order
+(grid = arange(world).view(pp, dp, ep)) that share `gpus_per_host`.
 
 A layer's full activations are *measured*, not guessed: `measure_layer_bytes` runs one Block of the config
 (with only n_activated + 2 routed experts, which does not change the per-token activations beyond the gate
 scores) under `saved_tensors_hooks` at two lengths and fits bytes(S) = a S + b pairs(S), where pairs(S)
 counts the (query, key) pairs of nanoflash's dense masked attention (window slice per query chunk plus all
 S / ratio compressed keys): that term dominates at 8K tokens and is where nanoflash pays for not having the
-official sparse-gather kernel. `MEASURED_FLASH` holds the fit for `flash`
-(bf16, CPU, see `--measure`), so the default run needs no compute.
+official sparse-gather kernel. `MEASURED_FLASH` holds the fit for `flash` (bf16, see `--measure`), so the
+default run needs no compute. The CUDA context (CUDA_CONTEXT_BYTES) is outside torch's allocator and so
+outside the measured `max_memory_allocated`: reported, not added. Allocator fragmentation is not counted.
 
-Not counted: the CUDA context and allocator fragmentation (add ~2-5 GB per GPU), NCCL buffers, the
-rollout engine's memory. Tests: `pytest tests/test_parallel_planner.py -q`.
+Predicted vs measured on one GPU: `bench/gpu_recipe.py` (the `gpu` recipe; status in docs/benchmarks.md B11).
+Tests: `pytest tests/test_parallel_planner.py -q` (each term against a hand count on tiny).
 """
 from __future__ import annotations
 
@@ -36,7 +57,7 @@ from nanoflash.checkpoint_names import official_parameters
 from nanoflash.config import ParallelConfig, preset
 from nanoflash.model import Block, Transformer
 from nanoflash.parallel.expert import EXPERT_KEY, expert_range
-from nanoflash.parallel.optim import is_frozen
+from nanoflash.parallel.optim import ALIGN, HOST_CHUNK_ELEMS, is_frozen
 from nanoflash.parallel.pipeline import LAST_STAGE_MODULES, LAST_STAGE_PARAMS, split_layers
 
 GIB = 2 ** 30
@@ -45,6 +66,45 @@ GIB = 2 ** 30
 # (bench/parallel_memory.py). A CPU fit at (512, 1024) agreed within 8%. The same method on the `small`
 # preset predicted its measured T=4096 activations (no recompute) within 1% (51.1 vs 50.7 GiB).
 MEASURED_FLASH: dict[int, tuple[float, float]] = {0: (1350174, 491.5), 4: (1387244, 511.81), 128: (1405243, 465.76)}
+# Assumptions, not measured here (each is a knob of `Setup` or a constant you may change):
+ROUTING_IMBALANCE = 1.5   # busiest EP rank's routed rows / the mean; aux-loss-free balancing keeps it near 1-1.5
+NCCL_COMM_BYTES = 256 * 2 ** 20  # NCCL_BUFFSIZE 4 MiB x 2 directions x 32 channels, per communicator
+CUDA_CONTEXT_BYTES = 600 * 2 ** 20  # CUDA context + cuBLAS workspace on an H200: outside torch's allocator
+HOST_PROCESS_BYTES = 3 * GIB  # Python + torch + CUDA runtime resident per process (bench/gpu_recipe.py measures it)
+HEAD_CHUNK = 1024         # tokens per chunk of `model.chunked_logprobs`
+# Host copies of one push bucket: tensor (embedded server, one process) = CPU copy + safetensors blob + base64 +
+# JSON body on the sender (1 + 1 + 4/3 + 4/3), JSON string + decoded blob + tensors on the receiver (4/3 + 1 + 1);
+# disk = the blob written + the tensors read back; gloo = the bucket on the CPU; nccl = none. Estimates.
+PUSH_HOST_FACTOR = {"tensor": 8.0, "disk": 2.0, "gloo": 1.0, "nccl": 0.0}
+
+
+@dataclasses.dataclass
+class Setup:
+    """What besides the layout decides memory. Defaults: external SGLang servers, NCCL weight push."""
+    grad_dtype: torch.dtype | None = None   # `.grad` dtype; None = the parameter's (what autograd does)
+    seq_len: int | None = None              # tokens per sequence in a micro-batch; None = one of T tokens
+    imbalance: float = ROUTING_IMBALANCE
+    chunk_elems: int = HOST_CHUNK_ELEMS      # optimizer chunk (offload staging, fp32 casts)
+    push: str = "nccl"                      # tensor | disk | gloo | nccl: where one push bucket is copied
+    bucket_bytes: int = 1 << 30
+    engine: str = ""                        # embedded engine weights on rank 0 (fp8 | bf16 | fp32), "" = none
+    engine_on_gpu: bool = True
+    engine_tokens: int = 0                  # decode rows x max sequence length of one engine request
+    eval_logit_rows: int = 0                # batched in-process eval: rows x positions of one forward
+    full_copy: bool = False                 # rank 0 holds a gathered fp32 copy + shadow model (world > 1)
+    gpus_per_host: int = 8
+
+
+def setup_from_run(cfg, mcfg, world: int, gpus_per_host: int = 8) -> Setup:
+    """The `Setup` a `RunConfig` implies (train.py's choices: embedded engines when no urls, the gather)."""
+    rc, ec, gc, par = cfg.rollout, cfg.eval, cfg.grpo, cfg.parallel
+    embedded = not rc.urls
+    push = rc.transport if rc.transport != "distributed" else ("nccl" if par.device != "cpu" else "gloo")
+    batched = embedded and ec.every and ec.path in ("auto", "batched")
+    return Setup(push=push, bucket_bytes=rc.bucket_bytes, engine=rc.weights if embedded else "",
+                 engine_on_gpu=par.device != "cpu", engine_tokens=max(gc.group_size, ec.k_samples) * mcfg.max_seq_len,
+                 eval_logit_rows=min(max(ec.n_problems, 1) * ec.k_samples, 1024) * mcfg.max_seq_len if batched else 0,
+                 full_copy=world > 1 and (embedded or bool(ec.every)), gpus_per_host=gpus_per_host)
 
 
 def owner(name: str, cfg, pp: int, ep: int, layer_split=None) -> tuple[int | None, int | None]:
@@ -75,22 +135,17 @@ def attention_pairs(cfg, ratio: int, S: int) -> int:
     return pairs
 
 
-def layer_act_bytes(cfg, ratio: int, tokens: int, fit: dict) -> float:
+def layer_act_bytes(cfg, ratio: int, tokens: int, fit: dict, seq_len: int | None = None) -> float:
+    """Saved activations of one layer for `tokens` tokens in sequences of `seq_len` (None: one sequence)."""
     a, b = fit[ratio]
-    return a * tokens + b * attention_pairs(cfg, ratio, tokens)
+    s = min(seq_len or tokens, tokens)
+    return a * tokens + b * attention_pairs(cfg, ratio, s) * tokens / s
 
 
-def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: bool = False,
-         model=None) -> list[dict]:
-    """One row per (pp_rank, ep_rank): bytes of params, grads, optimizer state and activations.
-    `model`: an already built full meta model of `cfg` to reuse (it is cast to `dtype`)."""
-    if model is None:
-        with torch.device("meta"):
-            model = Transformer(cfg)
-    model.cast_(dtype)
-    dp = par.dp or 1
-    rows = {(s, e): dict(pp_rank=s, ep_rank=e, params=0, param_bytes=0, grad_bytes=0, optim_bytes=0)
-            for s in range(par.pp) for e in range(par.ep)}
+def _count_params(model, cfg, par, train_mtp: bool) -> dict:
+    """{(stage, ep_rank): param / grad-able / optimizer counts and the largest real tensor it holds}."""
+    rows = {(s, e): dict(pp_rank=s, ep_rank=e, params=0, param_bytes=0, trainable=0, trainable_bytes=0,
+                         optim_bytes=0, dtypes=set(), largest=0) for s in range(par.pp) for e in range(par.ep)}
     for name, p in official_parameters(model):  # stacked experts by their official per-expert names
         stage, ep_rank = owner(name, cfg, par.pp, par.ep, par.layer_split)
         for e in ([ep_rank] if ep_rank is not None else range(par.ep)):
@@ -98,23 +153,118 @@ def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: b
             r["params"] += p.numel()
             r["param_bytes"] += p.numel() * p.element_size()
             if not is_frozen(name, train_mtp):
-                r["grad_bytes"] += p.numel() * p.element_size()
+                r["dtypes"].add(p.dtype)
+                r["trainable"] += p.numel()
+                r["trainable_bytes"] += p.numel() * p.element_size()
                 r["optim_bytes"] += p.numel() * (8 if p.dtype == torch.float32 else 12)
+    for name, p in model.named_parameters():  # the real tensors (an EP rank's expert stack is E/ep of one)
+        if is_frozen(name, train_mtp):
+            continue
+        key = ".".join(name.split(".")[:2]) + ".w" if name.startswith("layers.") else name  # its stage only
+        stage, _ = owner(key, cfg, par.pp, 1, par.layer_split)
+        n = p.numel() // par.ep if ".experts." in name else p.numel()
+        for e in range(par.ep):
+            rows[(stage, e)]["largest"] = max(rows[(stage, e)]["largest"], n)
+    return rows
+
+
+def _activations(cfg, par, setup: Setup, fit: dict, s: int, layers, dtype) -> dict:
+    """GPU activation terms of stage s: stored / recomputed layers, routing imbalance, a2a, backward."""
+    T, M, D, K, elem = par.micro_batch_tokens, cfg.hc_mult, cfg.dim, cfg.n_activated_experts, dtype.itemsize
+    in_flight = par.pp - s  # 1F1B, assuming at least pp micro-batches per step
+    per_layer = [layer_act_bytes(cfg, cfg.compress_ratios[i], T, fit, setup.seq_len) for i in layers]
+    full_layers = 1 if par.recompute else in_flight * len(layers)
+    if par.recompute:
+        acts = in_flight * len(layers) * T * M * D * elem + max(per_layer)
+    else:
+        acts = in_flight * sum(per_layer)
+    ep_extra = par.ep > 1
+    out = {"activations": acts,
+           "imbalance": (setup.imbalance - 1) * full_layers * T * K * (D + 3 * cfg.moe_inter_dim) * elem * ep_extra,
+           "a2a": (1 + setup.imbalance) * T * K * (D * elem + 4) * ep_extra,
+           "backward": 2 * T * M * D * elem + (2 * min(T, HEAD_CHUNK) * cfg.vocab_size * 4 if s == par.pp - 1 else 0)}
+    return out
+
+
+def _communicators(par, source: bool, push: str) -> int:
+    """NCCL communicators a rank joins: the world; PP neighbours (send + recv); EP; DP; the stage's data
+    group (when it is neither EP nor DP alone); the weight-update group of a push source."""
+    dp = par.dp or 1
+    return (1 + 2 * (par.pp > 1) + (par.ep > 1) + (dp > 1) + (dp > 1 and par.ep > 1)
+            + (source and push == "nccl"))
+
+
+def _push_gpu(bucket: int, ep: int) -> int:
+    """Buckets a rank holds during a push (built and quantized on its GPU for every transport)."""
+    from nanoflash.rollout.stage_push import live_budget  # the pusher's own bound
+    return live_budget(bucket, ep, 0)
+
+
+def _engine(cfg, setup: Setup, full_params: int, push_bytes: float) -> tuple[float, float]:
+    """(model copy + decode cache + batched-eval logits, loader store) of an embedded engine, bytes."""
+    model = full_params * (2 if setup.engine == "bf16" else 4)
+    store = push_bytes if setup.engine == "fp8" else model
+    kv = setup.engine_tokens * cfg.n_layers * (cfg.head_dim + cfg.index_head_dim) * 4
+    return model + kv + setup.eval_logit_rows * cfg.vocab_size * 4, store
+
+
+def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: bool = False,
+         model=None, setup: Setup | None = None) -> list[dict]:
+    """One row per (pp_rank, ep_rank): every GPU term (`gpu_terms`, summed in `gpu_bytes`) and host term
+    (`host_terms`, `host_bytes`) in bytes. `model`: a built full meta model of `cfg` to reuse (cast to `dtype`)."""
+    setup = setup or Setup()
+    if model is None:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+    model.cast_(dtype)
+    rows = _count_params(model, cfg, par, train_mtp)
+    full = sum(p.numel() for p in model.parameters())
+    push_bytes = _push_bytes(cfg) if setup.engine == "fp8" else 0
     layers = split_layers(cfg.n_layers, par.pp, par.layer_split)
-    T, M, D = par.micro_batch_tokens, cfg.hc_mult, cfg.dim
-    for (s, _), r in rows.items():
-        in_flight = par.pp - s  # 1F1B, assuming at least pp micro-batches per step
-        per_layer = [layer_act_bytes(cfg, cfg.compress_ratios[i], T, fit) for i in layers[s]]
-        if par.recompute:
-            stored = len(per_layer) * T * M * D * torch.finfo(dtype).bits // 8
-            r["act_bytes"] = in_flight * stored + max(per_layer)
-        else:
-            r["act_bytes"] = in_flight * sum(per_layer)
-        r["gpu_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["act_bytes"] + (0 if par.offload_optimizer
-                                                                                   else r["optim_bytes"])
-        r["host_bytes"] = r["optim_bytes"] if par.offload_optimizer else 0
-        r["dp"] = dp
+    world = par.pp * par.ep * (par.dp or 1)
+    for (s, e), r in rows.items():
+        g_elem = (setup.grad_dtype or dtype).itemsize  # most gradients' element size
+        grads = r["trainable"] * g_elem if setup.grad_dtype else r["trainable_bytes"]
+        bucket = min(setup.bucket_bytes, r["param_bytes"])  # a bucket never exceeds what the rank sends
+        chunk = min(setup.chunk_elems, r["trainable"])  # offload: one piece cast at a time; on device: a batch
+        casts = 0 if g_elem == 4 else 4 * (min(chunk, r["largest"]) if par.offload_optimizer else chunk + r["largest"])
+        gpu = {"weights": r["param_bytes"], "grads": grads,
+               "optimizer": 0 if par.offload_optimizer else r["optim_bytes"],
+               **_activations(cfg, par, setup, fit, s, layers[s], dtype),
+               "clip": r["largest"] * 4 * (1 if g_elem == 4 else 2), "opt_step": casts,
+               "nccl": NCCL_COMM_BYTES * _communicators(par, e == 0, setup.push) * (world > 1),
+               "push": _push_gpu(bucket, par.ep)}
+        slot = min(setup.chunk_elems, max(ALIGN, -(-r["trainable"] // ALIGN) * ALIGN))  # as AdamW sizes it
+        pinned = 2 * slot * (4 + sum(d.itemsize for d in r["dtypes"])) if par.offload_optimizer else 0
+        host = {"optimizer": r["optim_bytes"] if par.offload_optimizer else 0, "pinned": pinned,
+                "push": PUSH_HOST_FACTOR[setup.push] * bucket * (e == 0),
+                "process": HOST_PROCESS_BYTES}
+        if (s, e) == (0, 0):  # rank 0: the embedded engine, the TEMPORARY full copy
+            model_b, store = _engine(cfg, setup, full, push_bytes) if setup.engine else (0, 0)
+            gpu["engine"] = (model_b + store) if setup.engine_on_gpu else 0
+            host["engine"] = store + (0 if setup.engine_on_gpu else model_b)
+            host["full_copy"] = 2 * 4 * full if setup.full_copy else 0
+        once = host["push"] + host.get("engine", 0) + host.get("full_copy", 0)  # dp 0 / rank 0 only
+        r.update(grad_bytes=grads, act_bytes=gpu["activations"], gpu_terms=gpu, host_terms=host, dp=par.dp or 1,
+                 gpu_bytes=sum(gpu.values()), host_bytes=sum(host.values()),
+                 replica_host_bytes=sum(host.values()) - once)
     return list(rows.values())
+
+
+def _push_bytes(cfg) -> float:
+    from nanoflash.cli import rollout_weight_bytes  # FP8 blocks, experts FP8, no MTP: one push
+    return rollout_weight_bytes(cfg, push=True)
+
+
+def node_host_bytes(rows: list, par: ParallelConfig, gpus_per_host: int) -> list[float]:
+    """Host bytes of each node: global rank r = grid[pp, dp, ep] lives on node r // gpus_per_host."""
+    by = {(r["pp_rank"], r["ep_rank"]): r for r in rows}
+    dp, nodes = par.dp or 1, {}
+    for rank, (s, d, e) in enumerate((s, d, e) for s in range(par.pp) for d in range(dp) for e in range(par.ep)):
+        r = by[(s, e)]  # a DP replica d > 0 holds no push payload, engine or full copy
+        nodes[rank // gpus_per_host] = nodes.get(rank // gpus_per_host, 0) + (r["host_bytes"] if d == 0
+                                                                              else r["replica_host_bytes"])
+    return [nodes[k] for k in sorted(nodes)]
 
 
 def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="cpu") -> dict[int, tuple]:
@@ -155,19 +305,33 @@ def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="
     return fit
 
 
-def _report(rows, cfg_name: str, par: ParallelConfig, gpus_per_host: int) -> str:
-    head = f"{cfg_name}: PP{par.pp} x EP{par.ep} x DP{par.dp or 1}, {par.micro_batch_tokens} tokens/micro-batch, " \
-           f"recompute={par.recompute}, offload={par.offload_optimizer}"
-    cols = f"{'pp':>3} {'ep':>3} {'params':>9} {'weights':>9} {'grads':>8} {'optim':>8} {'acts':>8} {'GPU':>8} {'host':>8}"
-    lines = [head, cols + "   (GiB; params in billions)"]
+GPU_COLS = ("weights", "grads", "optimizer", "activations", "imbalance", "a2a", "backward", "clip", "opt_step",
+            "nccl", "push", "engine")
+HOST_COLS = ("optimizer", "pinned", "push", "engine", "full_copy", "process")
+
+
+def _report(rows, cfg_name: str, par: ParallelConfig, setup: Setup) -> str:
+    g = lambda b: f"{b / GIB:>7.1f}"  # noqa: E731
+    grad = str(setup.grad_dtype or "the parameter dtype").replace("torch.", "")
+    lines = [f"{cfg_name}: PP{par.pp} x EP{par.ep} x DP{par.dp or 1}, {par.micro_batch_tokens} tokens/micro-batch "
+             f"(sequences of {setup.seq_len or par.micro_batch_tokens}), recompute={par.recompute}, "
+             f"offload={par.offload_optimizer}, grads in {grad}, push via {setup.push}, embedded engine: "
+             f"{setup.engine or 'none'}", "GPU per rank (GiB; params in billions):",
+             f"{'pp':>3} {'ep':>3} {'params':>7}" + "".join(f"{c[:7]:>8}" for c in GPU_COLS) + f"{'GPU':>8}"]
     for r in rows:
-        lines.append(f"{r['pp_rank']:>3} {r['ep_rank']:>3} {r['params'] / 1e9:>9.2f} {r['param_bytes'] / GIB:>9.1f} "
-                     f"{r['grad_bytes'] / GIB:>8.1f} {r['optim_bytes'] / GIB:>8.1f} {r['act_bytes'] / GIB:>8.1f} "
-                     f"{r['gpu_bytes'] / GIB:>8.1f} {r['host_bytes'] / GIB:>8.1f}")
-    worst_gpu = max(r["gpu_bytes"] for r in rows) / GIB
-    per_host = sorted(r["host_bytes"] for r in rows)[-gpus_per_host:]
-    lines.append(f"max per GPU: {worst_gpu:.1f} GiB (+ CUDA context / fragmentation); host, worst {gpus_per_host} "
-                 f"ranks on one node: {sum(per_host) / GIB:.1f} GiB of optimizer state")
+        t = r["gpu_terms"]
+        lines.append(f"{r['pp_rank']:>3} {r['ep_rank']:>3} {r['params'] / 1e9:>7.2f}"
+                     + "".join(" " + g(t.get(c, 0)) for c in GPU_COLS) + " " + g(r["gpu_bytes"]))
+    lines += ["host per rank (GiB):",
+              f"{'pp':>3} {'ep':>3}" + "".join(f"{c[:7]:>8}" for c in HOST_COLS) + f"{'host':>8}"]
+    for r in rows:
+        t = r["host_terms"]
+        lines.append(f"{r['pp_rank']:>3} {r['ep_rank']:>3}" + "".join(" " + g(t.get(c, 0)) for c in HOST_COLS)
+                     + " " + g(r["host_bytes"]))
+    nodes = node_host_bytes(rows, par, setup.gpus_per_host)
+    lines.append(f"max per GPU: {max(r['gpu_bytes'] for r in rows) / GIB:.1f} GiB (+ {CUDA_CONTEXT_BYTES / GIB:.1f} "
+                 f"GiB CUDA context, + fragmentation); host per node ({setup.gpus_per_host} GPUs): "
+                 + ", ".join(f"{b / GIB:.0f}" for b in nodes) + " GiB")
     return "\n".join(lines)
 
 
@@ -178,18 +342,25 @@ def main(argv=None) -> str:
     ap.add_argument("--ep", type=int, default=4)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: one of T)")
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--offload", action="store_true")
+    ap.add_argument("--grad-dtype", choices=("param", "fp32"), default="param")
+    ap.add_argument("--push", choices=sorted(PUSH_HOST_FACTOR), default="nccl")
+    ap.add_argument("--bucket-bytes", type=int, default=1 << 30)
+    ap.add_argument("--imbalance", type=float, default=ROUTING_IMBALANCE)
     ap.add_argument("--gpus-per-host", type=int, default=4)
     ap.add_argument("--measure", action="store_true", help="measure the activation fit instead of MEASURED_FLASH")
     a = ap.parse_args(argv)
     cfg = preset(a.preset)
     par = ParallelConfig(pp=a.pp, ep=a.ep, dp=a.dp, micro_batch_tokens=a.micro_batch_tokens,
                          recompute=a.recompute, offload_optimizer=a.offload)
+    setup = Setup(grad_dtype=torch.float32 if a.grad_dtype == "fp32" else None, seq_len=a.seq_len,
+                  imbalance=a.imbalance, push=a.push, bucket_bytes=a.bucket_bytes, gpus_per_host=a.gpus_per_host)
     fit = MEASURED_FLASH if (a.preset == "flash" and MEASURED_FLASH and not a.measure) else measure_layer_bytes(cfg)
     if a.measure:
         print("activation fit bytes(S) = a*S + b*pairs(S) per ratio:", {k: (round(x), round(y, 2)) for k, (x, y) in fit.items()})
-    text = _report(plan(cfg, par, fit), a.preset, par, a.gpus_per_host)
+    text = _report(plan(cfg, par, fit, setup=setup), a.preset, par, setup)
     print(text)
     return text
 
