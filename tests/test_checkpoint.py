@@ -195,6 +195,23 @@ def test_bf16_round_trip_is_exact(tmp_path):
     assert cfg_json["num_hidden_layers"] == 4 and "quantization_config" not in cfg_json
 
 
+def expected_scale(w, kind, fmt):
+    """The scale grid the release format prescribes, by a loop over blocks of the original weight:
+    FP8 128x128 blocks, FP4 1x32 blocks; ue8m0 S = 2^ceil(log2(amax * fp32(1/qmax))), fp32 S = amax / 448."""
+    bm, bn, qmax = (1, 32, 6.0) if kind == "fp4" else (128, 128, 448.0)
+    rows, cols = -(-w.shape[0] // bm), -(-w.shape[1] // bn)
+    out = torch.empty(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            amax = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].abs().max().float()
+            if fmt == "fp32":
+                out[i, j] = amax / qmax
+            else:
+                r = (amax * torch.tensor(1.0 / qmax, dtype=torch.float32)).item()   # fp32 product, as the spec
+                out[i, j] = 2.0 ** math.ceil(math.log2(r))
+    return out
+
+
 @pytest.mark.parametrize("experts,scale_fmt", [("fp4", "ue8m0"), ("fp8", "ue8m0"), ("fp8", "fp32")])
 def test_quantized_round_trip_within_format_error(tmp_path, experts, scale_fmt):
     m = tiny_model()
@@ -212,12 +229,16 @@ def test_quantized_round_trip_within_format_error(tmp_path, experts, scale_fmt):
         sname = k[: -len("weight")] + ("scale" if scale_fmt == "ue8m0" or kind == "fp4" else "weight_scale_inv")
         s = stored[sname]
         s = quant.e8m0_decode(s) if s.dtype != torch.float32 else s
+        # The bound uses the scale computed from the original weights' block amax, never the stored one (an
+        # oversized stored scale would loosen its own bound); the stored scale must equal it exactly.
+        want_s = expected_scale(w.float(), kind, "ue8m0" if kind == "fp4" else scale_fmt)
+        assert torch.equal(s.float(), want_s), (k, "stored scale is not the block amax rule")
         if kind == "fp4":
-            s_el = s.repeat_interleave(32, 1)[:, : w.shape[1]]  # naive: scale of element (i, j) = S[i, j//32]
+            s_el = want_s.repeat_interleave(32, 1)[:, : w.shape[1]]  # naive: scale of element (i, j) = S[i, j//32]
             bound = FP4_REL * w.abs() + FP4_ABS * s_el
             assert stored[k].dtype == torch.int8 and stored[k].shape[1] * 2 == w.shape[1], k
         else:
-            s_el = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+            s_el = want_s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
             bound = FP8_REL * w.abs() + FP8_ABS * s_el
             assert stored[k].dtype == torch.float8_e4m3fn, k
         err = (sd2[k].float() - w.float()).abs()
