@@ -71,10 +71,10 @@ log = MetricsLog(os.path.join(tc.out_dir, "metrics.jsonl"), resume_step=step if 
                  tensorboard=tc.tensorboard, wandb=tc.wandb, config=to_dict(cfg), enabled=rank0)
 if not latest:
     log.log("info", 0, {"config": to_dict(cfg), "world_size": dims.world_size, "matched": matched})
-if not latest and tc.warmup_steps:  # supervised warm-up on reference answers (fresh runs only)
+if not latest and tc.warmup_steps:  # supervised warm-up on task.warmup (train.warmup_data; fresh runs only)
     sft_opt, t0 = trainer.make_optimizer(actor.model, oc, lr=tc.warmup_lr), time.time()
     for i in range(tc.warmup_steps):
-        batch_probs = [task.train[(i * tc.warmup_batch + j) % len(task.train)] for j in range(tc.warmup_batch)]
+        batch_probs = [task.warmup[(i * tc.warmup_batch + j) % len(task.warmup)] for j in range(tc.warmup_batch)]
         nll = actor.sft_step(batch_probs, task, sft_opt)
         if i % 25 == 0 or i == tc.warmup_steps - 1:
             log.log("warmup", i, {"nll": nll, "time_s": time.time() - t0})

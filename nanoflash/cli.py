@@ -37,21 +37,28 @@ FLAGS = {"--dry-run": ("train.dry_run", "true"), "--no-resume": ("train.resume",
 # one line per recipe for --help (a recipe without one is listed with its overrides)
 RECIPE_HELP = {
     "demo": "CPU demo: tiny model, synthetic arithmetic, embedded FP8 server (docs/demo.md)",
+    "demo-control": "the demo's control: its warm start continued for the demo's 60 steps on its own data, no GRPO",
     "smoke": "a few-step CPU smoke of the demo's loop (CI)",
     "flash": "the reference deployment's trainer: V4-Flash, PP4 x EP4, DAPO-Math-17K (use with --dry-run first)",
 }
 # Named recipes: lists of overrides applied before the command line.
 RECIPES: dict[str, list[str]] = {
-    # CPU demo: tiny model, synthetic "last digit of a + 1" ("0527+1=" -> "8", 1,025 held out), a short SFT
-    # warm-up (held-out pass@1 in the 10-40% band), then GRPO through the embedded FP8 server.
+    # CPU demo (docs/demo.md): tiny model; a warm start that copies the last digit ("0527+0=" -> "7", format
+    # only: none of the answers), then GRPO on "last digit of a + 1" ("0527+1=" -> "8") through the embedded
+    # FP8 server, whose answers only the reward teaches; held out: 1,000 problems whose leading digits no
+    # training prompt has. Checkpoints at every eval (0, 20, 40, 60) for the probes of scripts/demo_controls.py.
     "demo": ["train.preset=tiny", "train.task=arith", "train.data=arith:mod10", "train.difficulty=4",
-             "train.steps=80", "train.warmup_steps=15", "train.warmup_lr=3e-3", "train.out_dir=runs/demo",
-             "train.save_every=10", "train.threads=1", "model.vocab_size=18", "model.max_seq_len=32",
+             "train.warmup_data=arith:copy", "train.steps=60", "train.warmup_steps=30", "train.warmup_lr=3e-3",
+             "train.out_dir=runs/demo", "train.save_every=20", "train.keep=4", "train.threads=1",
+             "model.vocab_size=18", "model.max_seq_len=32",
              "grpo.n_prompts=16", "grpo.group_size=8", "grpo.over_sampling_batch_size=16",
              "optim.lr=1e-3", "train.lr_warmup_steps=5", "optim.weight_decay=0.0", "optim.grad_clip=1.0",
              "parallel.micro_batch_tokens=2048",
              "rollout.weights=fp8", "rollout.max_new_tokens=2", "rollout.max_workers=4",
              "eval.every=20", "eval.n_problems=500", "eval.k_samples=8", "eval.max_new_tokens=2"],
+    # the demo's control: the same warm start continued on its own (copy) data for the demo's 60 GRPO steps
+    # (= the demo's overrides, then these; see below)
+    "demo-control": ["train.warmup_steps=90", "train.steps=0", "train.out_dir=runs/demo-control"],
     # a few-step smoke of the same command (CI): same task and server, fewer steps, prompts and eval problems
     "smoke": ["train.preset=tiny", "train.task=arith", "train.data=arith:mod10", "train.difficulty=4",
               "train.steps=3", "train.warmup_steps=20", "train.warmup_batch=32", "train.threads=1",
@@ -78,6 +85,7 @@ RECIPES: dict[str, list[str]] = {
             "eval.every=3", "eval.before_train=false", "eval.path=servers", "eval.n_problems=16",
             "eval.k_samples=8", "eval.max_new_tokens=16"],
 }
+RECIPES["demo-control"] = RECIPES["demo"] + RECIPES["demo-control"]
 
 
 def _parse_value(raw: str, tp, where: str):

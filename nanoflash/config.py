@@ -367,6 +367,7 @@ class TrainConfig:
     warmup_steps: int = 0             # supervised warm-up steps on reference answers before RL (0 = pure RL)
     warmup_lr: float = 3e-3           # warm-up learning rate
     warmup_batch: int = 64            # warm-up problems per step
+    warmup_data: str = ""             # warm-up problems: "" = the task's own, with their answers; arith:copy (the demo)
     lr_warmup_steps: int = 0          # GRPO learning rate ramps linearly from lr/n to lr over the first n steps
     dtype: str = "fp32"               # trainer parameter dtype: fp32 | bf16
     threads: int = 0                  # torch intra-op threads (0 = torch's default)

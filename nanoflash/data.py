@@ -22,9 +22,12 @@ it into prompt token ids. This module provides:
    (a + b) mod 10. 10^d x MOD10_MAX_ADDEND expressions but a one-token answer, so the `tiny` model learns it in
    minutes while >= 500 held-out expressions exist (the CPU demo's task). Measured on `tiny`: 2-digit + 2-digit
    stays at chance (10%) after 300 SFT steps, b in 1..9 reaches 11% after 80; b in 1..3 learns, but 80 GRPO
-   steps gained only +12 points on one of two seeds; b = 1 is what the demo uses.
-   Train and held-out splits are disjoint *by construction*: an expression belongs to the held-out split iff
-   `sha256(expr) mod 100 < heldout_percent`, so no seed can leak an eval expression into training.
+   steps gained only +12 points on one of two seeds; b = 1 is what the demo uses. The `copy` family
+   (`"0527+0="` -> `"7"`) is the demo's warm start: same format, the digit that matters, none of the answers.
+   Train and held-out splits are disjoint *by construction* (`arith_heldout`): an expression is held out iff
+   `sha256(key) mod 100 < heldout_percent`, key = the expression's text, or, in the last-digit families, a's
+   leading digits (the distractors), so no seed can leak an eval expression into training, and a held-out
+   last-digit prompt shares nothing but the digit its answer depends on with any training or warm-up prompt.
    `CharTokenizer` is a character-level tokenizer (< 20 ids) that fits the `tiny` preset's 256-entry vocabulary.
 3. **The DeepSeek-V4 chat format** (facts from DeepSeek's `encoding/encoding_dsv4.py`; no Jinja template
    exists for V4). For a conversation without tools:
@@ -206,12 +209,25 @@ def _in_heldout(expr: str, heldout_percent: int) -> bool:
 
 
 MOD10_MAX_ADDEND = 1  # mod10 family: b in 1..this (1 = "last digit of a + 1", the demo task)
-ARITH_ANSWERS = ("value", "mod10")  # what the answer of "a op b=" is: the value, or (a + b) mod 10 (ops "+")
+# What the answer of "a op b=" is: the value; (a + b) mod 10 with b in 1..MOD10_MAX_ADDEND ("mod10"); or the
+# last digit of a, asked as "a+0=" ("copy": the demo's warm start, which shows the format and which digit
+# matters but none of the mod10 answers).
+ARITH_ANSWERS = ("value", "mod10", "copy")
+LAST_DIGIT = ("mod10", "copy")  # families that read only a's last digit; a is zero-padded to `difficulty` digits
 
 
 def arith_expr(a: int, op: str, b: int, difficulty: int, answer: str = "value") -> str:
-    """The text of `a op b` (before "="): zero-padded to `difficulty` digits in the mod10 family."""
-    return f"{a:0{difficulty}d}{op}{b}" if answer == "mod10" else f"{a}{op}{b}"
+    """The text of `a op b` (before "="): zero-padded to `difficulty` digits in the last-digit families."""
+    return f"{a:0{difficulty}d}{op}{b}" if answer in LAST_DIGIT else f"{a}{op}{b}"
+
+
+def arith_heldout(a: int, op: str, b: int, difficulty: int, answer: str, heldout_percent: int) -> bool:
+    """The split rule. value: the hash bucket of the expression's text. Last-digit families: the hash bucket of
+    a's leading `difficulty - 1` digits (the distractors), so a held-out prompt shares its distractors with no
+    training (or warm-up) prompt, whatever b: only the digit the rule reads."""
+    if answer in LAST_DIGIT:
+        return _in_heldout(f"prefix:{a // 10:0{difficulty - 1}d}", heldout_percent)
+    return _in_heldout(arith_expr(a, op, b, difficulty, answer), heldout_percent)
 
 
 def arithmetic_problems(n: int, split: str = "train", difficulty: int = 1, seed: int = 0,
@@ -220,8 +236,8 @@ def arithmetic_problems(n: int, split: str = "train", difficulty: int = 1, seed:
 
     Ops are `+ -` (difficulty 1-2) and `+ - *` (difficulty >= 3). answer="mod10": op `+` only, `a`
     zero-padded to `difficulty` digits, `b` in 1..MOD10_MAX_ADDEND (`"0527+1="`), and the answer is the last
-    digit `(a + b) mod 10` (one token). The split of an expression is a pure function of its text
-    (hash bucket), so train and held-out never overlap, whatever the seeds.
+    digit `(a + b) mod 10` (one token); answer="copy": `"0527+0="` -> `"7"`. The split is a pure function of
+    the expression (`arith_heldout`), so train and held-out never overlap, whatever the seeds.
     """
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
@@ -229,21 +245,23 @@ def arithmetic_problems(n: int, split: str = "train", difficulty: int = 1, seed:
         raise ValueError(f"difficulty must be in 1..6, got {difficulty}")
     if answer not in ARITH_ANSWERS:
         raise ValueError(f"answer must be one of {ARITH_ANSWERS}, got {answer!r}")
-    ops = "+" if answer == "mod10" else "+-*" if difficulty >= 3 else "+-"
+    if answer in LAST_DIGIT and difficulty < 2:
+        raise ValueError(f"the {answer} family splits on a's leading digits: difficulty must be >= 2, got {difficulty}")
+    ops = "+" if answer in LAST_DIGIT else "+-*" if difficulty >= 3 else "+-"
     hi = 10 ** difficulty
-    n_space = hi * (MOD10_MAX_ADDEND if answer == "mod10" else hi * len(ops))
+    n_space = hi * {"mod10": MOD10_MAX_ADDEND, "copy": 1}.get(answer, hi * len(ops))
     rng = random.Random(f"{seed}-{split}-{difficulty}" + ("" if answer == "value" else f"-{answer}"))
     seen, out = set(), []
     for _ in range(50 * n + 1000):
         a, b, op = rng.randrange(hi), rng.randrange(hi), rng.choice(ops)
-        if answer == "mod10":
-            b = rng.randint(1, MOD10_MAX_ADDEND)
+        if answer in LAST_DIGIT:
+            b = rng.randint(1, MOD10_MAX_ADDEND) if answer == "mod10" else 0
         expr = arith_expr(a, op, b, difficulty, answer)
-        if expr in seen or _in_heldout(expr, heldout_percent) != (split == "heldout"):
+        if expr in seen or arith_heldout(a, op, b, difficulty, answer, heldout_percent) != (split == "heldout"):
             continue
         seen.add(expr)
         value = a + b if op == "+" else a - b if op == "-" else a * b
-        text = str(value % 10) if answer == "mod10" else str(value)
+        text = str(value % 10) if answer in LAST_DIGIT else str(value)
         out.append(Problem(id=f"arith-{split}-{len(out)}", prompt=expr + "=", answer=text, source="arith"))
         if len(out) == n:
             return out

@@ -59,16 +59,18 @@ class Task:
     reward: Callable                # (problems, response id lists) -> rewards
     stop_ids: list                  # ids that end a response
     pad_id: int
+    warmup: list | None = None      # problems of the supervised warm-up (make_task: `train.warmup_data`, else train)
 
 
-def arith_answer(tc) -> str:
+def arith_answer(tc, spec: str | None = None, field: str = "train.data") -> str:
     """The arithmetic family of a task=arith run: `train.data` = "arith:<answer>" (data.ARITH_ANSWERS), else
     "value" (the file path of task=dapo means nothing to the synthetic task)."""
-    if not tc.data.startswith("arith:"):
+    spec = tc.data if spec is None else spec
+    if not spec.startswith("arith:"):
         return "value"
-    answer = tc.data.partition(":")[2]
+    answer = spec.partition(":")[2]
     if answer not in data.ARITH_ANSWERS:
-        raise ValueError(f"train.data={tc.data!r}: the arithmetic family must be one of "
+        raise ValueError(f"{field}={spec!r}: the arithmetic family must be one of "
                          f"{['arith:' + a for a in data.ARITH_ANSWERS]}")
     return answer
 
@@ -79,6 +81,10 @@ def make_task(tc, ec, vocab_size: int) -> Task:
     jsonl / parquet of prompt-answer rows, prompts as they are. `train.reward=module:function` replaces the
     task's reward by a plug-in (`plugins.PluginReward`: the contract, timeouts and errors)."""
     task = _arith_task(tc, ec, vocab_size) if tc.task == "arith" else _chat_task(tc, ec, vocab_size)
+    if tc.warmup_data and (tc.task != "arith" or not tc.warmup_data.startswith("arith:")):
+        raise ValueError(f"train.warmup_data={tc.warmup_data!r}: a warm-up set is an arithmetic family, "
+                         f"arith:<answer> ({', '.join(data.ARITH_ANSWERS)}), with train.task=arith")
+    task.warmup = arith_family(tc, tc.warmup_data, "train.warmup_data")[0] if tc.warmup_data else task.train
     if tc.reward:
         plugin = plugins.PluginReward(tc.reward, n_workers=tc.reward_workers, timeout_s=tc.reward_timeout_s)
         task.reward = plugins.token_plugin_fn(task.decode, plugin)
@@ -91,15 +97,21 @@ def _arith_task(tc, ec, vocab_size: int) -> Task:
     if tok.vocab_size > vocab_size:
         raise ValueError(f"train.task=arith: the arithmetic tokenizer needs {tok.vocab_size} ids but the "
                          f"model's vocab_size is {vocab_size}; set --model.vocab_size {tok.vocab_size}")
-    answer = arith_answer(tc)
+    train, heldout = arith_family(tc, tc.data, "train.data", ec.n_problems)
+    return Task(train, heldout, tok.encode_prompt, tok.decode,
+                rewards.token_reward_fn(tok.decode, rewards.arith_reward), [tok.eos_id], tok.pad_id)
+
+
+def arith_family(tc, spec: str, field: str, n_heldout: int = 0) -> tuple[list, list]:
+    """(every training expression in the run's shuffled order, the first n_heldout held-out ones) of the family
+    "arith:<answer>" at `train.difficulty`; the split is data.arith_heldout, the same for every family."""
+    answer = arith_answer(tc, spec, field)
     pct = ARITH_HELDOUT_PERCENT.get(tc.difficulty, 10) if answer == "value" else 10
     n_train, n_held = _arith_split_sizes(tc.difficulty, pct, answer)
     kw = dict(difficulty=tc.difficulty, seed=0, heldout_percent=pct, answer=answer)
     train = data.arithmetic_problems(n_train, "train", **kw)
     random.Random(tc.seed).shuffle(train)
-    heldout = data.arithmetic_problems(min(ec.n_problems, n_held), "heldout", **kw)
-    return Task(train, heldout, tok.encode_prompt, tok.decode,
-                rewards.token_reward_fn(tok.decode, rewards.arith_reward), [tok.eos_id], tok.pad_id)
+    return train, data.arithmetic_problems(min(n_heldout, n_held), "heldout", **kw) if n_heldout else []
 
 
 def _chat_task(tc, ec, vocab_size: int) -> Task:
@@ -122,10 +134,9 @@ def _arith_split_sizes(difficulty: int, pct: int, answer: str = "value") -> tupl
     """(train, held-out) expression counts of one difficulty and family; enumerated when small, else capped."""
     if difficulty > (2 if answer == "value" else 5):
         return MAX_ARITH_TRAIN, 10 ** 6
-    ops, hi = "+" if answer == "mod10" else "+-", 10 ** difficulty
-    bs = range(1, data.MOD10_MAX_ADDEND + 1) if answer == "mod10" else range(hi)
-    held = sum(data._in_heldout(data.arith_expr(a, op, b, difficulty, answer), pct)
-               for a in range(hi) for b in bs for op in ops)
+    ops, hi = "+" if answer in data.LAST_DIGIT else "+-", 10 ** difficulty
+    bs = {"mod10": range(1, data.MOD10_MAX_ADDEND + 1), "copy": [0]}.get(answer, range(hi))
+    held = sum(data.arith_heldout(a, op, b, difficulty, answer, pct) for a in range(hi) for b in bs for op in ops)
     return min(len(ops) * hi * len(bs) - held, MAX_ARITH_TRAIN), held
 
 

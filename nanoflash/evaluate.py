@@ -9,8 +9,9 @@ The product form never builds a large binomial (C(8, 4) is harmless, but C(1000,
 it is the form Miles logs as `eval/<name>-pass@k` [miles/utils/metric_utils.py]. The reported value is the mean
 over problems. `accuracy` is Miles' `eval/aime`: the mean reward-is-correct over all P*n samples (avg@n).
 
-A sample is *truncated* when it stopped at the response limit: `finish_reason == "length"` or it holds
-`max_new_tokens` tokens. Miles passes the same flag (`TRUNCATED`) to training.
+A sample is *truncated* when it hit the response limit before its stop token: `finish_reason == "length"`.
+A response that ends with its stop token is complete even when it fills `max_new_tokens` exactly (the demo's
+"8" + <eos> at a 2-token limit). Miles passes the same flag (`TRUNCATED`) to training.
 
 `evaluate` is independent of the rollout engine: it only calls
     generate_fn(prompt_ids: list[list[int]], n: int) -> list (per prompt) of list (n) of (token ids, finish_reason)
@@ -64,7 +65,7 @@ def evaluate(problems: Sequence[Problem], generate_fn: Callable, k_samples: int,
         raise ValueError(f"reward_fn returned {len(rewards)} rewards for {len(flat_ids)} samples")
     correct = [r == REWARD_CORRECT for r in rewards]
     per_problem = [sum(correct[i * k_samples:(i + 1) * k_samples]) for i in range(len(problems))]
-    truncated = [reason == "length" or len(ids) >= max_new_tokens for group in samples for ids, reason in group]
+    truncated = [reason == "length" for group in samples for ids, reason in group]  # the stop token never came
     out = {
         "accuracy": sum(correct) / len(correct),
         "truncation_rate": sum(truncated) / len(truncated),

@@ -122,6 +122,33 @@ class MetricsLog:
             self.wb.finish()
 
 
+@torch.no_grad()
+def answer_probe(model, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0) -> dict:
+    """What the policy puts on the reference responses y (answer + stop token), by teacher forcing:
+
+        p_i      = prod_t softmax(f(x_i, y_<t) / T)[y_t]        the probability of sampling y_i exactly
+        greedy_i = [argmax_v f(x_i, y_<t)[v] == y_t for every t]  greedy decoding reproduces y_i exactly
+
+    Rows of equal prompt and response length go through one forward. Returns {"greedy_accuracy",
+    "p_right_mean", "p_right_se"} (means over the problems; se = std / sqrt(P)). Shapes: prompts and
+    responses P lists of ids; each forward [b, P_i + R_i - 1] -> logits [b, S, V]."""
+    p_right, greedy = torch.zeros(len(prompts), dtype=torch.float64), torch.zeros(len(prompts), dtype=torch.bool)
+    groups: dict = {}
+    for i, (x, y) in enumerate(zip(prompts, responses)):
+        groups.setdefault((len(x), len(y)), []).append(i)
+    dev = next(model.parameters()).device
+    for (P, R), idx in groups.items():
+        seq = torch.tensor([prompts[i] + responses[i] for i in idx], device=dev)        # [b, P + R]
+        logits = model(seq[:, :-1])[:, P - 1:].float() / temperature                 # [b, R, V]: predicts y
+        y = seq[:, P:]                                                               # [b, R]
+        lp = torch.log_softmax(logits, -1).gather(-1, y[..., None])[..., 0]          # [b, R]
+        p_right[idx] = lp.sum(-1).exp().double().cpu()
+        greedy[idx] = (logits.argmax(-1) == y).all(-1).cpu()
+    n = len(prompts)
+    return {"greedy_accuracy": float(greedy.double().mean()), "p_right_mean": float(p_right.mean()),
+            "p_right_se": float(p_right.std() / n ** 0.5) if n > 1 else 0.0}
+
+
 class _NoBar:
     def __init__(self, total=None, **_):
         self.total = total

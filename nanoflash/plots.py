@@ -8,6 +8,10 @@
 
     python -m nanoflash.plots runs/demo          # writes runs/demo/plots/*.png
 
+`control_plot` draws the demo against its control (scripts/demo_controls.py): held-out pass@1 +- 3 standard
+errors over steps, GRPO (solid) and the warm start continued with supervised steps on its own data (dashed),
+per seed, with the chance line.
+
 matplotlib is optional: without it `write_plots` prints one note and returns []. The Agg backend is used,
 so no display is needed.
 
@@ -97,6 +101,35 @@ def write_plots(run_dir: str, window: int = 5) -> list[str]:
         ax.legend(fontsize=8)
         save(fig, "passk.png")
     return written
+
+
+CONTROL_ARMS = (("control+20", 20), ("control+40", 40), ("control", 60))  # scripts/demo_controls.py's runs
+
+
+def control_plot(res: dict, path: str, chance: float = 0.1) -> str:
+    """res: {"<arm>-s<seed>": {"evals": [{"step", "pass@1", "pass@1_se"}, ...]}} -> one PNG at `path`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    seeds = sorted({k.rsplit("-s", 1)[1] for k in res}, key=int)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for color, seed in zip(("tab:blue", "tab:orange", "tab:green", "tab:red"), seeds):
+        g = res[f"grpo-s{seed}"]["evals"]
+        ax.errorbar([e["step"] for e in g], [e["pass@1"] for e in g], yerr=[3 * e["pass@1_se"] for e in g],
+                    fmt="o-", ms=4, capsize=3, color=color, label=f"GRPO, seed {seed}")
+        pts = [g[0]] + [res[f"{arm}-s{seed}"]["evals"][0] for arm, _ in CONTROL_ARMS if f"{arm}-s{seed}" in res]
+        xs = [0] + [n for arm, n in CONTROL_ARMS if f"{arm}-s{seed}" in res]
+        ax.errorbar(xs, [e["pass@1"] for e in pts], yerr=[3 * e["pass@1_se"] for e in pts], fmt="s--", ms=4,
+                    capsize=3, color=color, alpha=0.7, label=f"warm start continued (SFT), seed {seed}")
+    ax.axhline(chance, ls=":", color="gray", label="chance (1 digit in 10)")
+    ax.set(xlabel="steps after the warm start (GRPO steps | extra SFT steps)", ylabel="held-out pass@1 (+- 3 SE)",
+           title="reward alone teaches '+1': GRPO vs the continued warm start", ylim=(0, 1))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

@@ -82,3 +82,18 @@ def test_evaluate_rejects_malformed_generator_output():
     too_long = lambda prompts, n: [[([3] * 9, "stop")] * n for _ in prompts]
     with pytest.raises(ValueError, match="9 tokens > max_new_tokens=8"):
         evaluate(problems, too_long, 4, reward_fn, 8, tok.encode_prompt)
+
+
+def test_answers_ending_with_the_stop_token_at_the_limit_are_not_truncated():
+    """Issue 18: the demo's "8" + <eos> fills max_new_tokens=2 exactly and is complete; only a response cut
+    before its stop token ("length") is truncated."""
+    tok = CharTokenizer()
+    problems = arithmetic_problems(4, "heldout", difficulty=4, seed=0, answer="mod10")
+
+    def generate_fn(prompt_ids, n):   # per problem: right + <eos>, wrong + <eos>, and one cut at the limit
+        return [[(tok.encode(p.answer) + [tok.eos_id], "stop"), (tok.encode("0") + [tok.eos_id], "stop"),
+                 (tok.encode("12"), "length")][:n] for p in problems]
+    res = evaluate(problems, generate_fn, k_samples=3, reward_fn=token_reward_fn(tok.decode, arith_reward),
+                   max_new_tokens=2, encode_fn=tok.encode_prompt)
+    assert res["truncation_rate"] == pytest.approx(1 / 3)       # the old rule (len >= limit) said 3 / 3
+    assert res["mean_response_tokens"] == 2.0

@@ -16,9 +16,12 @@ from nanoflash.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
-# appended to the demo command so the suite stays short: 1 GRPO step, a 2-step warm start, a small eval
-SHORT = ["--steps", "1", "--train.warmup_steps", "2", "--eval.n_problems", "16", "--eval.k_samples", "2",
-         "--train.plots", "false"]
+# appended to the demo command so the suite stays short: 1 GRPO step (the demo's own 30-step warm start) and
+# a 64-problem eval at steps 0 and 1
+SHORT = ["--steps", "1", "--eval.n_problems", "64", "--eval.k_samples", "4", "--train.plots", "false"]
+# After the copy warm start nearly every sample is a digit + <eos> (measured truncation_rate 0.008); the
+# truncation bug of issue 18 counted every such 2-token answer and reported ~1.0.
+MAX_TRUNCATION = 0.2
 
 
 def code_lines(section: str | None = None) -> list[str]:
@@ -50,6 +53,9 @@ def test_demo_command_runs_verbatim_in_a_clean_environment(tmp_path):
     p = subprocess.run(["bash", "-c", full], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, f"{full}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
     assert [r["step"] for r in read_jsonl(str(out / "metrics.jsonl"), "train")] == [1]
+    evals = read_jsonl(str(out / "metrics.jsonl"), "eval")
+    assert [r["step"] for r in evals] == [0, 1] and all(r["n_problems"] == 64 for r in evals)
+    assert all(r["truncation_rate"] <= MAX_TRUNCATION for r in evals), evals
     assert os.path.exists(out / "config.json") and os.path.isdir(out / "checkpoints")
 
 
