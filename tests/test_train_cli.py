@@ -77,7 +77,8 @@ def test_dry_run_plans_the_flash_layout(monkeypatch):
     cfg = cli.parse_args(["--recipe", "flash", "--dry-run"])
     text = cli.dry_run_text(cfg)
     assert "PP4 x EP4 x DP1 (TP1)" in text and "2 node(s) x 8 GPUs serving SGLang" in text
-    rows = [ln.split() for ln in text.splitlines() if ln[:3].strip().isdigit() and len(ln.split()) == 9]
+    gpu_table = text.split("GPU per rank", 1)[1].split("host per rank", 1)[0]   # the planner's per-GPU rows
+    rows = [ln.split() for ln in gpu_table.splitlines() if ln[:3].strip().isdigit()]
     assert sorted((int(r[0]), int(r[1])) for r in rows) == [(p, e) for p in range(4) for e in range(4)]
     params_per_rank = [float(r[2]) for r in rows]
     assert all(15 < p < 25 for p in params_per_rank), params_per_rank  # ~284B / 16 ranks, experts dominate
