@@ -63,7 +63,7 @@ def test_planted_hash_ids_point_at_layer0_ffn(setup):
     trainer, engine, client = setup
     gate = engine.model.layers["0"].ffn.gate
     V = engine.cfg.vocab_size
-    gate.forward = lambda x, ids, orig=gate.forward: orig(x, (ids + 1) % V)
+    gate.forward = lambda x, ids, replay=None, orig=gate.forward: orig(x, (ids + 1) % V, replay)
     try:
         out = report(client, trainer, PROMPTS, max_new_tokens=8)
     finally:
