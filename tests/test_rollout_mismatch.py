@@ -47,7 +47,8 @@ def test_planted_comb_untransposed_points_at_layer0_mixing(setup):
     trainer, engine, client = setup
     for blk in engine.model.layers.values():
         orig = blk.hc_pre
-        blk.hc_pre = lambda h, fn, s, b, orig=orig: (lambda x, p, c: (x, p, c.transpose(-1, -2)))(*orig(h, fn, s, b))
+        blk.hc_pre = lambda h, fn, s, b, fused=False, orig=orig: (
+            lambda x, p, c: (x, p, c.transpose(-1, -2)))(*orig(h, fn, s, b, fused))
     try:
         out = report(client, trainer, PROMPTS, max_new_tokens=8)
     finally:
