@@ -39,6 +39,7 @@ from nanoflash.parallel.checkpoint import latest_checkpoint
 from nanoflash.parallel.dims import init_distributed, print0
 from nanoflash.plots import write_plots
 from nanoflash.rollout.client import RequestRejected
+from nanoflash.rollout.stage_push import StagePusher
 from nanoflash.startup import startup
 
 # ---------------------------------------------------------------------------------------------- config
@@ -83,23 +84,24 @@ if actor.optimizer is None:
     actor.start_optimizer()  # the fp32 master is taken from the weights as loaded / warmed up, never before
 
 # ---------------------------------------------------------------------------------------------- rollouts
-# TEMPORARY until the per-stage weight sync: rank 0 holds the full weights (`trainer.gather_full_state`).
-full_state = trainer.gather_full_state(actor)
-shadow = actor.model if dims.world_size == 1 else (Transformer(mcfg) if rank0 else None)
-if rank0 and shadow is not actor.model:
+# Weights reach the servers from every pipeline stage's own ranks (rollout.stage_push). Rank 0 gathers a full
+# copy once, only to start embedded servers from (`trainer.gather_full_state`); real SGLang loads its own.
+full_state = trainer.gather_full_state(actor) if dims.world_size > 1 and not rc.urls else None
+shadow = actor.model if dims.world_size == 1 else (Transformer(mcfg) if full_state is not None else None)
+if shadow is not None and full_state is not None:
     shadow.load_state_dict(full_state)
 rollouts = ep.Rollouts(cfg, task, mcfg, shadow) if rank0 else None
+pusher = StagePusher(dims, rollouts.client if rank0 else None, rc, mcfg, disk_dir=os.path.join(tc.out_dir, "sync"))
 
 
 def sync_weights(version: int) -> dict:
-    """Gather (PP/EP) -> rank 0 pushes to every server -> checksum verification."""
-    t0, full = time.time(), trainer.gather_full_state(actor)
+    """Each stage pushes its own slice to every server, verified (collective; rank 0 reports)."""
+    t0 = time.time()
+    info = pusher.push(actor.state_iter, version)
     if not rank0:
         return {}
-    if shadow is not actor.model:
-        shadow.load_state_dict(full)
-    info = rollouts.push(shadow, version, os.path.join(tc.out_dir, "sync"))
-    return {"sync_s": time.time() - t0, "sync_tensors": info["tensors"], "sync_buckets": info["buckets"]}
+    return {"sync_s": time.time() - t0, "sync_tensors": info["tensors"], "sync_buckets": info["buckets"],
+            "sync_bytes": info["bytes"], "sync_layout_sha": info.get("layout_sha")}
 
 
 def run_eval(at: int) -> None:

@@ -197,13 +197,16 @@ class Rollouts:
             wait_for_servers(self.client, rc.health_timeout_s)  # a cold SGLang start outlasts the client's retries
         else:
             self.client, self.engines, self.httpds = start_embedded(model, rc.n_servers, rc.weights, cfg.train.seed)
-        self.broadcaster = make_broadcaster(self.client, rc)
+        self.broadcaster = None  # the single-process push's group, made on first use (train.py: stage_push's)
 
     def collect(self, pos: int, bar=None):
         c = self.cfg
         return collect(self.client, self.task, pos, c.grpo, c.rollout, c.train.seed, self.mcfg, bar)
 
     def push(self, model, version: int, disk_dir: str) -> dict:
+        """One process holding the whole `model` (train.py pushes per stage: `rollout.stage_push.StagePusher`)."""
+        if self.broadcaster is None:
+            self.broadcaster = make_broadcaster(self.client, self.cfg.rollout)
         return push(self.client, model, self.cfg.rollout, version, disk_dir, self.broadcaster)
 
     def eval_generate(self, prompts: list, n: int, seeds: list) -> list:
