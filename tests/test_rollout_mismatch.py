@@ -47,7 +47,8 @@ def test_planted_comb_untransposed_points_at_layer0_mixing(setup):
     trainer, engine, client = setup
     for blk in engine.model.layers.values():
         orig = blk.hc_pre
-        blk.hc_pre = lambda h, fn, s, b, orig=orig: (lambda x, p, c: (x, p, c.transpose(-1, -2)))(*orig(h, fn, s, b))
+        blk.hc_pre = lambda h, fn, s, b, fused=False, orig=orig: (
+            lambda x, p, c: (x, p, c.transpose(-1, -2)))(*orig(h, fn, s, b, fused))
     try:
         out = report(client, trainer, PROMPTS, max_new_tokens=8)
     finally:
@@ -63,7 +64,7 @@ def test_planted_hash_ids_point_at_layer0_ffn(setup):
     trainer, engine, client = setup
     gate = engine.model.layers["0"].ffn.gate
     V = engine.cfg.vocab_size
-    gate.forward = lambda x, ids, orig=gate.forward: orig(x, (ids + 1) % V)
+    gate.forward = lambda x, ids, replay=None, orig=gate.forward: orig(x, (ids + 1) % V, replay)
     try:
         out = report(client, trainer, PROMPTS, max_new_tokens=8)
     finally:

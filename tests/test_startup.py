@@ -164,3 +164,12 @@ def test_external_server_started_late_is_waited_for_and_a_dead_one_is_one_line()
     with pytest.raises(SystemExit) as exc:
         episodes.wait_for_servers(SGLangClient([dead]), timeout_s=0.5)
     assert dead in str(exc.value) and "health_timeout_s=0.5" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(startup, "dry_run_text", lambda cfg: f"PLAN {cfg.train.preset} PP{cfg.parallel.pp}")
+    with pytest.raises(SystemExit) as exc:   # no data files needed: the flash recipe's DAPO paths are not read
+        startup.startup(["--recipe", "flash", "--dry-run", "--train.data", "/nonexistent.parquet",
+                         "--out", str(tmp_path / "run")])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == "PLAN flash PP4"
+    assert not os.path.exists(tmp_path / "run")
