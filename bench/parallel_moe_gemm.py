@@ -8,7 +8,7 @@ fixes the rows per expert through routing replay (the gate's weights still come 
               the method measured, so both do the same GEMM FLOPs; fwd + bwd (dx and both weight grads)
     experts   nanoflash.kernels.moe.grouped_experts on T = 64 R expert-sorted rows (grouped GEMMs + fused SwiGLU)
     raw       torch._grouped_mm + bf16 SwiGLU, no clamp / routing weight (the ceiling of the grouped GEMMs)
-    moe       nanoflash.model.MoE (kernels="auto" -> grouped): gate, slot permutation, experts, combine and
+    moe       nanoflash.model.MoE (kernels="triton" -> grouped): gate, slot permutation, experts, combine and
               the shared expert, on N = 64 R / 6 tokens; its dense twin has T = N (6 + 1) rows
     moe_ref   the same module with kernels="reference" (per-expert loop, counts on the host), balanced only
 
@@ -85,7 +85,7 @@ def experts_case(rows: int, skew: bool, g) -> dict:
             "raw ms": t_raw, "raw/dense": t_dense / t_raw, "TFLOP/s": 18 * T * D * I / t_exp / 1e9}
 
 
-def moe_case(rows: int, skew: bool, g, kernels="auto") -> dict:
+def moe_case(rows: int, skew: bool, g, kernels="triton") -> dict:
     N = E * rows // K
     cfg = preset("flash", n_routed_experts=E, n_hash_layers=0, kernels=kernels)
     with torch.device("cuda"):
@@ -99,7 +99,7 @@ def moe_case(rows: int, skew: bool, g, kernels="auto") -> dict:
     t = timed(lambda: moe(x, ids, rx).backward(dy))
     t_dense = dense_ms(N * (K + 1))
     counts = torch.bincount(rx.flatten(), minlength=E)
-    return {"case": "moe" if kernels == "auto" else "moe_ref", "rows/expert": rows, "skew": skew,
+    return {"case": "moe" if kernels == "triton" else "moe_ref", "rows/expert": rows, "skew": skew,
             "max rows": int(counts.max()), "tokens": N, "dense ms": t_dense, "moe ms": t, "moe/dense": t_dense / t,
             "TFLOP/s": 18 * N * (K + 1) * D * I / t / 1e9}
 

@@ -494,8 +494,9 @@ class RoutedExperts(nn.Module):
     Outside, only official per-expert tensors exist: `state_dict` / `load_state_dict` use `{e}.w1.weight`,
     `{e}.w2.weight`, `{e}.w3.weight` (views into the stacks, in the former per-expert modules' order) and
     `checkpoint_names.official_views` splits a gradient or an optimizer moment the same way.
-    `cfg.kernels`: "reference" (and "auto" off CUDA) loops `expert_ffn` over the experts (counts read on the
-    host); else `nanoflash.kernels.moe.grouped_experts` (grouped GEMMs + fused SwiGLU, no host sync).
+    `cfg.kernels`: "reference" and "auto" loop `expert_ffn` over the experts (counts read on the host);
+    "triton" runs `nanoflash.kernels.moe.grouped_experts` (grouped GEMMs + fused SwiGLU, no host sync) -- opt-in
+    until that path has been run and measured on a GPU (it has not: see docs/benchmarks.md B13).
 
     Shapes: x [T,D] sorted by expert, rw [T,1] fp32, counts [E_l] int64 -> [T,D]
     """
@@ -554,8 +555,7 @@ class RoutedExperts(nn.Module):
             unexpected_keys.extend(k for k in sd if k.startswith(prefix) and k not in mine)
 
     def forward(self, x: torch.Tensor, rw: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        k = self.cfg.kernels
-        if k == "triton" or (k == "auto" and x.is_cuda):
+        if self.cfg.kernels == "triton":  # opt-in: "auto" keeps this loop until the grouped path has run on a GPU
             from nanoflash.kernels.moe import grouped_experts
             return grouped_experts(x, rw, counts, self.w13, self.w2, self.cfg.swiglu_limit, self.cfg.qat)
         I, out, a = self.w2.shape[2], [], 0
@@ -699,7 +699,9 @@ class Block(nn.Module):
         return hc_pre_reference(h, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
     def forward(self, h, ids, start_pos: int = 0, cache: Optional[LayerCache] = None, replay=None):
-        fused = h.is_cuda and use_kernels(self.cfg, h, cache)  # compiled mHC on GPUs; CPU keeps the reference
+        # compiled mHC: opt-in ("triton") on GPUs until it has run inside a whole model there (so far only the
+        # functions alone, tests/test_kernels_mhc.py); CPU always keeps the reference
+        fused = h.is_cuda and self.cfg.kernels == "triton" and cache is None
         post_fn = hc_post
         if fused:
             from nanoflash.kernels.mhc import hc_post_fused as post_fn

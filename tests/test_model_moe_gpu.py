@@ -73,7 +73,7 @@ def test_grouped_bf16_matches_float64_reference():
     want = _run(ref, x, ids, cot)
     counts = torch.bincount(ref.last_indices.flatten(), minlength=16)
     assert (counts == 0).any() and counts.max() > 2 * counts.float().mean(), counts   # empty and crowded experts
-    fast, loop = _module("auto", torch.bfloat16), _module("reference", torch.bfloat16)
+    fast, loop = _module("triton", torch.bfloat16), _module("reference", torch.bfloat16)
     xb = x.to(torch.bfloat16)
     e_fast, e_loop = _errors(_run(fast, xb, ids, cot), want), _errors(_run(loop, xb, ids, cot), want)
     for n, e in e_fast.items():
@@ -82,7 +82,7 @@ def test_grouped_bf16_matches_float64_reference():
 
 def test_grouped_fp32_on_cuda_matches_reference():
     torch.backends.cuda.matmul.allow_tf32 = False
-    ref, fast = _module("reference", torch.float32), _module("auto", torch.float32)
+    ref, fast = _module("reference", torch.float32), _module("triton", torch.float32)
     x, ids, cot = _data(torch.float32)
     for n, e in _errors(_run(fast, x, ids, cot), _run(ref, x, ids, cot)).items():
         assert e <= FP32_TOL, f"{n}: {e:.2e}"
@@ -91,7 +91,7 @@ def test_grouped_fp32_on_cuda_matches_reference():
 def test_no_host_sync_and_deterministic_at_ep1():
     """Forward + backward with the CUDA sync debug mode set to "error": any host read would raise. Two runs
     give bitwise equal outputs and gradients (no atomics anywhere on the path)."""
-    m = _module("auto", torch.bfloat16)
+    m = _module("triton", torch.bfloat16)
     x, ids, cot = _data(torch.bfloat16)
     first = _run(m, x, ids, cot)          # warm-up: Triton compiles, cuBLAS handles are created
     torch.cuda.synchronize()

@@ -8,11 +8,15 @@
     moe.py        the routed experts: slot permutation on the device (both dispatchers, every path),
                   grouped GEMMs over the stacked w13 / w2 and a fused SwiGLU (`model.RoutedExperts`);
                   imported by its users directly, not re-exported here.
+    mhc.py        hc_pre / hc_post of model.py compiled (torch.compile, fullgraph, dynamic shapes).
 
-Which path runs is one config switch, `ModelConfig.kernels` (read by `model.use_kernels`):
-    "auto"       Triton on CUDA for bf16/fp16 training forwards (no decode cache), the reference elsewhere;
+Which path runs is one config switch, `ModelConfig.kernels`:
+    "auto"       attention + indexer kernels on CUDA for bf16/fp16 training forwards (no decode cache), the
+                 reference elsewhere -- only kernels that have run inside a whole model on a GPU;
     "reference"  always model.py (matched precision forces this: train.py sets it);
-    "triton"     these kernels wherever there is no decode cache, also on CPU under TRITON_INTERPRET=1 (tests).
+    "triton"     also the grouped experts (moe.py, not yet run on a GPU) and the compiled mHC on CUDA (run
+                 alone on a GPU, not yet inside a model); attention kernels also on CPU under
+                 TRITON_INTERPRET=1 (tests).
 
 model.py imports this package only when the kernel path is taken, so the reference needs no Triton. Triton
 reads TRITON_INTERPRET when it is first imported, so the CPU tests run the kernels under the interpreter in a

@@ -8,9 +8,10 @@ chains, the 20-iteration Sinkhorn and the collapse into a few kernels and reads 
 in registers; AOTAutograd derives the backward from the same code. The arithmetic is the reference's, in fp32,
 so results differ from eager only by the order of floating-point reductions (tolerances in the tests).
 
-Dispatch is the same switch as the attention kernels (`ModelConfig.kernels`, read by `model.use_kernels`),
-on CUDA only: fused for bf16/fp16 training forwards ("auto") or any dtype ("triton"); "reference" (matched
-precision) never; CPU models always run the reference (the CPU test calls these functions directly). Tests: `pytest tests/test_kernels_mhc.py -q` (CPU: inductor's C++ backend; GPU-marked: real width).
+Dispatch is the same switch as the attention kernels (`ModelConfig.kernels`), on CUDA only and opt-in:
+"triton" uses these functions in `Block.forward`; "auto" keeps the eager reference until the compiled path
+has run inside a whole model on a GPU (so far: the functions alone at real width, docs/benchmarks.md B14a);
+CPU models always run the reference (the CPU test calls these functions directly). Tests: `pytest tests/test_kernels_mhc.py -q` (CPU: inductor's C++ backend; GPU-marked: real width).
 """
 from __future__ import annotations
 
