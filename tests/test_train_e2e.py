@@ -33,7 +33,7 @@ from conftest import free_port
 GRAD_NORM_RTOL = 1e-5  # PP2 vs PP1: the same math, gradients summed in another order (fp32 rounding only)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING_KEYS = {"rollout_s", "train_s", "sync_s", "step_s", "eval_s", "time_s", "rollout_tokens_per_s",
-               "train_tokens_per_s"}
+               "train_tokens_per_s", "logprobs_s", "optim_s"}
 
 
 def run_train(out: str, *extra: str) -> str:
