@@ -49,6 +49,8 @@ tc, gc, oc, par, rc, ec = cfg.train, cfg.grpo, cfg.optim, cfg.parallel, cfg.roll
 if tc.threads:
     torch.set_num_threads(tc.threads)
 matched = rc.weights == "fp32" and tc.dtype == "fp32"  # batch-invariant scoring: |dlogp| must be exactly 0
+if matched:  # matched precision: the deterministic reference path, never a kernel (atomics, other reductions)
+    mcfg = dataclasses.replace(mcfg, kernels="reference")
 ckpt_dir = os.path.join(tc.out_dir, "checkpoints")
 ckpt_is_dcp = bool(tc.checkpoint) and os.path.exists(os.path.join(tc.checkpoint, "meta.json"))  # else HF layout
 
@@ -119,10 +121,10 @@ def run_eval(at: int) -> None:
 
 
 def save(at: int) -> None:
-    actor.save(ckpt_dir, at, extra={"data_pos": pos, "model_config": dataclasses.asdict(mcfg)}, keep=tc.keep)
-
     if tc.save_every < 0:  # no checkpoints at all (throughput runs: the `gpu` recipe)
         return
+    actor.save(ckpt_dir, at, extra={"data_pos": pos, "model_config": dataclasses.asdict(mcfg)}, keep=tc.keep)
+
 
 def rollout_batch(at: int):
     """Rank 0: dynamic-sampling rollout -> advantages -> the packed global batch and the step's metrics."""
@@ -158,9 +160,9 @@ while step < tc.steps:
     if head["rows"]:  # old log-probs -> one GRPO step (every rank; later stages get the data via the pipeline)
         t1 = time.time()
         old = actor.logprobs(shard)
+        m["logprobs_s"] = time.time() - t1
         if shard is not None:
             shard.old_logprobs = old
-        m["logprobs_s"] = time.time() - t1
         actor.optimizer.lr = oc.lr * min(1.0, step / tc.lr_warmup_steps) if tc.lr_warmup_steps else oc.lr
         m["lr"] = actor.optimizer.lr
         m.update(actor.train(shard))
