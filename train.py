@@ -132,7 +132,7 @@ def rollout_batch(at: int):
     bar = progress(gc.n_prompts, f"rollout {at}/{tc.steps}", tc.progress)
     try:
         kept, seen, new_pos, counts = rollouts.collect(pos, bar)
-    except RequestRejected as e:  # a server refused or failed the request: one line naming it, then stop
+    except (RequestRejected, ep.StaleServerError) as e:  # a failed request or a restarted server: one line, stop
         raise SystemExit(f"rollout for step {at} failed: {e}") from None
     bar.close()
     t_roll = time.time() - t0

@@ -239,6 +239,21 @@ def request_seed(run_seed: int, position: int) -> int:
     return (run_seed * 1_000_003 + position * 7_919 + 17) % SEED_MOD
 
 
+class StaleServerError(RuntimeError):
+    """A server answered with weights other than the last verified push (it restarted, or missed a push)."""
+
+
+def check_versions(gens, expected) -> None:
+    """Every sample must come from the weight version the trainer last pushed and verified (`client.weight_version`;
+    None before the first push). A server that reports another one restarted or missed a push: its samples are
+    refused, naming it. Servers that report no version (older protocols) are not checked."""
+    for g in gens:
+        if expected is not None and g.weight_version is not None and str(g.weight_version) != str(expected):
+            raise StaleServerError(f"{g.server} generated with weight version {g.weight_version}, but version "
+                                   f"{expected} was pushed and verified: the server restarted or missed a push; "
+                                   f"its samples are refused (resume the run to push into it again)")
+
+
 def _episodes(gens, prompt_ids, position, task, problem, n_layers: int, topk: int) -> list:
     rs = task.reward([problem] * len(gens), [g.output_ids for g in gens])
     out = []
@@ -267,7 +282,9 @@ def collect(client, task: Task, pos: int, gc, rc, seed: int, mcfg, bar=None) -> 
             futs = [pool.submit(client.generate, i, {**sp, "sampling_seed": request_seed(seed, p)},
                                 return_routed_experts=rc.routing_replay) for i, p in zip(ids, positions)]
             for fut, i, p, prob in zip(futs, ids, positions, probs):
-                eps = _episodes(fut.result(), i, p, task, prob, n_layers, topk)
+                gens = fut.result()
+                check_versions(gens, getattr(client, "weight_version", None))
+                eps = _episodes(gens, i, p, task, prob, n_layers, topk)
                 seen += eps
                 good = grpo.filter_groups(eps, n) if gc.dynamic_sampling else eps
                 kept += good

@@ -292,6 +292,7 @@ def push_weights(client, buckets, *, version=None, transport: str = "tensor", br
         client.continue_generation()
     expected = expected_checksums(buckets)
     verified = verify_push(client, expected, full_push) if verify else []
+    client.weight_version = int(version) if str(version).isdigit() else version  # what samples must now carry
     return {"buckets": len(buckets), "tensors": sum(len(b) for b in buckets), "checksums": expected,
             "verified": verified}
 
