@@ -31,20 +31,26 @@ from nanoflash.grpo import Episode, filter_groups
 
 
 def read_jsonl(path: str, kind: str | None = None) -> list[dict]:
-    """Records of `path` (optionally only one kind); a corrupt line (a crash mid-write) is an error naming it."""
+    """Records of `path` (optionally only one kind). A torn last line (no newline: a crash mid-write) is dropped
+    with a warning; a corrupt line anywhere else is an error naming it."""
     if not os.path.exists(path):
         return []
     out = []
     with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
+        lines = f.readlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) and not line.endswith("\n"):
+                print(f"warning: {path}:{i}: dropped a torn last line (a crash mid-write): {line[:80]!r}",
+                      file=sys.stderr)
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not a JSON line ({e}): {line[:80]!r}") from e
-            if kind is None or rec.get("kind") == kind:
-                out.append(rec)
+            raise ValueError(f"{path}:{i}: not a JSON line ({e}): {line[:80]!r}") from e
+        if kind is None or rec.get("kind") == kind:
+            out.append(rec)
     return out
 
 

@@ -132,3 +132,17 @@ def test_diverging_learning_rate_stops_with_one_message(tmp_path):
     assert p.returncode != 0
     last = p.stderr.strip().splitlines()[-1]
     assert "non-finite" in last and ("diverged" in last or "broken" in last), p.stderr[-2000:]
+
+
+def test_torn_last_metrics_line_is_dropped_a_corrupt_middle_line_is_an_error(tmp_path, capsys):
+    from nanoflash.metrics import MetricsLog, read_jsonl
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1}\n{"kind": "train", "step": 2}\n{"kind": "tra')  # killed mid-write
+    assert [r["step"] for r in read_jsonl(str(path))] == [1, 2]
+    assert "torn last line" in capsys.readouterr().err
+    log = MetricsLog(str(path), resume_step=2)  # the resume path reads the same file
+    log.close()
+    assert [r["step"] for r in read_jsonl(str(path))] == [1, 2]
+    path.write_text('{"kind": "train", "step": 1}\n{"kind": "tra\n{"kind": "train", "step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
+        read_jsonl(str(path))
