@@ -120,6 +120,7 @@ class RolloutEngine:
         fp8 = weights == "fp8"
         for bucket in iter_sglang_buckets(model, fp8=fp8, bucket_bytes=1 << 62):
             self.store.load(bucket)
+        self.store.freeze()
         self.post_process()
         self.use_cache = decode == "cache" or (decode == "auto" and self._cache_agrees())
 
@@ -131,16 +132,17 @@ class RolloutEngine:
     @torch.no_grad()
     def post_process(self):
         """Re-derive the model's parameters from the stored SGLang layout (the post-load quantization step)."""
-        with self.lock:
+        with self.lock:  # all-or-nothing: every name and shape is checked before the first tensor goes live
             target = dict(self.model.state_dict(keep_vars=True))
+            for name, t in self.store.params.items():  # views only: nothing is dequantized twice
+                for official, part, _ in ([] if name.endswith("_scale_inv") else self._split(name, t, None)):
+                    if official not in target:
+                        raise ValueError(f"pushed tensor {official} has no place in this model")
+                    if tuple(part.shape) != tuple(target[official].shape):
+                        raise ValueError(f"pushed {official} has shape {tuple(part.shape)}, model wants "
+                                         f"{tuple(target[official].shape)}")
             for name, t in self._unfused():
-                t = t.to(self.device)
-                if name not in target:
-                    raise ValueError(f"pushed tensor {name} has no place in this model")
-                dst = target[name]
-                if tuple(t.shape) != tuple(dst.shape):
-                    raise ValueError(f"pushed {name} has shape {tuple(t.shape)}, model wants {tuple(dst.shape)}")
-                dst.data.copy_(t.to(dst.dtype))
+                target[name].data.copy_(t.to(self.device, target[name].dtype))
             self.epoch += 1
 
     def _unfused(self):

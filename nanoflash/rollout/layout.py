@@ -113,6 +113,12 @@ class LoaderState:
     def __init__(self):
         self.params: dict[str, torch.Tensor] = {}
         self._stage: dict[str, torch.Tensor] = {}
+        self.frozen = False  # after `freeze()`: only tensors already held may be updated
+
+    def freeze(self) -> None:
+        """The store now holds the whole model: from here on a name it does not hold is refused (a tensor
+        named like a real one but absent from this model, e.g. layers.99.*, would otherwise stay forever)."""
+        self.frozen = True
 
     def load(self, named_tensors) -> list[str]:
         """One loader call. Returns the internal names written; raises (writing nothing) if an atomic pair is
@@ -127,6 +133,10 @@ class LoaderState:
         if left:
             raise ValueError(f"atomic pair split across load calls: {left} arrived without their partner "
                              f"in the same bucket (SGLang's loader asserts the same)")
+        unknown = sorted(n for n in self._stage if n not in self.params) if self.frozen else []
+        if unknown:
+            raise ValueError(f"{len(unknown)} tensor(s) this model does not have: {unknown[:4]} -- nothing of this "
+                             f"update was applied")
         for n, t in self._stage.items():
             old = self.params.get(n)
             if old is not None and (old.shape != t.shape or old.dtype != t.dtype):
