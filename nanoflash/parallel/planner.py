@@ -275,19 +275,21 @@ def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="
         layer_id = cfg.compress_ratios.index(ratio)
         with torch.device(device):
             block = Block(layer_id, small)
-        with torch.no_grad():  # the Transformer.init_weights rules, so routing and top-k see sane values
+        g = torch.Generator(device=device).manual_seed(ratio)  # seeded per ratio and per S: a measurement at
+        with torch.no_grad():  # one S is the same in every call (routing decides the MoE's saved bytes)
             for name, p in block.named_parameters():
                 if name.endswith(("norm.weight", "_scale")):
                     p.fill_(1.0)
                 elif name.endswith(("_base", "attn_sink", "ape", "gate.bias")):
                     p.zero_()
                 else:
-                    p.normal_(0, 0.02)
+                    p.normal_(0, 0.02, generator=g)
         block.to(dtype)
         weights = {p.untyped_storage().data_ptr() for p in block.parameters()}  # saved too, but not activations
         measured = []
         for S in seq_lens:
-            h = torch.randn(1, S, cfg.hc_mult, cfg.dim, dtype=dtype, device=device, requires_grad=True)  # [B,S,M,D]
+            g.manual_seed(S)
+            h = torch.randn(1, S, cfg.hc_mult, cfg.dim, device=device, generator=g).to(dtype).requires_grad_()  # [B,S,M,D]
             seen = {}
 
             def pack(t):
