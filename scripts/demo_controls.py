@@ -73,7 +73,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="1234,1")
     ap.add_argument("--out", default="runs/controls")
-    ap.add_argument("--probe-only", action="store_true", help="the runs exist: probe and plot only")
+    ap.add_argument("--arms", default="", help="run only these arms, e.g. control,control+20 (default: all)")
+    ap.add_argument("--probe-only", action="store_true", help="the runs (and their .time.json) exist: probe, plot")
     args = ap.parse_args()
     torch.set_num_threads(1)
     res = {}
@@ -85,9 +86,14 @@ def main():
             run = os.path.join(args.out, f"{arm}-s{seed}")
             argv = argv + ["--seed", str(seed), "--out", run, "--train.progress", "false"]
             entry = {"argv": argv}
+            if args.arms and arm not in args.arms.split(","):
+                continue
             if not args.probe_only:
-                entry["time"] = timed([sys.executable, "train.py"] + argv, run + ".log")
-                print(f"{run}: {entry['time']}", flush=True)
+                with open(run + ".time.json", "w") as f:
+                    json.dump(timed([sys.executable, "train.py"] + argv, run + ".log"), f)
+            with open(run + ".time.json") as f:
+                entry["time"] = json.load(f)
+            print(f"{run}: {entry['time']}", flush=True)
             entry["evals"], entry["probe"] = evals(run), probe_run(run, argv)
             res[f"{arm}-s{seed}"] = entry
     with open(os.path.join(args.out, "controls.json"), "w") as f:

@@ -59,6 +59,7 @@ def test_control_recipe_is_the_warm_start_continued_for_the_grpo_steps():
     assert control.train.out_dir != demo.train.out_dir and control.eval == demo.eval
 
 
+@torch.no_grad()
 def naive_probe(model, prompt: list, response: list) -> tuple[float, bool]:
     """One sequence, one token at a time: the product of sampling probabilities, and real greedy decoding."""
     p, x = 1.0, list(prompt)
@@ -78,18 +79,19 @@ def test_answer_probe_against_naive_decoding(demo_task):
     model = Transformer(preset("tiny", vocab_size=18))
     model.init_weights(0)
     model.eval()
-    probs = task.heldout[:6] + [Problem("long", "000123+0=", "3")]      # two prompt lengths -> two groups
+    probs = task.heldout[:3] + [Problem("long", "000123+0=", "3")]      # two prompt lengths -> two groups
     prompts = [task.encode(p) for p in probs]
     responses = []
     for i, (x, p) in enumerate(zip(prompts, probs)):
         if i % 2:   # the model's own greedy 2 tokens: greedy must come out True for these
             g = list(x)
-            for _ in range(2):
-                g.append(int(model(torch.tensor([g]))[0, -1].argmax()))
+            with torch.no_grad():
+                for _ in range(2):
+                    g.append(int(model(torch.tensor([g]))[0, -1].argmax()))
             responses.append(g[len(x):])
         else:       # the reference answer + <eos>
             responses.append(task.encode(Problem("", p.prompt + p.answer, ""))[len(x):] + [task.stop_ids[0]])
     got = answer_probe(model, prompts, responses)
     naive = [naive_probe(model, x, y) for x, y in zip(prompts, responses)]
     assert got["p_right_mean"] == pytest.approx(sum(n[0] for n in naive) / len(naive), rel=PROBE_RTOL)
-    assert got["greedy_accuracy"] == sum(n[1] for n in naive) / len(naive) >= 3 / 7
+    assert got["greedy_accuracy"] == sum(n[1] for n in naive) / len(naive) >= 2 / 4
