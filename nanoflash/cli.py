@@ -205,7 +205,8 @@ def _type_name(tp) -> str:
 
 def _section_help(name: str, cls, default_obj, note: str = "") -> list[str]:
     doc = (cls.__doc__ or "").strip().splitlines()[0]
-    lines, hints, comments = [f"--{name}.* ({cls.__name__}): {doc}{note}"], typing.get_type_hints(cls), _field_comments(cls)
+    hints, comments = typing.get_type_hints(cls), _field_comments(cls)
+    lines = [f"--{name}.* ({cls.__name__}): {doc}{note}"]
     for f in dataclasses.fields(cls):
         default = getattr(default_obj, f.name)
         left = f"  --{name}.{f.name} {_type_name(hints[f.name]).upper()} = {default!r}"

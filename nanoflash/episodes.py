@@ -178,7 +178,8 @@ def wait_for_servers(client, timeout_s: float) -> None:
     try:
         client.wait_healthy(timeout=timeout_s)
     except ServerGoneError as e:
-        raise SystemExit(f"rollout.urls: {e} (rollout.health_timeout_s={timeout_s:g}; is SGLang still loading?)") from None
+        raise SystemExit(f"rollout.urls: {e} (rollout.health_timeout_s={timeout_s:g}; is SGLang still "
+                         f"loading?)") from None
 
 
 class Rollouts:

@@ -64,7 +64,7 @@ def _clean(v):
 
 
 def wandb_run_id(run_dir: str, fresh: bool) -> str:
-    """The W&B run id of `run_dir`: a new random one for a fresh run (written to `wandb_run_id`), else the stored one."""
+    """The W&B run id of `run_dir`: a fresh run draws one (kept in `wandb_run_id`), a resumed run reads it back."""
     path = os.path.join(run_dir, "wandb_run_id")
     if not fresh and os.path.exists(path):
         with open(path) as f:
