@@ -211,3 +211,28 @@ def test_v4_tokenizer_chat_ids():
     tok.thinking = False
     chat_ids = tok.encode_chat(p)
     assert chat_ids[:-1] == ids[:-1] and chat_ids[-1] == 128822
+
+
+# ------------------------------------------------------------------------------------------------ your own files
+def test_own_jsonl_and_parquet_with_configured_fields(tmp_path):
+    """Any path, either format, field names given as dotted keys; a row without them is skipped and counted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from nanoflash.data import load_problems
+    rows = [{"question": f"What is {i}+{i}?", "meta": {"gold": str(2 * i)}} for i in range(5)] + [{"question": "x"}]
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "mine.parquet"))
+    for name in ("mine.jsonl", "mine.parquet"):
+        problems, skipped = load_problems(str(tmp_path / name), "mine", prompt_key="question", answer_key="meta.gold")
+        assert skipped == 1 and [(p.prompt, p.answer) for p in problems] == \
+            [(f"What is {i}+{i}?", str(2 * i)) for i in range(5)]
+        assert all(DAPO_TAIL not in p.prompt for p in problems)            # task=chat: prompts as they are
+
+
+def test_wrong_field_name_is_one_error_listing_the_fields(tmp_path):
+    from nanoflash.data import load_problems
+    (tmp_path / "mine.jsonl").write_text(json.dumps({"question": "q", "solution": "4"}) + "\n")
+    with pytest.raises(ValueError, match=r"none of its 1 rows.*answer_key='answer_text'.*\['question', 'solution'\]"):
+        load_problems(str(tmp_path / "mine.jsonl"), prompt_key="question", answer_key="answer_text")
+    with pytest.raises(ValueError, match="is a directory"):
+        load_problems(str(tmp_path))

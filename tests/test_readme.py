@@ -4,6 +4,8 @@ README writes its own run directory.
 
 Run: `pytest tests/test_readme.py -q`.
 """
+import dataclasses
+import json
 import os
 import re
 import shlex
@@ -12,6 +14,7 @@ import subprocess
 import pytest
 
 from nanoflash.cli import parse_args
+from nanoflash.config import preset
 from nanoflash.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +59,15 @@ def test_demo_command_runs_verbatim_in_a_clean_environment(tmp_path):
     evals = read_jsonl(str(out / "metrics.jsonl"), "eval")
     assert [r["step"] for r in evals] == [0, 1] and all(r["n_problems"] == 64 for r in evals)
     assert all(r["truncation_rate"] <= MAX_TRUNCATION for r in evals), evals
-    assert os.path.exists(out / "config.json") and os.path.isdir(out / "checkpoints")
+    with open(out / "config.json") as f:
+        assert json.load(f)["train"]["out_dir"] == str(out)              # the run's whole config, at its start
+    metas = sorted((out / "checkpoints").glob("step_*/meta.json"))
+    assert [m.parent.name for m in metas] == ["step_00000000", "step_00000001"]
+    cfg = parse_args(shlex.split(cmd)[2:])
+    want = dataclasses.asdict(preset(cfg.train.preset, **cfg.model))
+    for m in metas:                                                      # every checkpoint carries its model
+        with open(m) as f:
+            assert json.load(f)["extra"]["model_config"] == json.loads(json.dumps(want))
 
 
 def test_every_train_command_writes_its_own_run_directory():
