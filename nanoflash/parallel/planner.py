@@ -292,14 +292,15 @@ def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="
             h = torch.randn(1, S, cfg.hc_mult, cfg.dim, device=device, generator=g).to(dtype).requires_grad_()  # [B,S,M,D]
             seen = {}
 
-            def pack(t):
-                ptr = t.untyped_storage().data_ptr()
+            def pack(t):  # the tensor is kept until the sum: a freed storage's address cannot be reused and
+                ptr = t.untyped_storage().data_ptr()  # overwrite its entry (that made the count vary run to run)
                 if ptr not in weights:
-                    seen[ptr] = t.untyped_storage().nbytes()
+                    seen[ptr] = (t.untyped_storage().nbytes(), t)
                 return t
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 block(h, torch.zeros(1, S, dtype=torch.long, device=device))
-            measured.append(sum(seen.values()))
+            measured.append(sum(n for n, _ in seen.values()))
+            seen.clear()
         (s1, s2), (m1, m2) = seq_lens, measured  # solve m = a S + b pairs(S) at both lengths
         p1, p2 = attention_pairs(cfg, ratio, s1), attention_pairs(cfg, ratio, s2)
         b = (m2 * s1 - m1 * s2) / (p2 * s1 - p1 * s2)
