@@ -10,6 +10,7 @@ Presets (`PRESETS`):
     flash  the published DeepSeek-V4-Flash (284B MoE, 43 layers + 1 MTP layer).
     small  the real per-head geometry (64 heads x 512, rope 64, indexer 64 x 128, hc 4, window 128, every FP8
            weight dim a multiple of 128 so real SGLang can serve it) with 8 layers and 16 experts: ~1.9B params.
+    h200   `small` cut to 4 layers (sliding, C4, C128, C4), 1 hash layer, no MTP: ~1.2B params (issue 20's run).
     tiny   a few hundred thousand parameters for CPU tests: sliding-only, C4 and "C128" (ratio 8) layers,
            hash and score routing, MTP.
 
@@ -185,6 +186,13 @@ def _small() -> ModelConfig:
         q_lora_rank=1024, o_lora_rank=512, compress_ratios=(0, 4, 128, 4, 128, 4, 128, 4, 0))
 
 
+def _h200() -> ModelConfig:
+    """`small`'s per-layer geometry (SGLang-served, FP8 dims multiples of 128) cut to 4 layers, the mix SGLang
+    0.5.16 was seen serving (sliding, C4, C128, C4), no MTP: ~1.2B parameters, for GRPO colocated with SGLang
+    on one H200 (scripts/grpo_h200.sh)."""
+    return dataclasses.replace(_small(), n_layers=4, n_hash_layers=1, n_mtp_layers=0, compress_ratios=(0, 4, 128, 4))
+
+
 def _tiny() -> ModelConfig:
     return ModelConfig(
         vocab_size=256, dim=64, moe_inter_dim=32, n_layers=4, n_hash_layers=2, n_heads=4,
@@ -193,7 +201,7 @@ def _tiny() -> ModelConfig:
         rope_factor=4.0, index_n_heads=2, index_head_dim=16, index_topk=4, max_seq_len=256)
 
 
-PRESETS = {"flash": _flash, "small": _small, "tiny": _tiny}
+PRESETS = {"flash": _flash, "small": _small, "h200": _h200, "tiny": _tiny}
 
 
 def preset(name: str, **overrides) -> ModelConfig:

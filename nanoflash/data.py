@@ -161,6 +161,9 @@ def _read_jsonl(path: str) -> list:
 
 
 def _read_rows(path_or_name: str) -> list:
+    if path_or_name.startswith("synth:"):  # a generated data set, e.g. synth:sum4:train (nanoflash/synth.py)
+        from nanoflash import synth
+        return synth.rows(path_or_name)
     path_or_name = os.path.expanduser(path_or_name)
     if os.path.isdir(path_or_name):
         raise ValueError(f"data path {path_or_name!r} is a directory; give a .jsonl or .parquet file")

@@ -1,0 +1,105 @@
+"""A synthetic reasoning task in the DeepSeek-V4 chat format: running sums written out step by step.
+
+The problem and the reference response (thinking mode: the rendered prompt ends with `<think>`, so the
+response is the reasoning, `</think>`, then the answer in `\\boxed{}`, then `<｜end▁of▁sentence｜>`):
+
+    user:      "Add 3 + 8 + 5 + 9. Put the final answer in \\boxed{}."
+    assistant: "3+8=11, 11+5=16, 16+9=25.</think>\\boxed{25}"
+
+Every number up to 999 is one token of the DeepSeek tokenizer, so each reasoning step is one addition fact
+predicted as one token ("11+5=" -> "16") and the answer is correct only if all K - 1 steps are: pass@1 is
+the product of the per-step accuracies, which is why a partly trained model lands *between* 0 and 1 (an
+undertrained warm start at 10-40%) instead of jumping, and why reinforcing whole correct chains (GRPO) has
+room to raise it. The reward is the project's math reward (`rewards.MathReward`: the last `\\boxed{}` after
+`</think>`, integer match), nothing task-specific.
+
+How the task was chosen (docs/h200/README.md has the measurements): the one-token last-digit task of the
+CPU demo has no reasoning and a chance floor of 10%; sums of K digits in 1..9 need K - 1 dependent steps,
+the answers (K..9K) cannot be guessed, and the `tiny` model learns the steps within minutes on a CPU.
+
+Splits are pure functions of the operands (`split_of`: sha256 of "a,b,c,d" mod 100 below HELDOUT_PERCENT:
+held out; below HELDOUT_PERCENT + VAL_PERCENT: validation, used only to stop the warm start; else train), so
+no seed can leak a held-out problem into training. Only the operand tuples are held out: the addition facts
+themselves are shared (there are only ~300), so a held-out problem tests the procedure on a new combination.
+
+    synth.problems("sum4", "heldout")            # -> [data.Problem] in a fixed order
+    synth.rows("synth:sum4:train")               # the rows data.py reads for train.data=synth:sum4:train
+    synth.solution("Add 3 + 8 + 5 + 9. ...")     # -> "3+8=11, 11+5=16, 16+9=25.</think>\\boxed{25}"
+
+Tests: `pytest tests/test_h200_pieces.py -q`.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import re
+
+from nanoflash.data import Problem
+
+HELDOUT_PERCENT = 10   # share of operand tuples held out for evaluation
+VAL_PERCENT = 5        # share kept for the warm start's stopping rule (never trained on, never evaluated)
+MIN_K, MAX_K = 2, 6    # operands per problem (sumK)
+SPLITS = ("train", "val", "heldout")
+PROMPT = "Add {terms}. Put the final answer in \\boxed{{}}."
+_PROMPT_RE = re.compile(r"^Add ((?:\d+ \+ )+\d+)\. Put the final answer in \\boxed\{\}\.$")
+
+
+def family_k(family: str) -> int:
+    """"sum4" -> 4; anything else is one error naming the accepted families."""
+    m = re.fullmatch(r"sum(\d)", family)
+    if not m or not MIN_K <= int(m.group(1)) <= MAX_K:
+        raise ValueError(f"synthetic family {family!r}: expected sum{MIN_K}..sum{MAX_K} (K operands in 1..9)")
+    return int(m.group(1))
+
+
+def split_of(operands: tuple) -> str:
+    """The split of one operand tuple: a pure function of its text (see the module docstring)."""
+    h = int(hashlib.sha256(",".join(map(str, operands)).encode()).hexdigest(), 16) % 100
+    return "heldout" if h < HELDOUT_PERCENT else "val" if h < HELDOUT_PERCENT + VAL_PERCENT else "train"
+
+
+def prompt_text(operands: tuple) -> str:
+    return PROMPT.format(terms=" + ".join(map(str, operands)))
+
+
+def parse_prompt(prompt: str) -> tuple:
+    """The operands of a prompt of this task; anything else is one error quoting it."""
+    m = _PROMPT_RE.match(prompt)
+    if not m:
+        raise ValueError(f"not a synthetic sum prompt: {prompt[:80]!r}")
+    return tuple(int(x) for x in m.group(1).split(" + "))
+
+
+def solution(prompt: str) -> str:
+    """The reference response: every partial sum written as one step, then the answer in \\boxed{}."""
+    ops = parse_prompt(prompt)
+    steps, acc = [], ops[0]
+    for x in ops[1:]:
+        steps.append(f"{acc}+{x}={acc + x}")
+        acc += x
+    return ", ".join(steps) + ".</think>\\boxed{" + str(acc) + "}"
+
+
+def problems(family: str, split: str, seed: int = 0) -> list[Problem]:
+    """Every problem of one family and split (digits 1..9), shuffled by `seed` (a fixed order per seed)."""
+    if split not in SPLITS:
+        raise ValueError(f"synthetic split {split!r}: expected one of {SPLITS}")
+    k = family_k(family)
+    tuples = [t for t in itertools.product(range(1, 10), repeat=k) if split_of(t) == split]
+    random.Random(f"{family}-{split}-{seed}").shuffle(tuples)
+    return [Problem(id=f"{family}-{split}-{i}", prompt=prompt_text(t), answer=str(sum(t)), source="synth")
+            for i, t in enumerate(tuples)]
+
+
+def rows(spec: str) -> list[dict]:
+    """`synth:<family>:<split>` -> rows {"prompt", "answer"} (what `data.load_problems` reads from a file)."""
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] != "synth":
+        raise ValueError(f"{spec!r}: a synthetic data set is named synth:<family>:<split>, e.g. synth:sum4:train")
+    return [{"prompt": p.prompt, "answer": p.answer} for p in problems(parts[1], parts[2])]
+
+
+def sft_pairs(probs: list[Problem], tok) -> list[tuple[list, list]]:
+    """(prompt ids in the V4 chat format, reference response ids + <｜end▁of▁sentence｜>) per problem."""
+    return [(tok.encode_chat(p), tok.encode(solution(p.prompt)) + [tok.eos_id]) for p in probs]
