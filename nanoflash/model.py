@@ -185,10 +185,9 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor, start_pos: int):
         """Per-token kv and gate scores in fp32, the absolute-position bias `ape[t mod m]` added to the score."""
-        xf = x.float()
-        kv = F.linear(xf, self.wkv.weight.float())                                  # [B,S,coff*d]
+        kv = fp32_linear(x, self.wkv.weight, self.cfg)                              # [B,S,coff*d]
         pos = torch.arange(start_pos, start_pos + x.shape[1], device=x.device) % self.ratio
-        score = F.linear(xf, self.wgate.weight.float()) + self.ape.float()[pos]     # [B,S,coff*d]
+        score = fp32_linear(x, self.wgate.weight, self.cfg) + self.ape.float()[pos]  # [B,S,coff*d]
         return kv, score
 
     def pool(self, kv: torch.Tensor, score: torch.Tensor, prev_kv=None, prev_score=None) -> torch.Tensor:
@@ -303,6 +302,15 @@ def sink_attention(q, keys, key_mask, sink, scale):
     sink_col = sink.float()[None, :, None, None].expand(*logits.shape[:3], 1)         # [B,H,s,1]
     p = torch.cat([logits, sink_col], -1).softmax(-1)[..., :-1]                        # [B,H,s,L]
     return torch.einsum("bhsl,bld->bshd", p, keys.float()).to(q.dtype)
+
+
+def fp32_linear(x: torch.Tensor, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """x W^T with an fp32 result, as the official head / gate / compressor run it (fp32 inputs). kernels="triton"
+    on CUDA: bf16 inputs, fp32 accumulation and output (nanoflash.kernels.matmul). [..., K] -> [..., N] fp32"""
+    if cfg.kernels == "triton" and x.is_cuda:
+        from nanoflash.kernels.matmul import linear_fp32
+        return linear_fp32(x, w)
+    return F.linear(x.float(), w.float())
 
 
 def use_kernels(cfg: ModelConfig, q: torch.Tensor, cache: Optional[LayerCache]) -> bool:
@@ -430,7 +438,7 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, replay: Optional[torch.Tensor] = None):
-        logits = F.linear(x.float(), self.weight.float())                              # [N,E]
+        logits = fp32_linear(x, self.weight, self.cfg)                                  # [N,E]
         if self.cfg.score_func == "softmax":
             s = logits.softmax(-1)
         elif self.cfg.score_func == "sigmoid":
@@ -693,13 +701,13 @@ class Block(nn.Module):
     def hc_pre(self, h, fn, scale, base, fused: bool = False):
         """Collapse the M streams into one sublayer input; return the post / comb coefficients."""
         cfg = self.cfg
-        if fused:  # nanoflash.kernels.mhc: the same function, compiled
+        if fused:  # nanoflash.kernels.mhc: the same function in Triton
             from nanoflash.kernels.mhc import hc_pre_fused
             return hc_pre_fused(h, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
         return hc_pre_reference(h, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
     def forward(self, h, ids, start_pos: int = 0, cache: Optional[LayerCache] = None, replay=None):
-        # compiled mHC: opt-in ("triton") on GPUs until it has run inside a whole model there (so far only the
+        # fused mHC (Triton): opt-in ("triton") on GPUs until it has run inside a whole model there (so far the
         # functions alone, tests/test_kernels_mhc.py); CPU always keeps the reference
         fused = h.is_cuda and self.cfg.kernels == "triton" and cache is None
         post_fn = hc_post
@@ -787,7 +795,7 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[B,S,M,D] -> [B,S,V] fp32"""
-        return F.linear(self.hidden(h).float(), self.head.weight.float())
+        return fp32_linear(self.hidden(h), self.head.weight, self.cfg)
 
     def forward(self, input_ids, start_pos: int = 0, cache: Optional[dict] = None) -> torch.Tensor:
         return self.logits(self.run_layers(self.embed_streams(input_ids), input_ids, start_pos, cache))
@@ -801,14 +809,15 @@ class Transformer(nn.Module):
         """log softmax(logits / T)[target] per position, in sequence chunks whose logits are recomputed in
         backward, so full-vocabulary logits never exist for the whole sequence. [B,S] -> [B,S] fp32"""
         y = self.hidden(self.run_layers(self.embed_streams(input_ids), input_ids))
-        return chunked_logprobs(y, self.head.weight, targets, temperature, chunk)
+        fast = self.cfg.kernels == "triton" and y.is_cuda   # bf16 GEMMs, fp32 logits (kernels.matmul)
+        return chunked_logprobs(y, self.head.weight, targets, temperature, chunk, fast)
 
     def mtp_logits(self, h: torch.Tensor, next_ids: torch.Tensor, depth: int = 0) -> torch.Tensor:
         """MTP logits from the main streams h (before hc_head) and the next tokens. -> [B,S,V] fp32"""
         blk = self.mtp[str(depth)]
         x = blk(h, next_ids, self.embed)
         y = blk.norm(hc_head(x, blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base, self.cfg))
-        return F.linear(y.float(), self.head.weight.float())
+        return fp32_linear(y, self.head.weight, self.cfg)
 
     # ------------------------------------------------------------------ init / dtype
     @torch.no_grad()
@@ -878,9 +887,14 @@ class _ChunkLogprob(torch.autograd.Function):
         return (dlogits @ w.float()).to(y.dtype), (dlogits.t() @ y.float()).to(w.dtype), None, None
 
 
-def chunked_logprobs(y, weight, targets, temperature=1.0, chunk=1024):
-    """Per-token log-probs of `targets` under head `weight`, chunk by chunk. y [B,S,D] -> [B,S] fp32"""
+def chunked_logprobs(y, weight, targets, temperature=1.0, chunk=1024, fast=False):
+    """Per-token log-probs of `targets` under head `weight` by chunks (fast: kernels.matmul). y [B,S,D] -> [B,S] fp32"""
     yf, tf = y.flatten(0, 1), targets.flatten()                                        # [N,D], [N]
+    if fast:
+        from nanoflash.kernels.matmul import ChunkLogprobBf16
+        wb = weight.detach().to(torch.bfloat16)
+        return torch.cat([ChunkLogprobBf16.apply(yf[a:a + chunk], weight, wb, tf[a:a + chunk], temperature)
+                          for a in range(0, yf.shape[0], chunk)]).view(targets.shape)
     out = [_ChunkLogprob.apply(yf[a:a + chunk], weight, tf[a:a + chunk], temperature)
            for a in range(0, yf.shape[0], chunk)]
     return torch.cat(out).view(targets.shape)
