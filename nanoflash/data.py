@@ -9,9 +9,9 @@ it into prompt token ids. This module provides:
      `DAPO_TEMPLATE.format(problem=...)` asks for a final `Answer: ...` line (the reward reads it).
    - AIME-2024/2025 and MATH-500 jsonl (`{"problem", "answer"}`; the problem already asks for `\\boxed{}`).
    A row that cannot be read (missing prompt, empty/non-string answer) is skipped and counted, never fatal:
-   every loader returns `(problems, n_skipped)`. A missing file, an unknown format, or a file of which *no*
-   row can be read (e.g. a wrong field name) is one clear error naming the file, the fields asked for and
-   the fields the first row has.
+   every loader returns `(problems, n_skipped)`. A missing, empty or unknown-format file, or one of which *no*
+   row can be read (e.g. a wrong field name) is one clear error naming the file, the fields asked for and the
+   fields the first row has. jsonl integers are read as digit strings (exact at any length; int(): 4,300).
    Any jsonl or parquet file (`load_problems`, any path; `~` expanded) with configurable field names:
    `prompt_key` / `answer_key` are dotted paths into a row (`"question"`, `"reward_model.ground_truth"`);
    "" means the automatic order (prompt: `prompt`, else `problem`; answer: `reward_model.ground_truth`, else
@@ -138,7 +138,9 @@ def _rows_to_problems(rows: list, source: str, add_dapo_instruction: bool, promp
         except BadRow as e:
             skipped += 1
             first_error = first_error or str(e)
-    if rows and not problems:  # every row skipped: a wrong field name, not a few bad rows
+    if not rows:
+        raise ValueError(f"{path or source}: the data file has no rows")
+    if not problems:  # every row skipped: a wrong field name, not a few bad rows
         fields = sorted(rows[0]) if isinstance(rows[0], dict) else type(rows[0]).__name__
         raise ValueError(f"{path or source}: none of its {len(rows)} rows gives a problem (prompt_key="
                          f"{prompt_key or 'auto'!r}, answer_key={answer_key or 'auto'!r}; first row's fields: "
@@ -153,9 +155,9 @@ def _read_jsonl(path: str) -> list:
         for line in f:
             if not line.strip():
                 continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
+            try:  # parse_int=str: an integer of any length stays exact (int() refuses > 4,300 digits)
+                rows.append(json.loads(line, parse_int=str))
+            except ValueError:  # JSONDecodeError and the like
                 rows.append(None)
     return rows
 
@@ -297,16 +299,15 @@ class CharTokenizer:
         return [self.bos_id] + self.encode(problem.prompt)
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`, stopping at the first <eos>; <pad>/<bos> are dropped."""
+        """Text of `ids`, stopping at the first <eos>; <pad>/<bos> are dropped; an id outside the vocabulary
+        (a larger model's sample) becomes U+FFFD, which no answer contains."""
         out = []
         for i in ids:
             i = int(i)
             if i == self.eos_id:
                 break
-            if i in self.itos:
-                out.append(self.itos[i])
-            elif i >= self.vocab_size or i < 0:
-                raise ValueError(f"id {i} is outside the vocabulary of size {self.vocab_size}")
+            if i in self.itos or not 0 <= i < self.vocab_size:
+                out.append(self.itos.get(i, "\ufffd"))
         return "".join(out)
 
 

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from nanoflash import data, grpo, plugins, rewards
-from nanoflash.rollout.client import ServerGoneError, SGLangClient, decode_routed_experts
+from nanoflash.rollout.client import RequestRejected, ServerGoneError, SGLangClient, decode_routed_experts
 from nanoflash.rollout.engine import RolloutEngine, sample
 from nanoflash.rollout.server import serve
 from nanoflash.rollout.weight_sync import Broadcaster, iter_sglang_buckets, push_weights
@@ -99,7 +99,7 @@ def _arith_task(tc, ec, vocab_size: int) -> Task:
                          f"model's vocab_size is {vocab_size}; set --model.vocab_size {tok.vocab_size}")
     train, heldout = arith_family(tc, tc.data, "train.data", ec.n_problems)
     return Task(train, heldout, tok.encode_prompt, tok.decode,
-                rewards.token_reward_fn(tok.decode, rewards.arith_reward), [tok.eos_id], tok.pad_id)
+                rewards.token_reward_fn(tok.decode, rewards.arith_reward, tok.vocab_size), [tok.eos_id], tok.pad_id)
 
 
 def arith_family(tc, spec: str, field: str, n_heldout: int = 0) -> tuple[list, list]:
@@ -126,7 +126,7 @@ def _chat_task(tc, ec, vocab_size: int) -> Task:
     print(f"task {tc.task}: {len(train)} training problems ({skipped} rows skipped), {len(heldout)} eval problems")
     random.Random(tc.seed).shuffle(train)
     eos, decode = tok.token_id(data.EOS), lambda ids: tok.decode(ids, True)
-    reward = None if tc.reward else rewards.token_reward_fn(decode, rewards.MathReward())  # (make_task: plug-in)
+    reward = None if tc.reward else rewards.token_reward_fn(decode, rewards.MathReward(), tok.vocab_size)  # or plug-in
     return Task(train, heldout[:ec.n_problems], tok.encode_chat, decode, reward, [eos], eos)
 
 
@@ -141,19 +141,20 @@ def _arith_split_sizes(difficulty: int, pct: int, answer: str = "value") -> tupl
 
 
 # ---------------------------------------------------------------------------------------------- servers
-def start_embedded(model, n: int, weights: str, seed: int):
-    """Start `n` embedded SGLang-protocol servers on copies of `model`; returns (client, engines, httpds)."""
+def start_embedded(model, n: int, weights: str, seed: int, api_key: str | None = None, **server_kw):
+    """Start `n` embedded SGLang-protocol servers on copies of `model`; returns (client, engines, httpds).
+    `server_kw`: server.serve's disk_root, group_hosts, limits."""
     engines, httpds, urls = [], [], []
     for i in range(n):
         m = copy.deepcopy(model).float()
         if weights == "bf16":
             m.cast_(torch.bfloat16)
         engine = RolloutEngine(m, weights=weights, seed=seed + i)
-        httpd, url = serve(engine)
+        httpd, url = serve(engine, api_key=api_key, **server_kw)
         engines.append(engine)
         httpds.append(httpd)
         urls.append(url)
-    client = SGLangClient(urls)
+    client = SGLangClient(urls, api_key=api_key)
     client.wait_healthy()
     return client, engines, httpds
 
@@ -194,10 +195,13 @@ class Rollouts:
     def __init__(self, cfg, task: Task, mcfg, model):
         self.cfg, self.task, self.mcfg, rc = cfg, task, mcfg, cfg.rollout
         if rc.urls:
-            self.client, self.engines, self.httpds = SGLangClient(list(rc.urls)), [], []
+            self.client, self.engines, self.httpds = SGLangClient(list(rc.urls), api_key=rc.key()), [], []
             wait_for_servers(self.client, rc.health_timeout_s)  # a cold SGLang start outlasts the client's retries
-        else:
-            self.client, self.engines, self.httpds = start_embedded(model, rc.n_servers, rc.weights, cfg.train.seed)
+        else:  # disk pushes land below the run directory; groups: the sync host (any, if not loopback)
+            host = rc.sync_addr.rpartition(":")[0]
+            self.client, self.engines, self.httpds = start_embedded(
+                model, rc.n_servers, rc.weights, cfg.train.seed, rc.key(), disk_root=cfg.train.out_dir,
+                group_hosts=None if host in ("127.0.0.1", "localhost") else ("*",))
         self.broadcaster = None  # the single-process push's group, made on first use (train.py: stage_push's)
 
     def collect(self, pos: int, bar=None):
@@ -255,6 +259,11 @@ def check_versions(gens, expected) -> None:
                                    f"its samples are refused (resume the run to push into it again)")
 
 
+def reward_counts(task: Task) -> dict:
+    """The task reward's cumulative counters (rewards.TokenReward.counts: oov, no_answer, verify_error, ...)."""
+    return dict(getattr(task.reward, "counts", None) or {})
+
+
 def _episodes(gens, prompt_ids, position, task, problem, n_layers: int, topk: int) -> list:
     rs = task.reward([problem] * len(gens), [g.output_ids for g in gens])
     out = []
@@ -272,7 +281,7 @@ def collect(client, task: Task, pos: int, gc, rc, seed: int, mcfg, bar=None) -> 
     G, n, n_layers, topk = gc.n_prompts, gc.group_size, mcfg.n_layers, mcfg.n_activated_experts
     sp = {"n": n, "temperature": rc.temperature, "top_p": rc.top_p, "max_new_tokens": rc.max_new_tokens,
           "stop_token_ids": list(task.stop_ids)}
-    kept, seen, rounds = [], [], 0
+    kept, seen, rounds, too_long, before = [], [], 0, [], reward_counts(task)
     with ThreadPoolExecutor(max_workers=rc.max_workers) as pool:
         while len(kept) < G * n and rounds < rc.max_rounds:
             k = grpo.prompts_to_request(len(kept) // n, G, 0, gc.over_sampling_batch_size)
@@ -283,7 +292,13 @@ def collect(client, task: Task, pos: int, gc, rc, seed: int, mcfg, bar=None) -> 
             futs = [pool.submit(client.generate, i, {**sp, "sampling_seed": request_seed(seed, p)},
                                 return_routed_experts=rc.routing_replay) for i, p in zip(ids, positions)]
             for fut, i, p, prob in zip(futs, ids, positions, probs):
-                gens = fut.result()
+                try:
+                    gens = fut.result()
+                except RequestRejected as e:  # over the server's context length: skipped and counted
+                    if not e.too_long:
+                        raise
+                    too_long.append(e.message)
+                    continue
                 check_versions(gens, getattr(client, "weight_version", None))
                 eps = _episodes(gens, i, p, task, prob, n_layers, topk)
                 seen += eps
@@ -292,8 +307,12 @@ def collect(client, task: Task, pos: int, gc, rc, seed: int, mcfg, bar=None) -> 
                 if bar is not None and good and len(kept) <= G * n:
                     bar.update(1)  # the bar counts kept groups against the target G
             rounds += 1
+    if too_long:
+        print(f"rollout: {len(too_long)} prompt(s) over the servers' context length skipped ({too_long[0]})")
+    now = reward_counts(task)
     return kept[:G * n], seen, pos, {"rounds": rounds, "groups_kept": min(len(kept) // n, G),
-                                     "groups_seen": len(seen) // n}
+                                     "groups_seen": len(seen) // n, "prompts_too_long": len(too_long),
+                                     **{f"reward_{k}": v - before.get(k, 0) for k, v in sorted(now.items())}}
 
 
 # ---------------------------------------------------------------------------------------------- eval

@@ -12,12 +12,18 @@ Reading both removes the `\\boxed{}` vs `Answer:` trap of `rl_and_sglang.md` §6
 `Answer:` line, the AIME / MATH-500 prompts ask for `\\boxed{}`.
 
 Equivalence: when the reference and the prediction are both plain integers (all of DAPO and AIME) they are
-compared as Python ints in this process, exactly (so float-artifact answers such as `105263157894736848` are
-taken literally). Anything else goes to `math-verify` (`parse` + `verify`: LaTeX -> sympy, `\\frac{1}{2}` == `0.5`,
-tuples, intervals). math-verify uses `signal.alarm`, which only works in a main thread, so it runs in
+compared exactly in this process, as digit strings (sign and leading zeros normalised; never `int()`, which
+refuses more than 4,300 digits), so float-artifact answers such as `105263157894736848` are taken literally.
+Anything else goes to `math-verify` (`parse` + `verify`: LaTeX -> sympy, `\\frac{1}{2}` == `0.5`, tuples,
+intervals). math-verify uses `signal.alarm`, which only works in a main thread, so it runs in
 `VerifierPool`: a few worker *processes*, each fed one item at a time over a pipe; an item that exceeds
 `timeout_s` gets its worker killed and respawned, and scores 0; a worker that dies scores 0 too. Both are
-counted, nothing hangs.
+counted (`counts`, logged by the rollout as `reward_*`), nothing hangs. A verifier that cannot start is an
+error, not a run of zeros: a missing package at pool creation (ImportError naming it), a worker whose imports
+fail at its first item (`VerifierUnavailable` with the worker's message).
+
+Token rewards (`token_reward_fn`): a response holding an id outside the task tokenizer's vocabulary (the model's
+vocabulary can be larger) scores 0 without being decoded, counted as `oov`.
 
 The synthetic arithmetic task uses `integer_match` on the whole decoded response.
 
@@ -32,6 +38,7 @@ Tests: `pytest tests/test_rewards.py -q`.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
 import re
 import subprocess
@@ -121,23 +128,40 @@ def extract_answer(response: str) -> str | None:
     return max(found, key=lambda c: c[1])[0]
 
 
+def _canonical_int(s: str) -> str:
+    """'+007' -> '7', '-0' -> '0', '-012' -> '-12': one spelling per integer, any number of digits."""
+    sign, digits = ("-", s[1:]) if s[0] == "-" else ("", s.lstrip("+"))
+    digits = digits.lstrip("0") or "0"
+    return ("" if digits == "0" else sign) + digits
+
+
 def integer_match(pred: str | None, gold: str) -> bool:
-    """Exact integer equality of two integer strings (`+7` == `7`, `07` == `7`); False if either is not one."""
+    """Exact integer equality of two integer strings (`+7` == `7`, `07` == `7`); False if either is not one.
+    Compared as digit strings, so 5,000-digit answers work (int() refuses > 4,300 digits)."""
     if pred is None:
         return False
     pred, gold = pred.strip().replace(",", ""), gold.strip()
-    return bool(_INT_RE.match(pred) and _INT_RE.match(gold)) and int(pred) == int(gold)
+    return bool(_INT_RE.match(pred) and _INT_RE.match(gold)) and _canonical_int(pred) == _canonical_int(gold)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Process pool with per-item timeout
 # ---------------------------------------------------------------------------------------------------------------
 
+class VerifierUnavailable(RuntimeError):
+    """The verifier's worker processes cannot start (their imports fail): nothing could be scored."""
+
+
 def _worker_main(read_fd: int, write_fd: int, warm_imports: str) -> None:
-    """Worker process main: import once, then answer (job, fn, args) messages until a None arrives."""
-    for name in filter(None, warm_imports.split(",")):
-        __import__(name)
+    """Worker process main: import once, then answer (job, fn, args) messages until a None arrives. An import
+    that fails is answered as (None, False, message) to the first job, and the worker exits."""
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    try:
+        for name in filter(None, warm_imports.split(",")):
+            __import__(name)
+    except Exception as e:  # reported to the parent, which raises VerifierUnavailable
+        outbox.send((None, False, f"import failed: {type(e).__name__}: {e}"))
+        return
     while True:
         try:
             msg = inbox.recv()
@@ -166,6 +190,10 @@ class VerifierPool:
                  warm_imports: tuple[str, ...] = ("math_verify",)):
         if n_workers < 1 or timeout_s <= 0:
             raise ValueError(f"need n_workers >= 1 and timeout_s > 0, got {n_workers}, {timeout_s}")
+        missing = [m for m in warm_imports if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ImportError(f"the answer verifier needs {missing}, which is not installed (pip install "
+                              f"{' '.join(m.replace('_', '-') for m in missing)})")
         self.timeout_s, self.warm_imports = timeout_s, ",".join(warm_imports)
         self.counts = collections.Counter()
         self._workers = [self._spawn() for _ in range(n_workers)]  # (process, inbox, outbox) per worker
@@ -209,7 +237,10 @@ class VerifierPool:
                 w = conns[conn]
                 job = busy.pop(w)[0]
                 try:
-                    _, ok, value = conn.recv()
+                    done, ok, value = conn.recv()
+                    if done is None:  # the worker's imports failed: every item would score 0
+                        self._replace(w)
+                        raise VerifierUnavailable(f"verifier worker cannot start: {value}")
                     out[job] = ("ok", value) if ok else ("error", value)
                 except (EOFError, OSError):
                     out[job] = ("crash", None)
@@ -314,9 +345,36 @@ def arith_reward(responses: Sequence[str], answers: Sequence[str]) -> list[float
     return [REWARD_CORRECT if integer_match(r, a) else REWARD_WRONG for r, a in zip(responses, answers)]
 
 
-def token_reward_fn(decode: Callable[[Sequence[int]], str], text_reward: Callable) -> Callable:
+class TokenReward:
+    """A text reward `(responses, answers) -> rewards` as `(problems, token-id lists) -> rewards`.
+
+    A response with an id outside [0, vocab_size) (the task tokenizer's vocabulary; None = no check) scores
+    REWARD_WRONG undecoded. `counts`: "oov" plus the text reward's own counts (MathReward: no_answer, integer,
+    verify_ok|error|timeout|crash), cumulative.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], text_reward: Callable, vocab_size: int | None = None):
+        self.decode, self.text_reward, self.vocab_size = decode, text_reward, vocab_size
+        self.own = collections.Counter()
+
+    @property
+    def counts(self) -> collections.Counter:
+        return self.own + collections.Counter(getattr(self.text_reward, "counts", {}))
+
+    def __call__(self, problems, responses_ids) -> list[float]:
+        V = self.vocab_size
+        ok = [V is None or all(0 <= int(t) < V for t in ids) for ids in responses_ids]
+        self.own["oov"] += ok.count(False)
+        keep = [i for i, good in enumerate(ok) if good]
+        scored = self.text_reward([self.decode(responses_ids[i]) for i in keep], [problems[i].answer for i in keep])
+        out = [REWARD_WRONG] * len(ok)
+        for i, r in zip(keep, scored):
+            out[i] = r
+        return out
+
+
+def token_reward_fn(decode: Callable[[Sequence[int]], str], text_reward: Callable,
+                    vocab_size: int | None = None) -> TokenReward:
     """Adapt a text reward `(responses, answers) -> rewards` to `(problems, token-id lists) -> rewards`."""
-    def reward_fn(problems, responses_ids):
-        return text_reward([decode(ids) for ids in responses_ids], [p.answer for p in problems])
-    return reward_fn
+    return TokenReward(decode, text_reward, vocab_size)
 

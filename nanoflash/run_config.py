@@ -10,6 +10,7 @@ Tests: `pytest tests/test_train_cli.py tests/test_startup.py`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 @dataclass
@@ -122,9 +123,11 @@ class RolloutConfig:
     routing_replay: bool = False      # R3: replay the rollout engine's expert choices in the trainer forward
     max_rounds: int = 8               # over-sampling rounds per step before training on what was kept
     health_timeout_s: float = 900.0   # wait this long for every external server's /health before the first push
+    api_key: str = ""                 # the servers' --api-key (sent as Bearer; also set on embedded ones); env:VAR reads $VAR
 
     def __post_init__(self):
         self.urls = tuple(self.urls)
+        self.key()  # env:VAR must be set now, not at the first push
         if self.weights not in ("fp8", "bf16", "fp32"):
             raise ValueError(f"RolloutConfig.weights must be fp8|bf16|fp32, got {self.weights!r}")
         if self.transport not in ("tensor", "disk", "distributed"):
@@ -132,6 +135,16 @@ class RolloutConfig:
         if self.n_servers < 1 or self.max_new_tokens < 1 or self.max_rounds < 1:
             raise ValueError(f"RolloutConfig: n_servers={self.n_servers}, max_new_tokens={self.max_new_tokens}, "
                              f"max_rounds={self.max_rounds} must all be >= 1")
+
+
+    def key(self) -> str | None:
+        """The API key itself; `env:VAR` reads $VAR (so config.json records the variable's name, not the key)."""
+        if not self.api_key.startswith("env:"):
+            return self.api_key or None
+        name = self.api_key[len("env:"):]
+        if not os.environ.get(name):
+            raise ValueError(f"rollout.api_key={self.api_key!r}: the environment variable {name} is not set")
+        return os.environ[name]
 
 
 @dataclass
@@ -149,6 +162,7 @@ class EvalConfig:
     top_p: float = 1.0                # eval nucleus sampling (Miles V4: 0.7)
     path: str = "auto"                # batched (in-process on an embedded engine) | servers (rollout client) | auto
     before_train: bool = True         # also evaluate at step 0 (Miles: --skip-eval-before-train turns it off)
+    live: bool = False                # probe every push, FP8 floor, |dlogp| tails, warm start re-evaluated (live.py; 1 process)
 
     def __post_init__(self):
         if self.path not in ("auto", "batched", "servers"):

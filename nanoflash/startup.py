@@ -37,7 +37,8 @@ from nanoflash.config import ModelConfig, RunConfig, preset
 RESUMABLE = {"train": {"steps", "resume", "progress", "plots", "tensorboard", "wandb", "threads", "save_every",
                        "keep", "dry_run", "max_skipped_steps", "reward_timeout_s", "reward_workers"},
              "parallel": "*", "eval": {"every"},
-             "rollout": {"urls", "max_workers", "transport", "sync_addr", "verify", "bucket_bytes", "health_timeout_s"}}
+             "rollout": {"urls", "max_workers", "transport", "sync_addr", "verify", "bucket_bytes", "health_timeout_s",
+                         "api_key"}}
 DATA_HELP = ("the defaults point at the project's shared data folder, ../shared/data/ seen from the directory "
              "you run in (README: Data)")
 

@@ -12,6 +12,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -57,7 +58,8 @@ def buckets(model, fp8=False):
 @pytest.fixture(scope="module")
 def stock():
     trainer = tiny()
-    httpd, url = serve(RolloutEngine(tiny(), weights="fp32"), protocol="stock")
+    httpd, url = serve(RolloutEngine(tiny(), weights="fp32"), protocol="stock",
+                       disk_root=tempfile.gettempdir())  # the disk push below writes under tmp_path
     client = SGLangClient(url, retry_s=2.0)
     client.wait_healthy()
     yield trainer, client, httpd
@@ -175,10 +177,12 @@ def test_session_protocol_order_is_enforced_and_api_key_required():
     httpd, url = serve(RolloutEngine(tiny(), weights="fp32", decode="cache"), protocol="session", api_key="k")
     try:
         anon = SGLangClient(url, retry_s=1.0)
-        assert anon.protocol(url) == "session"
+        with pytest.raises(RequestRejected, match="401"):  # with a key set, every route but /health* needs it
+            anon.protocol(url)
         with pytest.raises(RequestRejected, match="401"):
             anon.pause_generation()
         client = SGLangClient(url, api_key="k", retry_s=1.0)
+        assert client.protocol(url) == "session"
         body = {"serialized_named_tensors": [encode_tensors(buckets(trainer)[0])], "load_format": SAFE_FORMAT}
         with pytest.raises(RequestRejected, match="outside a weight-update session"):
             client.post(url, "/update_weights_from_tensor", body)

@@ -6,6 +6,7 @@ Run: `pytest tests/test_weight_sync_stage.py -q`.
 """
 from __future__ import annotations
 
+import tempfile
 import weakref
 
 import pytest
@@ -34,7 +35,8 @@ SERVER_TP = (1, 2)          # the second server joins two ranks per group: world
 
 def _servers(weights: str):
     """Two embedded servers on a model the push must overwrite (seed 1; the trainer is seed 0)."""
-    return [serve(RolloutEngine(Transformer(preset("tiny")).init_weights(1), weights=weights), tp_size=tp)
+    return [serve(RolloutEngine(Transformer(preset("tiny")).init_weights(1), weights=weights), tp_size=tp,
+                  disk_root=tempfile.gettempdir())  # the tests' disk pushes are below it
             for tp in SERVER_TP]
 
 

@@ -32,15 +32,15 @@ Protocol generations (how weight updates are bracketed), detected without side e
     "session"      PR #28001 and sglang >= 0.5.23: POST /begin_weight_update ... POST /end_weight_update
 
 Robustness: connection errors are retried with exponential backoff (`retry_s` in total); a server that stays
-unreachable raises `ServerGoneError` naming it; HTTP 4xx raises `RequestRejected` at once (never retried).
+unreachable raises `ServerGoneError` naming it; HTTP 4xx raises `RequestRejected` at once (never retried;
+`.too_long`: a prompt over the context length). `api_key`: `Authorization: Bearer KEY` on every request.
 `generate_many` spreads requests over all servers (least in-flight first) and fails over when one is gone.
 
-Differences from production (Miles' `SGLangEngine`): synchronous threads instead of asyncio; no router;
-`update_weights_from_tensor` to real SGLang needs SGLang installed (its pickled CUDA-IPC payload), while the
-embedded server takes a safetensors payload instead (it never unpickles network bytes).
+Differences from production (Miles' `SGLangEngine`): synchronous threads, not asyncio; no router; pushing to
+real SGLang by `update_weights_from_tensor` needs SGLang (its pickled CUDA-IPC payload; the embedded server
+takes safetensors: it never unpickles network bytes).
 
-Tests: `pytest tests/test_rollout_client.py tests/test_rollout_server.py -q`.
-"""
+Tests: `pytest tests/test_rollout_client.py tests/test_rollout_server.py tests/test_rollout_http_limits.py -q`."""
 from __future__ import annotations
 
 import base64
@@ -73,6 +73,11 @@ class RequestRejected(RuntimeError):
         super().__init__(f"{url} answered HTTP {status}: {message}")
         self.url, self.status, self.message = url, status, message
 
+    @property
+    def too_long(self) -> bool:
+        """A 400 for a prompt over the context length (SGLang: "... the model's context length ...")."""
+        return self.status == 400 and "context length" in self.message.lower()
+
 
 @dataclass
 class Generation:
@@ -102,6 +107,8 @@ def parse_generation(item: dict, prompt_ids: list, server: str) -> Generation:
         raise ValueError(f"{server}: {len(lps)} log-probs for {len(ids)} output ids")
     if lps is not None and [int(t[1]) for t in lps] != [int(t) for t in ids]:
         raise ValueError(f"{server}: output_token_logprobs token ids disagree with output_ids")
+    if lps is not None and any(t[0] is None for t in lps):  # JSON null: non-finite on the server
+        raise ValueError(f"{server}: output_token_logprobs holds null (non-finite) log-probs: {str(lps)[:120]}")
     fr = meta.get("finish_reason") or {}
     reason = fr.get("type", "") if isinstance(fr, dict) else str(fr)
     return Generation(prompt_ids=list(prompt_ids), output_ids=[int(t) for t in ids],
@@ -367,15 +374,8 @@ class SGLangClient:
                                                          "abort_all_requests": False})
 
     def weights_checksums(self, url: str) -> dict:
-        """`/weights_checker {"action": "checksum"}` -> {internal name: sha256 hex}."""
-        out = self.post(url, "/weights_checker", {"action": "checksum"})
-        ranks = out.get("ranks") or []
-        if not out.get("success", False) or not ranks:
-            raise RuntimeError(f"{url}/weights_checker gave no checksums: {str(out)[:300]}")
-        merged = {}
-        for r in ranks:
-            merged.update(r.get("checksums", {}))
-        return merged
+        """`/weights_checker {"action": "checksum"}` -> {internal name: sha256 hex}, merged over the ranks."""
+        return {n: h for r in self.weights_checksums_per_rank(url) for n, h in r.items()}
 
     def weights_checksums_per_rank(self, url: str) -> list:
         """`/weights_checker` checksums of each of the server's ranks: [{internal name: hex}, ...]."""

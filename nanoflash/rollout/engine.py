@@ -33,6 +33,7 @@ Tests: `pytest tests/test_rollout_server.py -q`.
 from __future__ import annotations
 
 import base64
+import math
 import threading
 import time
 import uuid
@@ -47,6 +48,11 @@ from nanoflash.rollout.weight_sync import iter_sglang_buckets
 # (~1e-6 seen); bf16: one rounding of 2^-8 relative on logits of order 1-10.
 CACHE_CHECK_ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 MAX_N = 64                # samples per request
+# Smallest non-zero temperature: logits / T must stay finite in fp32 (|logit| <~ 1e3, so T >= 1e-6 keeps them
+# below 1e9; T = 1e-45 overflows to inf and softmax gives NaN). SGLang samples greedily below its own 1e-6 eps;
+# here T = 0 asks for greedy and 0 < T < MIN_TEMPERATURE is refused rather than switched silently.
+MIN_TEMPERATURE = 1e-6
+HEALTH_PROMPT = [0]       # /health_generate: one greedy token after this prompt
 SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed",
                  "min_new_tokens", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens",
                  "ignore_eos", "stop"}
@@ -69,18 +75,27 @@ def parse_sampling(sp: dict, vocab: int) -> dict:
     out = {"n": sp.get("n", 1), "temperature": sp.get("temperature", 1.0), "top_p": sp.get("top_p", 1.0),
            "top_k": sp.get("top_k", -1), "max_new_tokens": sp.get("max_new_tokens", 128),
            "stop_token_ids": sp.get("stop_token_ids") or [], "seed": sp.get("sampling_seed")}
-    checks = [("n", isinstance(out["n"], int) and 1 <= out["n"] <= MAX_N, f"an int in [1, {MAX_N}]"),
-              ("temperature", isinstance(out["temperature"], (int, float)) and out["temperature"] >= 0, ">= 0"),
-              ("top_p", isinstance(out["top_p"], (int, float)) and 0 < out["top_p"] <= 1, "in (0, 1]"),
-              ("top_k", isinstance(out["top_k"], int) and (out["top_k"] == -1 or out["top_k"] >= 1), "-1 or >= 1"),
-              ("max_new_tokens", isinstance(out["max_new_tokens"], int) and out["max_new_tokens"] >= 0, "an int >= 0"),
+    T = out["temperature"]
+    checks = [("n", _is_int(out["n"]) and 1 <= out["n"] <= MAX_N, f"an int in [1, {MAX_N}]"),
+              ("temperature", _is_real(T) and (T == 0 or MIN_TEMPERATURE <= T), f"0 (greedy) or >= {MIN_TEMPERATURE}"),
+              ("top_p", _is_real(out["top_p"]) and 0 < out["top_p"] <= 1, "in (0, 1]"),
+              ("top_k", _is_int(out["top_k"]) and (out["top_k"] == -1 or out["top_k"] >= 1), "-1 or >= 1"),
+              ("max_new_tokens", _is_int(out["max_new_tokens"]) and out["max_new_tokens"] >= 0, "an int >= 0"),
               ("stop_token_ids", isinstance(out["stop_token_ids"], list)
-               and all(isinstance(t, int) and 0 <= t < vocab for t in out["stop_token_ids"]), f"ids in [0, {vocab})"),
-              ("sampling_seed", out["seed"] is None or isinstance(out["seed"], int), "an int")]
+               and all(_is_int(t) and 0 <= t < vocab for t in out["stop_token_ids"]), f"ids in [0, {vocab})"),
+              ("sampling_seed", out["seed"] is None or _is_int(out["seed"]), "an int")]
     for key, ok, want in checks:
         if not ok:
             raise BadRequest(f"sampling_params.{key}={sp.get(key)!r} is invalid: want {want}")
     return out
+
+
+def _is_int(v) -> bool:
+    return type(v) is int  # not bool, not a float such as 2.0
+
+
+def _is_real(v) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen: torch.Generator):
@@ -234,14 +249,35 @@ class RolloutEngine:
             self.resume.wait(timeout=0.5)
         return t0 >= self.abort_all_before and rid not in self.aborted
 
+    def _wait_to_score(self, rid: str, t0: float) -> bool:
+        """Scoring waits out a pause like a decode step (a push may be half applied); False if the request is
+        aborted while it waits. An abort outside a pause does not stop scoring (the partial sample is scored)."""
+        while self.paused:
+            if t0 < self.abort_all_before or rid in self.aborted:
+                return False
+            self.resume.wait(timeout=0.5)
+        return True
+
+    @torch.no_grad()
+    def health_check(self) -> None:
+        """One greedy token after HEALTH_PROMPT on the served weights, scored; raises what generation raises
+        (FloatingPointError on NaN weights). Does not wait for a pause: the model's parameters change only
+        under `lock`, in post_process, so a forward under it sees one consistent set."""
+        with self.lock:
+            ids = torch.tensor([HEALTH_PROMPT], dtype=torch.long, device=self.device)        # [1,1]
+            nxt = sample(self.model(ids)[:, -1], 0.0, 1.0, -1, None)                         # [1]
+            lp = self.score(torch.cat([ids[0], nxt]), len(HEALTH_PROMPT), 1.0)
+        if not all(math.isfinite(x) for x in lp):
+            raise FloatingPointError(f"non-finite log-prob {lp} of the health token")
+
     @torch.no_grad()
     def generate(self, input_ids: list, sp: dict, rid: str | None = None, routed: bool = False) -> list:
         """One prompt, `sp['n']` samples -> SGLang-shaped result dicts."""
         rid, t0 = rid or uuid.uuid4().hex, time.monotonic()
         max_len = self.cfg.max_seq_len
-        if len(input_ids) + sp["max_new_tokens"] > max_len:
-            raise BadRequest(f"prompt ({len(input_ids)}) + max_new_tokens ({sp['max_new_tokens']}) exceeds the "
-                             f"model's max_seq_len {max_len}")
+        if len(input_ids) + sp["max_new_tokens"] > max_len:  # "context length": the phrase SGLang's 400 uses too
+            raise BadRequest(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sp['max_new_tokens']}) exceeds "
+                             f"the model's context length (max_seq_len {max_len})")
         n, stops = sp["n"], set(sp["stop_token_ids"])
         with self.lock:
             seed = sp["seed"] if sp["seed"] is not None else int(torch.randint(0, 2**62, (1,), generator=self.seed_gen))
@@ -265,8 +301,10 @@ class RolloutEngine:
 
     def _finish(self, prompt, seq, stopped, reason, sp, rid, t0, routed=False) -> dict:
         out = seq[len(prompt):stopped[0] + len(prompt)] if stopped else seq[len(prompt):]
-        full = torch.cat([torch.tensor(prompt, dtype=torch.long, device=out.device), out])
         with self.lock:  # the routing record must come from this very scoring forward
+            if not self._wait_to_score(rid, t0):   # aborted during a push: its tokens cannot be scored
+                out, stopped, reason = out[:0], None, "abort"
+            full = torch.cat([torch.tensor(prompt, dtype=torch.long, device=out.device), out])
             lps = self.score(full, len(prompt), sp["temperature"]) if len(out) else []
             routes = self.routed_experts(full, scored=len(out) > 0) if routed else None
         fr = ({"type": "stop", "matched": stopped[1]} if stopped else

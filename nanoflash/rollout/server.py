@@ -2,6 +2,7 @@
 
     python -m nanoflash.rollout.server --preset tiny --port 30000 [--weights fp32|bf16|fp8]
         [--protocol stock|post_process|session] [--api-key KEY] [--checkpoint DIR] [--host 127.0.0.1]
+        [--disk-root DIR] [--group-hosts HOST,...] [--read-timeout S] [--max-connections N]
 
 Routes (JSON in, JSON out; see `client.py` for the request/response shapes):
 
@@ -21,35 +22,37 @@ begin/end is refused (SGLang >= PR #28001 asserts the same). Post-load processin
 runs after each update under "stock", at `post_process_weights(post_process_quantization)` under
 "post_process", and at `end_weight_update` under "session".
 
-Safety: binds 127.0.0.1 by default; with `--api-key` the admin and update routes need
-`Authorization: Bearer KEY` (401 otherwise); `/update_weights_from_tensor` accepts only
+Safety: binds 127.0.0.1 by default; with `--api-key` every route but /health and /health_generate needs
+`Authorization: Bearer KEY` (401 otherwise; SGLang exempts the same two). The HTTP layer is bounded
+(`http_guard.py`: read deadlines, a connection cap, per-route body limits); one /generate asks for at most
+`max_request_tokens` = prompts x n x max_new_tokens (default MAX_N x the model's max_seq_len: one full-length
+request of the largest n); `/update_weights_from_disk` reads only below `--disk-root` and
+`/init_weights_update_group` joins only groups at `--group-hosts` with bounded ranks and timeout
+(`update_guard.py`). `/update_weights_from_tensor` accepts only
 `load_format="nanoflash_safetensors"` (base64 safetensors) -- SGLang's own payload is a pickle of CUDA-IPC
 handles, and this server never unpickles network bytes (400). Any malformed request gets 400 with a message
-naming the problem; an unexpected failure gets 500; the server keeps serving either way.
+naming the problem; an unexpected failure gets 500; the server keeps serving either way. `/health_generate`
+runs one greedy token and answers 503 naming the failure when it cannot (e.g. NaN weights).
 
 Differences from SGLang: stdlib `ThreadingHTTPServer` instead of FastAPI/uvicorn (no new dependencies);
 one forward at a time; no radix cache (`flush_cache` is a no-op that succeeds); no tokenizer (token ids only).
 
-Tests: `pytest tests/test_rollout_server.py -q`.
+Tests: `pytest tests/test_rollout_server.py tests/test_rollout_http_limits.py -q`.
 """
 from __future__ import annotations
 
 import argparse
-import glob
-import json
-import os
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
-import torch.distributed as dist
 
-from nanoflash.rollout.engine import BadRequest, RolloutEngine, parse_sampling
+from nanoflash.rollout.engine import MAX_N, BadRequest, RolloutEngine, parse_sampling
+from nanoflash.rollout.http_guard import BoundedHTTPServer, HTTPError, HTTPLimits, make_handler
 from nanoflash.rollout.mismatch import trace
+from nanoflash.rollout.update_guard import GroupPolicy, check_group, disk_files, own_hosts
 from nanoflash.rollout.weight_sync import (FLAT_FORMAT, SAFE_FORMAT, decode_blob, decode_tensors, encode_tensors,
                                            join_receivers, receive_bucket)
 
-MAX_BODY = 4 << 30   # refuse request bodies above 4 GiB
 VERSION = "0.5.16"   # the SGLang release whose request/response shapes this server follows
 COMMON = {"/health": "GET", "/health_generate": "GET", "/get_server_info": "GET", "/server_info": "GET",
           "/get_model_info": "GET",
@@ -61,33 +64,39 @@ COMMON = {"/health": "GET", "/health_generate": "GET", "/get_server_info": "GET"
           "/weights_checker": "GET,POST", "/nanoflash/trace": "POST"}
 EXTRA = {"stock": {}, "post_process": {"/post_process_weights": "POST"},
          "session": {"/begin_weight_update": "POST", "/end_weight_update": "POST"}}
-PUBLIC = {"/health", "/health_generate", "/get_server_info", "/server_info", "/get_model_info", "/get_weight_version",
-          "/openapi.json", "/generate"}
 
 
 class RolloutServer:
-    """Route handlers over one `RolloutEngine`; `handle(method, path, body) -> (status, json)`."""
+    """Route handlers over one `RolloutEngine`: `check(method, path)` (404/405 before any body is read), then
+    `handle(method, path, body) -> (status, json)`. `disk_root`, `group_policy`: update_guard.py."""
 
-    def __init__(self, engine: RolloutEngine, protocol: str = "stock", api_key: str | None = None, tp_size: int = 1):
+    def __init__(self, engine: RolloutEngine, protocol: str = "stock", api_key: str | None = None, tp_size: int = 1,
+                 disk_root: str | None = None, group_policy: GroupPolicy | None = None,
+                 max_request_tokens: int | None = None):
         if protocol not in EXTRA:
             raise ValueError(f"protocol must be one of {sorted(EXTRA)}, got {protocol!r}")
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.engine, self.protocol, self.api_key, self.tp_size = engine, protocol, api_key, tp_size
+        self.disk_root, self.group_policy = disk_root, group_policy or GroupPolicy()
+        self.max_request_tokens = max_request_tokens or MAX_N * engine.cfg.max_seq_len
         self.routes = {**COMMON, **EXTRA[protocol]}
         self.session_open = False
         self.groups: dict = {}
         self.snapshot = None
 
-    def handle(self, method: str, path: str, body, auth: str | None):
+    def check(self, method: str, path: str) -> None:
         if path not in self.routes:
-            return 404, {"error": {"message": f"no route {path} (protocol {self.protocol})"}}
+            raise HTTPError(404, f"no route {path} (protocol {self.protocol})")
         if method not in self.routes[path].split(","):
-            return 405, {"error": {"message": f"{path} takes {self.routes[path]}, not {method}"}}
-        if self.api_key and path not in PUBLIC and auth != f"Bearer {self.api_key}":
-            return 401, {"error": {"message": f"{path} needs 'Authorization: Bearer <api key>'"}}
+            raise HTTPError(405, f"{path} takes {self.routes[path]}, not {method}")
+
+    def handle(self, method: str, path: str, body):
+        self.check(method, path)
         if method == "POST" and not isinstance(body, (dict, list)):
             raise BadRequest(f"{path}: the request body must be a JSON object")
+        if path == "/health_generate":
+            return self.health_generate()
         fn = getattr(self, "r_" + path.strip("/").replace(".", "_").replace("/", "_"))
         out = fn(body if isinstance(body, dict) else {})
         return 200, out
@@ -96,7 +105,14 @@ class RolloutServer:
     def r_health(self, _):
         return {}
 
-    r_health_generate = r_health
+    def health_generate(self):
+        """One greedy token through the served weights: 200, or 503 naming why generation fails."""
+        try:
+            self.engine.health_check()
+        except Exception as e:  # any failure to generate is the answer, not a server error
+            msg = f"generation fails: {type(e).__name__}: {e}"
+            return 503, {"success": False, "message": msg, "error": {"message": msg}}
+        return 200, {}
 
     def r_server_info(self, body):
         return self.r_get_server_info(body)
@@ -129,6 +145,11 @@ class RolloutServer:
                 raise BadRequest(f"/generate: input_ids must be a non-empty list of ints in [0, {V}), "
                                  f"got {str(p)[:80]}")
         sp = parse_sampling(body.get("sampling_params", {}), V)
+        asked = len(prompts) * sp["n"] * max(1, sp["max_new_tokens"])
+        if asked > self.max_request_tokens:
+            raise BadRequest(f"/generate: {len(prompts)} prompt(s) x n={sp['n']} x max_new_tokens="
+                             f"{sp['max_new_tokens']} = {asked} tokens exceeds this server's "
+                             f"max_request_tokens={self.max_request_tokens}; split the request")
         rid = body.get("rid")
         routed = bool(body.get("return_routed_experts"))
         out = [r for i, p in enumerate(prompts)
@@ -176,32 +197,22 @@ class RolloutServer:
         return self._update(decode_tensors(payloads[0]), body, "/update_weights_from_tensor")
 
     def r_update_weights_from_disk(self, body):
-        path = body.get("model_path")
-        files = sorted(glob.glob(os.path.join(str(path), "*.safetensors"))) if path else []
-        if not files:
-            raise BadRequest(f"/update_weights_from_disk: no *.safetensors under model_path={path!r}")
         named = []
-        for f in files:
+        for f in disk_files(self.disk_root, body.get("model_path")):
             with open(f, "rb") as fh:
                 named += decode_blob(fh.read())
         return self._update(named, body, "/update_weights_from_disk")
 
     def r_init_weights_update_group(self, body):
-        """Join the group with this server's `tp_size` ranks, `rank_offset + tp_rank` as SGLang does."""
-        need = ["master_address", "master_port", "rank_offset", "world_size", "group_name"]
-        missing = [k for k in need if k not in body]
-        if missing:
-            raise BadRequest(f"/init_weights_update_group lacks {missing}")
-        backend = body.get("backend", "gloo")
-        if backend not in ("gloo", "nccl"):
-            raise BadRequest(f"backend {backend!r}: the embedded server joins gloo or nccl groups")
-        off, world = int(body["rank_offset"]), int(body["world_size"])
-        if off < 1 or off + self.tp_size > world:
-            raise BadRequest(f"rank_offset {off} + tp_size {self.tp_size} does not fit world_size {world}")
-        pgs = join_receivers(body["master_address"], int(body["master_port"]), range(off, off + self.tp_size), world,
-                             body["group_name"], backend, float(body.get("timeout_s", 120)), self.engine.device)
-        self.groups[body["group_name"]] = (pgs, backend)
-        return {"success": True, "message": f"joined {body['group_name']} as ranks {off}..{off + self.tp_size - 1}"}
+        """Join the group with this server's `tp_size` ranks, `rank_offset + tp_rank` as SGLang does; every
+        parameter is checked first (`update_guard.check_group`)."""
+        others = [n for n in self.groups if n != body.get("group_name")]  # re-joining a name replaces it
+        g = check_group(body, self.tp_size, self.group_policy, len(others))
+        pgs = join_receivers(g["master_address"], g["master_port"], g["ranks"], g["world"], g["group_name"],
+                             g["backend"], g["timeout_s"], self.engine.device)
+        self.groups[g["group_name"]] = (pgs, g["backend"])
+        return {"success": True, "message": f"joined {g['group_name']} as ranks {g['ranks'].start}.."
+                                            f"{g['ranks'].stop - 1}"}
 
     def r_destroy_weights_update_group(self, body):
         self.groups.pop(body.get("group_name"), None)
@@ -293,55 +304,25 @@ class RolloutServer:
         return {"trace": encode_tensors(list(acts.items()))}
 
 
-def make_handler(server: RolloutServer):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):  # keep test output quiet
-            pass
-
-        def _reply(self, status: int, obj):
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _serve(self, method: str):
-            path = self.path.split("?", 1)[0]
-            try:
-                n = int(self.headers.get("Content-Length") or 0)
-                if n > MAX_BODY:
-                    raise BadRequest(f"request body of {n} bytes exceeds {MAX_BODY}")
-                raw = self.rfile.read(n) if n else b""
-                try:
-                    body = json.loads(raw) if raw else None
-                except json.JSONDecodeError as e:
-                    raise BadRequest(f"{path}: body is not valid JSON: {e}") from e
-                status, out = server.handle(method, path, body, self.headers.get("Authorization"))
-            except (BadRequest, ValueError, KeyError, TypeError) as e:
-                status, out = 400, {"success": False, "message": str(e), "error": {"message": str(e)}}
-            except Exception as e:  # the server must survive anything a request triggers
-                status, out = 500, {"success": False, "message": f"{type(e).__name__}: {e}",
-                                    "error": {"message": f"{type(e).__name__}: {e}"}}
-            self._reply(status, out)
-
-        def do_GET(self):
-            self._serve("GET")
-
-        def do_POST(self):
-            self._serve("POST")
-    return Handler
+def make_httpd(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, protocol: str = "stock",
+               api_key: str | None = None, tp_size: int = 1, disk_root: str | None = None, group_hosts=None,
+               limits: HTTPLimits | None = None, max_request_tokens: int | None = None):
+    """The bound (not yet serving) HTTP server; `httpd.rollout` is its RolloutServer. group_hosts: allowed
+    master addresses besides loopback and `host` (("*",) = any)."""
+    hosts = ("*",) if group_hosts and "*" in group_hosts else own_hosts(host, group_hosts or ())
+    rs = RolloutServer(engine, protocol, api_key, tp_size, disk_root, GroupPolicy(hosts=hosts), max_request_tokens)
+    limits = limits or HTTPLimits()
+    httpd = BoundedHTTPServer((host, port), make_handler(rs, limits), limits.max_connections)
+    httpd.rollout = rs
+    return httpd
 
 
 def serve(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, protocol: str = "stock",
-          api_key: str | None = None, tp_size: int = 1):
+          api_key: str | None = None, tp_size: int = 1, **kw):
     """Start serving in a background thread; returns (httpd, url). `port=0` picks a free port. `tp_size`: how
-    many ranks it joins into a weight-update group (each receives every bucket, as SGLang's TP ranks do)."""
-    rs = RolloutServer(engine, protocol, api_key, tp_size)
-    httpd = ThreadingHTTPServer((host, port), make_handler(rs))
-    httpd.daemon_threads, httpd.rollout = True, rs
+    many ranks it joins into a weight-update group (each receives every bucket, as SGLang's TP ranks do);
+    `kw`: make_httpd's disk_root, group_hosts, limits, max_request_tokens."""
+    httpd = make_httpd(engine, host, port, protocol, api_key, tp_size, **kw)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd, f"http://{host}:{httpd.server_address[1]}"
 
@@ -373,7 +354,13 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="weight init and sampling seed")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on admin routes")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health*)")
+    ap.add_argument("--disk-root", default=None, help="/update_weights_from_disk reads only below this directory")
+    ap.add_argument("--group-hosts", default="", help="extra master addresses to join weight groups at (* = any)")
+    ap.add_argument("--read-timeout", type=float, default=HTTPLimits.read_timeout_s, help="request read deadline, s")
+    ap.add_argument("--max-connections", type=int, default=HTTPLimits.max_connections, help="open connections")
+    ap.add_argument("--max-request-tokens", type=int, default=0, help="prompts x n x max_new_tokens per "
+                    "/generate (0: MAX_N x max_seq_len)")
     ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "fp8"])
     ap.add_argument("--protocol", default="stock", choices=sorted(EXTRA))
     ap.add_argument("--decode", default="auto", choices=["auto", "cache", "full"])
@@ -384,9 +371,9 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = build_engine(args)
-    httpd = ThreadingHTTPServer((args.host, args.port),
-                                make_handler(RolloutServer(engine, args.protocol, args.api_key, args.tp_size)))
-    httpd.daemon_threads = True
+    limits = HTTPLimits(read_timeout_s=args.read_timeout, max_connections=args.max_connections)
+    httpd = make_httpd(engine, args.host, args.port, args.protocol, args.api_key, args.tp_size, args.disk_root,
+                       [h for h in args.group_hosts.split(",") if h], limits, args.max_request_tokens or None)
     print(f"nanoflash rollout server on http://{args.host}:{httpd.server_address[1]} "
           f"(protocol {args.protocol}, weights {args.weights}, cache decode {engine.use_cache})", flush=True)
     httpd.serve_forever()
