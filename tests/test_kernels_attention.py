@@ -11,15 +11,12 @@ reference's stable descending sort.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import tempfile
-import traceback
 
 import pytest
 import torch
+
+import interp  # tests/interp.py: the kernel cases under Triton's interpreter, in a subprocess
 
 # fp32 kernels vs float64: the interpreter's dots are exact fp32 (numpy), so only a few dozen fp32
 # roundings of O(1) values remain (measured <= 1.1e-6 relative to the largest output / gradient, 3 seeds).
@@ -59,30 +56,6 @@ def random_selection(B, S, C, K, g, p_none=0.3):
 
 
 # ------------------------------------------------------------------------------------------ interpreter cases
-def _patch_interpreter():
-    """Two bugs of Triton 3.6's interpreter, patched here (tests only; the GPU compiler is unaffected):
-    * it converts its one-element scalar arrays with int(), which numpy >= 2.4 rejects, so every loop with a
-      run-time bound fails (triton-lang/triton#9171, fixed after 3.6): index through the element instead;
-    * its dot multiplies bf16's uint16 storage as integers: widen bf16 operands to fp32 first (exact, as the
-      tensor cores' bf16 products are), then accumulate in fp32 as before."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter as ti
-    patch_tensor, dot = ti._patch_lang_tensor, ti.InterpreterBuilder.create_dot
-
-    def patch_lang_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def widen(h):
-        if h.dtype.scalar != tl.bfloat16:
-            return h
-        return ti.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    ti._patch_lang_tensor = patch_lang_tensor
-    ti.InterpreterBuilder.create_dot = lambda self, a, b, d, *args: dot(self, widen(a), widen(b), d, *args)
-
-
 def _attention_case(B, S, H, D, W, C, K, dtype, g, batch_sel=True, fused=None, prefix=False):
     from nanoflash.kernels import attention as ka
     from nanoflash.model import sink_attention
@@ -189,33 +162,11 @@ def case_model_seam(g):
 CASES = {n: f for n, f in dict(globals()).items() if n.startswith("case_")}
 
 
-def _main(out_path):
-    _patch_interpreter()
-    torch.set_num_threads(1)
-    results = {}
-    for name, fn in CASES.items():
-        try:
-            fn(torch.Generator().manual_seed(sum(map(ord, name))))
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-    with open(out_path, "w") as f:
-        json.dump(results, f)
-
-
 # ------------------------------------------------------------------------------------------ pytest side
 @pytest.fixture(scope="module")
 def interpreted():
-    """Run every case once in a subprocess with TRITON_INTERPRET=1; -> {case: "ok" | traceback}"""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "results.json")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), path], env=env, capture_output=True,
-                              text=True, timeout=INTERP_TIMEOUT_S)
-        if proc.returncode != 0 or not os.path.exists(path):
-            pytest.fail(f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-        with open(path) as f:
-            return json.load(f)
+    """Every case once in a subprocess under TRITON_INTERPRET=1 (tests/interp.py); -> {case: "ok" | traceback}"""
+    return interp.interpreted(__file__, INTERP_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -270,4 +221,4 @@ def test_config_kernels_switch():
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    interp.run_cases(CASES, sys.argv[1])

@@ -81,8 +81,8 @@ CASES = {"fp32": (torch.float32, 2, 5, 48, 0), "bf16": (torch.bfloat16, 1, 9, 80
 
 def _interpreter_main(out_path):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_kernels_attention import _patch_interpreter
-    _patch_interpreter()
+    from interp import patch_interpreter      # tests/interp.py: Triton 3.6 interpreter fixes, shared
+    patch_interpreter()
     from nanoflash.kernels import mhc
     mhc.DFN_MIN_TOKENS = 4            # several token splits of the dfn reduction at these sizes
     res = {name: _compare(*case) for name, case in CASES.items()}

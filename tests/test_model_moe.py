@@ -15,12 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import os
-import subprocess
 import sys
-import tempfile
-import traceback
 
 import pytest
 import torch
@@ -29,6 +24,8 @@ from torch import nn
 from nanoflash.checkpoint_names import official_inventory, official_views
 from nanoflash.config import preset
 from nanoflash.model import Expert, MoE, Transformer
+
+import interp  # tests/interp.py: the kernel cases under Triton's interpreter, in a subprocess
 
 # Grouped vs reference loop in fp32: the same products, but w1|w3 in one GEMM, Triton's sigmoid and drw summed
 # in another order: a few fp32 ulps of O(10) values (measured <= 4e-7 relative to the largest value).
@@ -138,7 +135,7 @@ def case_grouped_matches_reference_bf16_and_qat(g):
 
 
 def _ep_rank(rank, world, skew):
-    _patch_interpreter()
+    interp.patch_interpreter()
     from nanoflash.parallel.dims import ParallelDims
     from nanoflash.parallel.expert import apply_expert_parallel
     from nanoflash.parallel.train_step import reduce_gradients
@@ -177,41 +174,13 @@ def case_grouped_ep2_matches_single_process(g):
                 assert rel_err(t, want[2][n]) <= FP32_TOL or want[2][n].abs().max() == t.abs().max() == 0, n
 
 
-def _patch_interpreter():
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_kernels_attention import _patch_interpreter as patch   # Triton 3.6 interpreter fixes, shared
-    patch()
-
-
 CASES = {n: f for n, f in dict(globals()).items() if n.startswith("case_")}
-
-
-def _main(out_path):
-    _patch_interpreter()
-    torch.set_num_threads(1)
-    results = {}
-    for name, fn in CASES.items():
-        try:
-            fn(torch.Generator().manual_seed(sum(map(ord, name))))
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-    with open(out_path, "w") as f:
-        json.dump(results, f)
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    """Run every case once in a subprocess with TRITON_INTERPRET=1; -> {case: "ok" | traceback}"""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "results.json")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), path], env=env, capture_output=True,
-                              text=True, timeout=INTERP_TIMEOUT_S)
-        if proc.returncode != 0 or not os.path.exists(path):
-            pytest.fail(f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-        with open(path) as f:
-            return json.load(f)
+    """Every case once in a subprocess under TRITON_INTERPRET=1 (tests/interp.py); -> {case: "ok" | traceback}"""
+    return interp.interpreted(__file__, INTERP_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -359,4 +328,4 @@ def test_hf_round_trip_of_bf16_stacks(tmp_path, tiny):
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    interp.run_cases(CASES, sys.argv[1])
