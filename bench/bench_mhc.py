@@ -32,6 +32,22 @@ def timeit(fn, n=20):
     return (time.perf_counter() - t) / n
 
 
+def kernel_times(fn, n=5):
+    """Device microseconds per call of each kernel of fn() (torch.profiler, n calls)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if t:
+            out[e.key[:60]] = round(t / n, 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:20])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
@@ -70,6 +86,7 @@ def main():
         res[f"{name}_gbps_at_8x_h"] = 8 * hb / (res[f"{name}_ms"] / 1e3) / 1e9
         res[f"{name}_vs_copy"] = res[f"{name}_gbps_at_8x_h"] / res["copy_gbps"]
     res["triton_speedup_vs_eager"] = res["eager_ms"] / res["triton_ms"]
+    res["triton_kernels_us"] = kernel_times(step(*paths["triton"]))
     print(json.dumps(res, indent=1))
     if a.out:
         with open(a.out, "w") as f:

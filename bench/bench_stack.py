@@ -105,16 +105,30 @@ def measure_step(model, ids, recompute: bool, ceiling: float, S: int):
     layers_fwd = fwd - 2 * cfg.vocab_size * cfg.dim * S                  # the head is not recomputed per layer
     model_f = 3 * fwd
     hw_f = model_f + (layers_fwd if recompute else 0) + 2 * cfg.vocab_size * cfg.dim * S
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if DEV == "cuda" else 0.0
     return dict(recompute=recompute, step_s=sec, tokens_per_s=S / sec, model_tflop=model_f / 1e12,
                 mfu=model_f / sec / DATASHEET_BF16, hfu=hw_f / sec / DATASHEET_BF16,
-                ratio_to_ceiling=model_f / sec / ceiling, peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if DEV == "cuda" else 0.0)
+                ratio_to_ceiling=model_f / sec / ceiling, peak_gib=peak)
+
+
+def measure_auto(model, ids, ceiling, S):
+    """The same model on kernels="auto" (attention + indexer kernels only: eager mHC, fp32 head / gate /
+    compressor GEMMs, the per-expert MoE loop) -- what this issue's kernels replace. cfg is shared by every
+    module, so one attribute switches them all."""
+    kernels, model.cfg.kernels = model.cfg.kernels, "auto"
+    try:
+        return measure_step(model, ids, False, ceiling, S)
+    finally:
+        model.cfg.kernels = kernels
 
 
 def fb(fn, x):
-    """fwd+bwd seconds of fn(x) (grads of the module parameters and x)."""
+    """fwd+bwd seconds of fn(x) (grads of the module parameters and x) against a fixed cotangent made once."""
+    first = lambda: (lambda y: y[0] if isinstance(y, tuple) else y)(fn(x))   # noqa: E731
+    dy = torch.ones_like(first())
+
     def run():
-        y = fn(x)
-        (y[0] if isinstance(y, tuple) else y).float().square().mean().backward()
+        first().backward(dy)
     return timed(run, iters=2, warmup=1)
 
 
@@ -191,7 +205,8 @@ def main():
     ids = torch.randint(0, cfg.vocab_size, (1, a.seq), device=DEV)
     jobs = [("no_recompute", lambda: measure_step(model, ids, False, ceiling, a.seq)),
             ("recompute", lambda: measure_step(model, ids, True, ceiling, a.seq)),
-            ("split_s", lambda: components(model, a.seq))]
+            ("split_s", lambda: components(model, a.seq)),
+            ("auto_no_recompute", lambda: measure_auto(model, ids, ceiling, a.seq))]
     for name, job in jobs:
         if time.time() - t0 > a.deadline:
             res[name] = "skipped: deadline"

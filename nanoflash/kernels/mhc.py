@@ -18,11 +18,20 @@ upcasts in registers, and touches it once:
               _pre_dh       dh = (g rs) . fn - c h + pre_j dx,  c = (g . mixes) rs^2 / (M D)    (one pass)
               _pre_dfn      dfn = (g rs)^T . h, split over tokens, partial sums added by torch
 
-The arithmetic is the reference's (`model.hc_pre_reference`, `model.hc_post`) in fp32 (dots with
-input_precision="ieee"); results differ by summation order only, and the hc_pre gradient of h is summed in
-fp32 once instead of twice rounded to bf16. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors.
+The arithmetic is the reference's (`model.hc_pre_reference`, `model.hc_post`) in fp32, and the hc_pre gradient
+of h is summed in fp32 once instead of twice rounded to bf16. The three M*D-long dots: fp32 streams use FMA
+dots (input_precision="ieee": summation order only); bf16 streams use tensor cores -- the mixes and dfn as
+bf16 h times an fp32 operand split into three bf16 parts (`split3`: exact products), dh in tf32x3 -- which
+is 4x faster for the mixes but accumulates less exactly (post / comb 5.6e-5 from the reference vs 5.4e-6 on
+the FMA path at real width; tests/test_kernels_mhc.py). Under TRITON_INTERPRET=1 the same kernels run on CPU.
 
-Dispatch: `ModelConfig.kernels`; "triton" on CUDA uses `hc_pre_fused` / `hc_post_fused` in `Block.forward`.
+H200, h [1, 8192, 4, 4096] bf16 (bench/bench_mhc.py, docs/benchmarks.md B14b): fwd+bwd 2.42 ms (eager 13.71,
+compiled 9.00), 0.21 of copy bandwidth at the 8 x |h| byte floor. Per call: _pre_coeff 407 us, _pre_dh 391,
+_post_bwd 375, _mix_fwd 330, _post_fwd 166, _pre_dfn 108, _collapse 81, _sinkhorn_fwd 10 (+ 364 us of torch
+adds: the two gradients of h summed by autograd).
+
+Dispatch: `ModelConfig.kernels`; "triton" on CUDA uses `hc_pre_fused` / `hc_post_fused` in `Block.forward`
+(run inside the 8-layer real-geometry stack on the H200, bench/bench_stack.py); "auto" does not yet.
 `compiled()` keeps the torch.compile variant of B14a for the benchmark. Tests: tests/test_kernels_mhc.py.
 """
 from __future__ import annotations
@@ -53,7 +62,7 @@ def compiled(backend: str = "inductor"):
 # ------------------------------------------------------------------------------------------ forward kernels
 @triton.jit
 def _mix_fwd(h_ptr, fn_ptr, mix_ptr, rs_ptr, T, K, norm_eps,
-             NMIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+             NMIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.arange(0, NP)
     tm, cm = t < T, c < NMIX
@@ -63,9 +72,14 @@ def _mix_fwd(h_ptr, fn_ptr, mix_ptr, rs_ptr, T, K, norm_eps,
         k = k0 + tl.arange(0, BK)
         km = k < K
         hv = tl.load(h_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+        fo = c[None, :] * K + k[:, None]
+        fm = cm[None, :] & km[:, None]
+        if SPLIT:   # bf16 h times fn = hi + mid + lo (three bf16 parts): exact products, fp32 sums
+            for part in tl.static_range(3):
+                acc += tl.dot(hv, tl.load(fn_ptr + part * NMIX * K + fo, mask=fm, other=0.0))
+        else:
+            acc += tl.dot(hv.to(tl.float32), tl.load(fn_ptr + fo, mask=fm, other=0.0), input_precision="ieee")
         hv = hv.to(tl.float32)                                                          # [BT,BK]
-        fv = tl.load(fn_ptr + c[None, :] * K + k[:, None], mask=cm[None, :] & km[:, None], other=0.0)  # [BK,NP]
-        acc += tl.dot(hv, fv, input_precision="ieee")
         ss += tl.sum(hv * hv, 1)
     rs = 1.0 / tl.sqrt(ss / K + norm_eps)
     tl.store(mix_ptr + t[:, None] * NMIX + c[None, :], acc * rs[:, None], mask=tm[:, None] & cm[None, :])
@@ -226,7 +240,8 @@ def _pre_coeff(dx_ptr, h_ptr, dpost_ptr, dcomb_ptr, mix_ptr, scale_ptr, base_ptr
 
 @triton.jit
 def _pre_dh(dx_ptr, h_ptr, fn_ptr, grs_ptr, ct_ptr, pre_ptr, dh_ptr, T, D,
-            NMIX: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+            NMIX: tl.constexpr, NP: tl.constexpr, M: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+            PREC: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     c = tl.arange(0, NP)
@@ -241,13 +256,13 @@ def _pre_dh(dx_ptr, h_ptr, fn_ptr, grs_ptr, ct_ptr, pre_ptr, dh_ptr, T, D,
         fj = tl.load(fn_ptr + c[:, None] * (M * D) + jj * D + d[None, :], mask=cm[:, None] & dm[None, :],
                      other=0.0)                                                                  # [NP,BD]
         pj = tl.load(pre_ptr + t * M + jj, mask=tm, other=0.0)
-        dh = tl.dot(grs, fj, input_precision="ieee") - ct[:, None] * hj + pj[:, None] * dxv
+        dh = tl.dot(grs, fj, input_precision=PREC) - ct[:, None] * hj + pj[:, None] * dxv
         tl.store(dh_ptr + (t64[:, None] * M + jj) * D + d[None, :], dh.to(dh_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
 def _pre_dfn(grs_ptr, h_ptr, part_ptr, T, K, t_per_split,
-             NMIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+             NMIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
     k = tl.program_id(0) * BK + tl.arange(0, BK)
     split = tl.program_id(1)
     c = tl.arange(0, NP)
@@ -257,13 +272,25 @@ def _pre_dfn(grs_ptr, h_ptr, part_ptr, T, K, t_per_split,
     for t0 in range(lo, lo + t_per_split, BT):
         t = t0 + tl.arange(0, BT)
         tm = t < T
-        g = tl.load(grs_ptr + t[None, :] * NMIX + c[:, None], mask=cm[:, None] & tm[None, :], other=0.0)  # [NP,BT]
+        go = t[None, :] * NMIX + c[:, None]                                                # [NP,BT]
+        gm = cm[:, None] & tm[None, :]
         hv = tl.load(h_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-        acc += tl.dot(g, hv.to(tl.float32), input_precision="ieee")
+        if SPLIT:   # grs = hi + mid + lo in bf16 against bf16 h
+            for part in tl.static_range(3):
+                acc += tl.dot(tl.load(grs_ptr + part * T * NMIX + go, mask=gm, other=0.0), hv)
+        else:
+            acc += tl.dot(tl.load(grs_ptr + go, mask=gm, other=0.0), hv.to(tl.float32), input_precision="ieee")
     tl.store(part_ptr + (split * NMIX + c[:, None]) * K + k[None, :], acc, mask=cm[:, None] & km[None, :])
 
 
 # ------------------------------------------------------------------------------------------ autograd
+def split3(a: torch.Tensor) -> torch.Tensor:
+    """fp32 a -> [3, *a.shape] bf16 with hi + mid + lo = a to ~2^-24 relative (each part rounds the rest)."""
+    hi = a.to(torch.bfloat16)
+    mid = (a - hi.float()).to(torch.bfloat16)
+    return torch.stack([hi, mid, (a - hi.float() - mid.float()).to(torch.bfloat16)]).contiguous()
+
+
 def _check(h, M):
     if h.dim() != 4 or h.shape[2] != M or M & (M - 1):
         raise ValueError(f"fused mHC needs h [B,S,M,D] with M = hc_mult a power of two; got {tuple(h.shape)}, M={M}")
@@ -282,7 +309,9 @@ class HcPre(torch.autograd.Function):
         f32 = dict(device=h.device, dtype=torch.float32)
         mix, rs = torch.empty(T, NMIX, **f32), torch.empty(T, **f32)
         NP = triton.next_power_of_2(NMIX)
-        _mix_fwd[(triton.cdiv(T, BT_MIX),)](hc, fnc, mix, rs, T, K, norm_eps, NMIX, NP, BT_MIX, BK_MIX)
+        split = h.dtype == torch.bfloat16   # bf16 h: three exact bf16 MMAs instead of an fp32 FMA dot
+        _mix_fwd[(triton.cdiv(T, BT_MIX),)](hc, split3(fnc) if split else fnc, mix, rs, T, K, norm_eps, NMIX, NP,
+                                            BT_MIX, BK_MIX, split)
         pre, post, comb = torch.empty(T, M, **f32), torch.empty(T, M, **f32), torch.empty(T, M, M, **f32)
         _sinkhorn_fwd[(triton.cdiv(T, BT_COEF),)](mix, sc, bc, pre, post, comb, T, eps, iters, NMIX, M, BT_COEF)
         x = torch.empty(T, D, device=h.device, dtype=h.dtype)
@@ -309,11 +338,15 @@ class HcPre(torch.autograd.Function):
         grs = (g * rs[:, None]).contiguous()
         ct = ((g * mix).sum(-1) * rs.square() / K).contiguous()                          # [T]
         dh = torch.empty_like(hc)
-        _pre_dh[(triton.cdiv(T, BT_DH), triton.cdiv(D, BD))](dx, hc, fn, grs, ct, pre, dh, T, D, NMIX, NP, M, BT_DH, BD)
+        prec = "tf32x3" if hc.is_cuda and hc.dtype == torch.bfloat16 else "ieee"   # fp32 streams: FMA dot
+        _pre_dh[(triton.cdiv(T, BT_DH), triton.cdiv(D, BD))](dx, hc, fn, grs, ct, pre, dh, T, D, NMIX, NP, M, BT_DH,
+                                                              BD, prec)
         splits = max(1, min(16, T // DFN_MIN_TOKENS))
         per = triton.cdiv(triton.cdiv(T, splits), BT_MIX) * BT_MIX
         part = torch.empty(splits, NMIX, K, device=hc.device)
-        _pre_dfn[(triton.cdiv(K, BK_DFN), splits)](grs, hc, part, T, K, per, NMIX, NP, BT_MIX, BK_DFN)
+        split = hc.dtype == torch.bfloat16
+        _pre_dfn[(triton.cdiv(K, BK_DFN), splits)](split3(grs) if split else grs, hc, part, T, K, per, NMIX, NP,
+                                                   BT_MIX, BK_DFN, split)
         dscale = torch.stack([(dlog[:, :M] * mix[:, :M]).sum(), (dlog[:, M:2 * M] * mix[:, M:2 * M]).sum(),
                               (dlog[:, 2 * M:] * mix[:, 2 * M:]).sum()])
         return dh, part.sum(0).to(fdt), dscale.to(sdt), dlog.sum(0).to(bdt), None, None, None, None
