@@ -8,14 +8,15 @@
     moe.py        the routed experts: slot permutation on the device (both dispatchers, every path),
                   grouped GEMMs over the stacked w13 / w2 and a fused SwiGLU (`model.RoutedExperts`);
                   imported by its users directly, not re-exported here.
-    mhc.py        hc_pre / hc_post of model.py compiled (torch.compile, fullgraph, dynamic shapes).
+    mhc.py        hc_pre (mixes, 20-iteration Sinkhorn, collapse) and hc_post in Triton, forward and backward.
+    matmul.py     bf16 GEMMs with fp32 results for the head, gate and compressor (fp32 in the official code).
 
 Which path runs is one config switch, `ModelConfig.kernels`:
     "auto"       attention + indexer kernels on CUDA for bf16/fp16 training forwards (no decode cache), the
                  reference elsewhere -- only kernels that have run inside a whole model on a GPU;
     "reference"  always model.py (matched precision forces this: train.py sets it);
-    "triton"     also the grouped experts (moe.py, not yet run on a GPU) and the compiled mHC on CUDA (run
-                 alone on a GPU, not yet inside a model); attention kernels also on CPU under
+    "triton"     also the grouped experts (moe.py), the Triton mHC and the bf16 GEMMs on CUDA (run inside
+                 the 8-layer real-geometry stack on the H200, B14b); attention kernels also on CPU under
                  TRITON_INTERPRET=1 (tests).
 
 model.py imports this package only when the kernel path is taken, so the reference needs no Triton. Triton
