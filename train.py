@@ -29,7 +29,7 @@ import time
 import torch
 
 from nanoflash import episodes as ep
-from nanoflash import grpo, trainer
+from nanoflash import grpo, live as live_lib, trainer
 from nanoflash.cli import to_dict
 from nanoflash.evaluate import evaluate
 from nanoflash import metrics
@@ -38,6 +38,7 @@ from nanoflash.model import Transformer
 from nanoflash.parallel.checkpoint import latest_checkpoint
 from nanoflash.parallel.dims import init_distributed, print0
 from nanoflash.plots import write_plots
+from nanoflash.rewards import VerifierUnavailable
 from nanoflash.rollout.client import RequestRejected
 from nanoflash.rollout.stage_push import StagePusher
 from nanoflash.startup import startup
@@ -103,7 +104,8 @@ def sync_weights(version: int) -> dict:
     if not rank0:
         return {}
     return {"sync_s": time.time() - t0, "sync_tensors": info["tensors"], "sync_buckets": info["buckets"],
-            "sync_bytes": info["bytes"], "sync_layout_sha": info.get("layout_sha")}
+            "sync_bytes": info["bytes"], "sync_layout_sha": info.get("layout_sha"),
+            **(live.after_push(version) if live is not None else {})}
 
 
 def run_eval(at: int) -> None:
@@ -118,6 +120,9 @@ def run_eval(at: int) -> None:
     res["pass@1_se"] = float(acc.std() / len(acc) ** 0.5) if len(acc) > 1 else 0.0  # standard error over problems
     print0(f"eval step {at}: " + " ".join(f"{k}={v:.3f}" for k, v in res.items() if k.startswith("pass@")))
     log.log("eval", at, {**res, "eval_s": time.time() - t0})
+    if live is not None:  # the warm start on the same seeds, pushed in and back out (nanoflash/live.py)
+        log.log("eval_warm", at, live.eval_warm(at, acc, lambda a: lambda prompts, n: rollouts.eval_generate(
+            prompts, n, ep.eval_seeds(tc.seed, a, len(prompts)))))
 
 
 def save(at: int) -> None:
@@ -132,7 +137,8 @@ def rollout_batch(at: int):
     bar = progress(gc.n_prompts, f"rollout {at}/{tc.steps}", tc.progress)
     try:
         kept, seen, new_pos, counts = rollouts.collect(pos, bar)
-    except (RequestRejected, ep.StaleServerError) as e:  # a failed request or a restarted server: one line, stop
+    except (RequestRejected, ep.StaleServerError, VerifierUnavailable) as e:  # a failed request, a restarted
+        # server, or a reward verifier that cannot start: one line, stop
         raise SystemExit(f"rollout for step {at} failed: {e}") from None
     bar.close()
     t_roll = time.time() - t0
@@ -144,7 +150,11 @@ def rollout_batch(at: int):
     return grpo.pack(kept, adv, task.pad_id), new_pos, m
 
 
+live = None
 sync_weights(step)
+if ec.live and rank0:  # probe after every push, FP8 floor, |dlogp| tails, warm start re-evaluated (one process)
+    live = live_lib.LiveChecks(cfg, mcfg, actor, rollouts, pusher, task)
+    log.log("push", step, live.after_push(step))
 if not latest:
     if ec.before_train:
         run_eval(0)
@@ -163,6 +173,8 @@ while step < tc.steps:
         m["logprobs_s"] = time.time() - t1
         if shard is not None:
             shard.old_logprobs = old
+        if live is not None:
+            m.update(live.step(batch, old))
         actor.optimizer.lr = oc.lr * min(1.0, step / tc.lr_warmup_steps) if tc.lr_warmup_steps else oc.lr
         m["lr"] = actor.optimizer.lr
         m.update(actor.train(shard))

@@ -45,6 +45,8 @@ PARITY_GOAL = 0.05   # issue 6: mean |dlogp| below this
 def small_cfg(**kw) -> ModelConfig:
     """The `small` preset without MTP (SGLang's main model ignores mtp.*), hash routing on."""
     base = preset(PRESET)
+    if os.environ.get("NF_VOCAB"):   # e.g. tiny with the V4 tokenizer's 129280 ids (scripts/grpo_h200.sh dry)
+        kw.setdefault("vocab_size", int(os.environ["NF_VOCAB"]))
     return preset(PRESET, n_mtp_layers=0, compress_ratios=base.compress_ratios[:base.n_layers], **kw)
 
 
@@ -75,11 +77,26 @@ def load_model(a, dtype=torch.bfloat16, **kw) -> Transformer:
     return m.cast_(dtype).eval()
 
 
-def sample(client, n_prompts, n, prompt_len, new_tokens, seed=0):
+def synth_prompt(length: int, seed: int) -> list:
+    """In-distribution text of the warm-started model (issue 20): held-out running-sum problems with their
+    reference responses in the V4 chat format, back to back, until `length` tokens; cut to exactly `length`."""
+    from nanoflash import synth
+    from nanoflash.data import V4Tokenizer
+    tok, probs = V4Tokenizer(), synth.problems("sum4", "heldout", seed=seed)
+    ids, i = [], 0
+    while len(ids) < length:
+        p = probs[i % len(probs)]
+        ids += tok.encode_chat(p) + tok.encode(synth.solution(p.prompt)) + [tok.eos_id]
+        i += 1
+    return ids[:length]
+
+
+def sample(client, n_prompts, n, prompt_len, new_tokens, seed=0, prompt_len_max=0, synth=False):
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(n_prompts):
-        prompt = torch.randint(3, VOCAB_HI, (prompt_len,), generator=g).tolist()
+    for i in range(n_prompts):
+        L = prompt_len + (i * (prompt_len_max - prompt_len)) // max(n_prompts - 1, 1) if prompt_len_max else prompt_len
+        prompt = synth_prompt(L, seed + i) if synth else torch.randint(3, VOCAB_HI, (L,), generator=g).tolist()
         gens = client.generate(prompt, {"n": n, "temperature": 1.0, "max_new_tokens": new_tokens,
                                         "ignore_eos": True})
         out += [(prompt, gen.output_ids, gen.logprobs) for gen in gens]
@@ -102,9 +119,16 @@ def cmd_parity(a):
     import nanoflash.model as M
     client = SGLangClient([URL], timeout=600)
     client.wait_healthy(timeout=a.wait)
+    if a.restore:   # the server holds other weights (after a GRPO run): load --dir back from disk first
+        t = time.time()
+        client.update_weights_from_disk(URL, os.path.abspath(a.dir), None)
+        print(f"restored {a.dir} into {URL} in {time.time() - t:.1f} s", flush=True)
     t = time.time()
-    samples = sample(client, a.prompts, a.n, a.prompt_len, a.new_tokens)
-    res = {"protocol": client.protocol(URL), "generate_s": round(time.time() - t, 2), "samples": len(samples)}
+    samples = sample(client, a.prompts, a.n, a.prompt_len, a.new_tokens, prompt_len_max=a.prompt_len_max,
+                     synth=bool(a.synth))
+    lens = [len(p) + len(ids) for p, ids, _ in samples]
+    res = {"protocol": client.protocol(URL), "generate_s": round(time.time() - t, 2), "samples": len(samples),
+           "seq_len_min": min(lens), "seq_len_max": max(lens), "synth_prompts": bool(a.synth), "dir": a.dir}
     modes = {"bf16": {}, "qat": {"qat": True}, "fp32": {"dtype": torch.float32},
              "fp32_qat": {"dtype": torch.float32, "qat": True}}
     for mode in a.modes.split(","):
@@ -257,6 +281,9 @@ def main():
     ap.add_argument("--modes", default="bf16,qat,fp32")
     ap.add_argument("--planted", type=int, default=1)
     ap.add_argument("--transport", default="sglang", choices=["sglang", "embedded"])
+    ap.add_argument("--prompt-len-max", type=int, default=0, help="prompt lengths spread over prompt-len..this")
+    ap.add_argument("--synth", type=int, default=0, help="prompts of held-out synth problems (a trained model)")
+    ap.add_argument("--restore", type=int, default=0, help="/update_weights_from_disk --dir before sampling")
     a = ap.parse_args()
     {"ckpt": cmd_ckpt, "parity": cmd_parity, "push": cmd_push}[a.phase](a)
 

@@ -39,6 +39,7 @@ RECIPE_HELP = {
     "demo": "CPU demo: tiny model, synthetic arithmetic, embedded FP8 server (docs/demo.md)",
     "demo-control": "the demo's control: its warm start continued for the demo's 60 steps on its own data, no GRPO",
     "smoke": "a few-step CPU smoke of the demo's loop (CI)",
+    "h200": "issue 20: GRPO of the h200 preset with live SGLang on one H200 (scripts/grpo_h200.sh; docs/h200/)",
     "flash": "the reference deployment's trainer: V4-Flash, PP4 x EP4, DAPO-Math-17K (use with --dry-run first)",
 }
 # Named recipes: lists of overrides applied before the command line.
@@ -85,6 +86,18 @@ RECIPES: dict[str, list[str]] = {
             "rollout.weights=fp8", "rollout.transport=disk", "rollout.max_new_tokens=16", "rollout.max_workers=8",
             "eval.every=3", "eval.before_train=false", "eval.path=servers", "eval.n_problems=16",
             "eval.k_samples=8", "eval.max_new_tokens=16"],
+    # one H200, SGLang colocated (scripts/grpo_h200.sh, docs/h200/): the h200 preset (1.24B) in bf16, warm-started
+    # by bench/grpo_h200.py sft, GRPO on running sums in the V4 chat format (nanoflash/synth.py) through SGLang at
+    # --rollout.urls, a verified FP8 push + probe every step, the warm start re-evaluated at every eval (eval.live)
+    "h200": ["train.preset=h200", "train.task=chat", "train.data=synth:sum4:train", "eval.data=synth:sum4:heldout",
+             "train.dtype=bf16", "train.steps=50", "train.save_every=-1", "train.out_dir=runs/h200",
+             "train.lr_warmup_steps=3", "model.kernels=reference", "parallel.device=cuda",
+             "parallel.micro_batch_tokens=16384", "grpo.n_prompts=16", "grpo.group_size=8",
+             "grpo.over_sampling_batch_size=16", "rollout.max_rounds=4", "rollout.weights=fp8",
+             "rollout.transport=tensor", "rollout.bucket_bytes=536870912", "rollout.max_new_tokens=40",
+             "rollout.max_workers=16", "optim.lr=1e-4", "optim.weight_decay=0.0", "optim.grad_clip=1.0",
+             "eval.every=10", "eval.path=servers", "eval.n_problems=128", "eval.k_samples=8",
+             "eval.max_new_tokens=40", "eval.live=true"],
 }
 RECIPES["demo-control"] = RECIPES["demo"] + RECIPES["demo-control"]
 

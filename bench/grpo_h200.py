@@ -1,0 +1,169 @@
+"""Issue 20's warm start and report: SFT of the h200 preset on the synthetic task, and the run's summary.
+
+    python bench/grpo_h200.py sft --out /tmp/warm [train.py overrides ...]    # GPU (or --parallel.device cpu)
+    python bench/grpo_h200.py report --run runs/h200 --out docs/h200          # stats + figures, no GPU
+
+`sft` trains the model `--recipe h200` describes (same preset, dtype, optimizer, device) from its seeded init
+on reference responses of the training split (`synth.sft_pairs`: the V4 chat prompt, then the written-out
+sums and `\\boxed{}`), and every CHECK_EVERY steps samples VAL_PROBLEMS validation problems x VAL_SAMPLES at
+temperature 1 in-process (`episodes.sample_batched`, the embedded engine's sampler) scored by the task's own
+reward. It stops at the first check whose validation pass@1 reaches --target (the warm start should leave
+GRPO room: 10-40% held out), at --max-steps, or after --max-seconds, and writes the weights as an
+SGLang-servable checkpoint (FP8 128x128 linears, FP8 experts: what the server will hold) plus sft.json
+(the validation curve, why it stopped). The validation split is disjoint from the held-out one, so the
+stopping rule never looks at an eval problem.
+
+`report` reads metrics.jsonl (and parity.json, sft.json when present) and writes summary.json and the figures
+(`nanoflash.runstats`).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from nanoflash import episodes, grpo, synth, trainer
+from nanoflash.checkpoint import save_hf_checkpoint
+from nanoflash.cli import parse_args
+from nanoflash.config import preset
+from nanoflash.parallel.dims import init_distributed
+from nanoflash.parallel.train_step import train_step
+
+CHECK_EVERY = 10      # SFT steps between validation checks
+VAL_PROBLEMS = 32     # validation problems per check
+VAL_SAMPLES = 2       # samples per validation problem (temperature 1): 64 draws, SE <= 0.06
+SFT_LR_WARMUP = 10    # linear learning-rate warm-up steps of the SFT
+
+
+def sft_batch_step(actor, pairs: list, optimizer, pad_id: int) -> float:
+    """One supervised step: -mean log p(response | prompt) over response tokens (actor.sft_step's loss, with the
+    response given instead of derived from the answer)."""
+    eps = [grpo.Episode(p, r, [0.0] * len(r), 0.0, i) for i, (p, r) in enumerate(pairs)]
+    batch = grpo.pack(eps, torch.zeros(len(eps)), pad_id)
+    mbs, _ = actor.micro_batches(batch, ("input_ids", "targets", "mask"))
+    mbs = [{"input_ids": mb["input_ids"], "targets": mb["targets"], "loss_mask": mb["mask"]} for mb in mbs]
+    n_tok = float(batch.mask.sum())
+    return train_step(actor.model, actor.dims, mbs, optimizer, 1.0 / n_tok, grad_clip=actor.oc.grad_clip)["loss"]
+
+
+def val_pass1(actor, task, val: list, seed: int, max_new: int) -> float:
+    """Mean reward of VAL_SAMPLES samples per validation problem at T = 1, sampled in-process."""
+    prompts = [task.encode(p) for p in val]
+    seeds = [seed * 7919 + i for i in range(len(val))]
+    out = episodes.sample_batched(actor.model, prompts, VAL_SAMPLES, max_new, 1.0, list(task.stop_ids), seeds)
+    flat = [p for p in val for _ in range(VAL_SAMPLES)]
+    rs = task.reward(flat, [ids for group in out for ids, _ in group])
+    return sum(rs) / len(rs)
+
+
+def cmd_sft(a, overrides):
+    cfg = parse_args(["--recipe", "h200", *overrides])
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    mcfg = preset(cfg.train.preset, **cfg.model)
+    task = episodes.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
+    family = cfg.train.data.split(":")[1]
+    torch.manual_seed(cfg.train.seed)
+    actor = trainer.Actor(cfg, mcfg, init_distributed(1, 1, None))
+    tok_pairs = synth.sft_pairs(task.train, _tokenizer())
+    val = synth.problems(family, "val")[:VAL_PROBLEMS]
+    opt = trainer.make_optimizer(actor.model, cfg.optim, lr=a.lr)
+    curve, t0, why, i = [], time.time(), "max_steps", 0
+    for i in range(1, a.max_steps + 1):
+        opt.lr = a.lr * min(1.0, i / SFT_LR_WARMUP)
+        batch = [tok_pairs[((i - 1) * a.batch + j) % len(tok_pairs)] for j in range(a.batch)]
+        nll = sft_batch_step(actor, batch, opt, task.pad_id)
+        if i % CHECK_EVERY == 0 or i == a.max_steps:
+            v = val_pass1(actor, task, val, i, cfg.eval.max_new_tokens)
+            curve.append({"step": i, "nll": nll, "val_pass@1": v, "time_s": round(time.time() - t0, 1)})
+            print(json.dumps(curve[-1]), flush=True)
+            if v >= a.target:
+                why = f"val pass@1 {v:.3f} >= target {a.target}"
+                break
+        if time.time() - t0 > a.max_seconds:
+            why = f"time limit {a.max_seconds}s"
+            break
+    t1 = time.time()
+    info = save_hf_checkpoint(actor.model, a.out, weights="fp8", experts="fp8")
+    res = {"steps": i, "stopped": why, "sft_s": round(t1 - t0, 1), "save_s": round(time.time() - t1, 1),
+           "lr": a.lr, "batch": a.batch, "target": a.target, "curve": curve, "params": actor.model.full_params,
+           "files": info.get("files")}
+    with open(os.path.join(a.out, "sft.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps({k: v for k, v in res.items() if k != "curve"}), flush=True)
+
+
+def cmd_calibrate(a, overrides):
+    """The SFT curve of the task on the CPU with the `tiny` preset: the V4 ids this task uses (~60) renumbered
+    to a compact vocabulary so a 2-core CPU can train it (the full 129,280-row head costs ~10 s a step there).
+    The same prompts, responses, splits and reward; only the ids are renamed. Writes the curve as JSON."""
+    from nanoflash import rewards
+    from nanoflash.grpo import Episode  # noqa: F401  (sft_batch_step packs Episodes)
+    tok = _tokenizer()
+    train, val = synth.problems("sum4", "train"), synth.problems("sum4", "val")[:VAL_PROBLEMS]
+    pairs, vpairs = synth.sft_pairs(train, tok), synth.sft_pairs(val, tok)
+    used = sorted({t for p, r in pairs + vpairs for t in p + r})
+    rid = {t: i for i, t in enumerate(used)}                                      # V4 id -> compact id
+    pairs = [([rid[t] for t in p], [rid[t] for t in r]) for p, r in pairs]
+    cfg = parse_args(["--recipe", "h200", "--train.preset", "tiny", "--model.vocab_size", str(len(used)),
+                      "--parallel.device", "cpu", "--train.dtype", "fp32", *overrides])
+    torch.set_num_threads(cfg.train.threads or 1)
+    mcfg = preset(cfg.train.preset, **cfg.model)
+    torch.manual_seed(cfg.train.seed)
+    actor = trainer.Actor(cfg, mcfg, init_distributed(1, 1, None))
+    opt, eos = trainer.make_optimizer(actor.model, cfg.optim, lr=a.lr), rid[tok.eos_id]
+
+    def reward(probs, ids):
+        texts = [tok.decode([used[i] for i in x], True) for x in ids]
+        return [float(rewards.integer_match(rewards.extract_answer(t), p.answer)) for t, p in zip(texts, probs)]
+    task = episodes.Task(train, val, lambda p: [rid[t] for t in tok.encode_chat(p)], None, reward, [eos], eos)
+    curve, t0 = [], time.time()
+    for i in range(1, a.max_steps + 1):
+        opt.lr = a.lr * min(1.0, i / SFT_LR_WARMUP)
+        nll = sft_batch_step(actor, [pairs[((i - 1) * a.batch + j) % len(pairs)] for j in range(a.batch)], opt, eos)
+        if i % CHECK_EVERY == 0:
+            curve.append({"step": i, "nll": nll, "val_pass@1": val_pass1(actor, task, val, i, 40),
+                          "time_s": round(time.time() - t0, 1)})
+            print(json.dumps(curve[-1]), flush=True)
+    with open(a.out, "w") as f:
+        json.dump({"vocab": len(used), "lr": a.lr, "batch": a.batch, "params": actor.model.full_params,
+                   "curve": curve}, f, indent=1)
+
+
+def _tokenizer():
+    from nanoflash.data import V4Tokenizer
+    return V4Tokenizer()
+
+
+def cmd_report(a):
+    from nanoflash import runstats
+    summary = runstats.report(a.run, a.out, extra={k: p for k, p in (("sft", a.sft), ("parity", a.parity)) if p})
+    print(json.dumps(summary["bars"], indent=1))
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("phase", choices=["sft", "calibrate", "report"])
+    ap.add_argument("--out", default="/tmp/warm")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--target", type=float, default=0.2, help="stop when validation pass@1 reaches this")
+    ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--max-seconds", type=float, default=240.0)
+    ap.add_argument("--run", default="runs/h200")
+    ap.add_argument("--sft", default="", help="sft.json of the warm start (report)")
+    ap.add_argument("--parity", default="", help="parity.json of bench/sglang_check.py (report)")
+    a, overrides = ap.parse_known_args(argv)
+    if a.phase == "sft":
+        cmd_sft(a, overrides)
+    elif a.phase == "calibrate":
+        cmd_calibrate(a, overrides)
+    else:
+        cmd_report(a)
+
+
+if __name__ == "__main__":
+    main()

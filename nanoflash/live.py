@@ -1,0 +1,149 @@
+"""Live checks of a GRPO run against its rollout server (`eval.live=true`; issue 20's measurements).
+
+Four things the loop's own metrics do not show, each a call from `train.py` (rank 0, one process):
+
+1. **The train-rollout gap at token level** (`step`, after the trainer's recompute, before the update): per
+   response token d_t = |log p_train(y_t) - log p_rollout(y_t)| at the rollout temperature; mean, p99, max,
+   and the trainer's token entropy H_t = -sum_v p(v) log p(v) at the same positions (a gap is only large
+   where the distribution is flat, so entropy is the context it needs).
+2. **The FP8 noise floor on the same tokens, in the same step**: a second copy of the model (`sim`) holds the
+   trainer's weights as the server holds them -- every weight SGLang serves FP8 rounded to FP8 128x128 blocks
+   (`fp8_roundtrip_`) -- and runs with the FP8 activation simulation on (`ModelConfig.qat`). floor_t =
+   |log p_sim(y_t) - log p_train(y_t)| is what FP8 alone costs; gap/floor near 1 says the server adds
+   nothing beyond FP8 rounding.
+3. **A behavioural probe after every push** (`after_push`): `rollout.probe.probe` on one fixed held-out
+   prompt (fixed sampling seed), scored by the trainer's new weights and by the warm start's; a probe gap above
+   `probe.PROBE_MAX_MEAN` stops the run. The push's `/weights_checker` counts (exact hashes, change sets) are
+   logged beside it.
+4. **The warm start re-evaluated at each eval point** (`eval_warm`): push the warm-start weights (verified),
+   evaluate them with exactly the eval's seeds, push the current weights back (verified); the paired
+   difference of per-problem accuracy gives pass@1 gain +- its standard error.
+
+Costs per step: two forward passes over the batch (entropy, sim) and one FP8 round trip of the weights on
+the GPU; per eval point two extra pushes and one extra eval.
+
+Tests: `pytest tests/test_h200_pieces.py -q`.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+
+import torch
+
+from nanoflash.evaluate import evaluate
+from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
+from nanoflash.rollout import probe as probe_lib
+from nanoflash.rollout.layout import sglang_fp8
+
+ENTROPY_ROWS = 16  # rows per entropy forward: [16, S, 129280] fp32 logits stay under 1 GiB at S <= 128
+WARM_VERSION = 1_000_000  # weight version of the warm start's re-evaluation push (+ the eval step)
+
+
+@torch.no_grad()
+def fp8_roundtrip_(model, cfg) -> None:
+    """In place: every weight SGLang serves FP8 becomes dequant(quant(w)) (128x128 blocks, fp32 scales, as the
+    push sends it); the rest is untouched."""
+    for name, p in model.state_dict().items():   # official names; the stacked experts' views write through
+        if p.is_floating_point() and sglang_fp8(name, cfg):
+            q, s = quantize_fp8_block(p.float(), fmt="fp32")
+            p.copy_(dequantize_fp8_block(q, s, dtype=torch.float32).to(p.dtype))
+
+
+@torch.no_grad()
+def token_entropy(model, input_ids: torch.Tensor, temperature: float = 1.0, rows: int = ENTROPY_ROWS):
+    """H[b, t] of softmax(logits[b, t] / T) over the whole vocabulary. Shapes: [B,S] -> [B,S] fp32."""
+    out = []
+    for a in range(0, input_ids.shape[0], rows):
+        logp = torch.log_softmax(model(input_ids[a:a + rows]).float() / temperature, -1)  # [b,S,V]
+        out.append(-(logp.exp() * logp).sum(-1))                                          # [b,S]
+    return torch.cat(out)
+
+
+def tail_stats(d: torch.Tensor, prefix: str) -> dict:
+    """mean / p99 / max of a 1-D tensor of per-token values, keys prefixed."""
+    d = d.double()
+    return {f"{prefix}_mean": float(d.mean()), f"{prefix}_p99": float(d.quantile(0.99)),
+            f"{prefix}_max": float(d.max()), f"{prefix}_tokens": int(d.numel())}
+
+
+def verify_counts(summary: dict) -> dict:
+    """The push summary's per-server verification -> flat numbers (embedded: checksums compared in full)."""
+    out = {"verify_servers": 0, "verify_exact": 0, "verify_change_sets": 0, "verify_unchecked": 0,
+           "verify_full_checksums": 0}
+    for how in (summary.get("verified") or {}).values():
+        out["verify_servers"] += 1
+        if how == "checksums":
+            out["verify_full_checksums"] += 1
+        elif isinstance(how, dict):
+            out["verify_exact"] += how.get("exact", 0)
+            out["verify_change_sets"] += how.get("change_sets", 0)
+            out["verify_unchecked"] += how.get("first_push_unchecked", 0)
+    return out
+
+
+class LiveChecks:
+    """See the module docstring. Built by train.py after the first push, from the weights then held (the warm
+    start): `actor` (trainer.Actor), `rollouts` (episodes.Rollouts), `pusher` (stage_push.StagePusher)."""
+
+    def __init__(self, cfg, mcfg, actor, rollouts, pusher, task):
+        self.cfg, self.mcfg, self.actor, self.rollouts, self.pusher, self.task = cfg, mcfg, actor, rollouts, pusher, task
+        self.warm = copy.deepcopy(actor.model).eval()           # the warm start, kept for probe and re-eval
+        with torch.device(actor.device):   # built (not copied) with qat on: the flag is read at construction
+            self.sim = type(actor.model)(dataclasses.replace(actor.model.cfg, qat=True))
+        self.sim.cast_(next(actor.model.parameters()).dtype).eval()
+        self.probe_prompt = task.encode(task.heldout[0] if task.heldout else task.train[0])
+        self.probe_seed = cfg.train.seed + 7
+
+    # ------------------------------------------------------------------ per step
+    @torch.no_grad()
+    def step(self, batch, old: torch.Tensor) -> dict:
+        """Gap, entropy and the FP8 floor on this step's tokens (`batch` a grpo.RolloutBatch, `old` [B,S] the
+        trainer's recomputed log-probs of the weights that generated it)."""
+        t0, dev, T = time.time(), self.actor.device, self.cfg.rollout.temperature
+        on = batch.mask > 0                                                       # [B,S]
+        ids, tgt = batch.input_ids.to(dev), batch.targets.to(dev)
+        gap = (old - batch.rollout_logprobs)[on]
+        ent = token_entropy(self.actor.model, ids, T).cpu()[on]
+        self.sim.load_state_dict(self.actor.model.state_dict())
+        fp8_roundtrip_(self.sim, self.mcfg)
+        sim = self.sim.token_logprobs(ids, tgt, temperature=T).float().cpu()      # [B,S]
+        out = {**tail_stats(gap.abs(), "gap"), **tail_stats((sim - old)[on].abs(), "floor"),
+               "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs)[on].abs().mean()),
+               "entropy_mean": float(ent.mean()), "entropy_p99": float(ent.double().quantile(0.99)),
+               "gap_high_entropy_mean": float(gap.abs()[ent > ent.median()].mean()) if len(ent) > 1 else 0.0}
+        out["gap_over_floor"] = out["gap_mean"] / max(out["floor_mean"], 1e-12)
+        if dev.type == "cuda":
+            free, total = torch.cuda.mem_get_info(dev)
+            out["gpu_used_total_gib"] = (total - free) / 2 ** 30   # trainer + server (colocated) + everything else
+        out["live_s"] = time.time() - t0
+        return out
+
+    # ------------------------------------------------------------------ per push
+    def after_push(self, version) -> dict:
+        """Probe the server that was just pushed to, and the push's verification counts."""
+        t0 = time.time()
+        p = probe_lib.probe(self.rollouts.client, self.actor.model, self.probe_prompt, seed=self.probe_seed,
+                            temperature=self.cfg.rollout.temperature, other=self.warm)
+        probe_lib.require_landed(p, version)
+        return {**{f"probe_{k}": v for k, v in p.items() if k != "tokens"}, **verify_counts(self.pusher.summary),
+                "probe_s": time.time() - t0}
+
+    # ------------------------------------------------------------------ per eval point
+    def eval_warm(self, at: int, current_acc: torch.Tensor, gen_for) -> dict:
+        """The warm start evaluated with the eval's seeds at step `at` (swap pushes around it, both verified);
+        `current_acc` [P] per-problem accuracy of the current weights; `gen_for(at)` the eval's generate_fn."""
+        ec, task, t0 = self.cfg.eval, self.task, time.time()
+        if at == 0:   # the weights on the server are the warm start: the same samples, nothing to swap
+            warm_acc, res = current_acc, {}
+        else:
+            self.pusher.push(lambda: self.warm.state_dict().items(), WARM_VERSION + at)
+            res = evaluate(task.heldout, gen_for(at), ec.k_samples, task.reward, ec.max_new_tokens, task.encode)
+            warm_acc = torch.tensor(res.pop("per_problem_correct"), dtype=torch.float64) / ec.k_samples
+            self.pusher.push(self.actor.state_iter, at)   # back to the current weights (version = the step)
+        diff = current_acc.double() - warm_acc                                    # [P] paired per problem
+        se = float(diff.std() / len(diff) ** 0.5) if len(diff) > 1 else 0.0
+        return {**{f"warm_{k}": v for k, v in res.items()}, "warm_pass@1": float(warm_acc.mean()),
+                "pass@1": float(current_acc.mean()), "gain_pass@1": float(diff.mean()), "gain_se": se,
+                "gain_z": float(diff.mean()) / se if se > 0 else 0.0, "warm_eval_s": time.time() - t0}

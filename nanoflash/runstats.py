@@ -1,0 +1,165 @@
+"""The statistics and figures of a live GRPO run (issue 20's bars), read back from its `metrics.jsonl`.
+
+    python -m nanoflash.runstats runs/h200 docs/h200        # summary.json + five PNGs
+
+Statistics (pure functions, tested against hand-computed values):
+
+* `ols(xs, ys)`: least squares y = a + b x with the slope's standard error
+  se_b = sqrt(sum r^2 / (n - 2) / sum (x - mean x)^2) and its 95% interval b +- t_{0.975, n-2} se_b
+  (`t_quantile`: the Cornish-Fisher expansion of Student's t around the normal quantile, good to ~1e-3 at
+  n - 2 >= 5). *Drift*: the interval of the per-step mean |dlogp| slope contains 0.
+* `jumps(ys)`: every step after a push (here every step) against the steps before it: z_i = (y_i - m_i) /
+  (s_i sqrt(1 + 1/n_i)), with m_i, s_i the mean and standard deviation of y_1..y_{i-1} (n_i >= MIN_PRIOR):
+  the prediction error of a new point, in its own standard errors. *No jump*: every |z_i| <= JUMP_Z.
+* reward slope: `ols` on the per-step reward; pass@1 gain: the paired difference against the warm start
+  re-evaluated on the same seeds (`live.LiveChecks.eval_warm`: gain, SE, z).
+
+Figures: dlogp.png (mean |dlogp| per step with its p99, the FP8 floor, the pushes marked, the warm-start swap
+pushes of eval points marked), reward.png (per step, 5-step moving average, linear fit), passk.png (pass@k per
+eval, and the warm start's pass@1 +- 3 SE), time.png (stacked per-step split: rollout / recompute / train /
+push / live checks / eval), memory.png (trainer allocated and peak, whole GPU used with the server).
+
+Tests: `pytest tests/test_h200_pieces.py -q`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+from nanoflash.metrics import read_jsonl
+
+JUMP_Z = 3.0     # issue 20: a post-push step more than 3 standard errors from the steps before it is a jump
+MIN_PRIOR = 3    # steps needed before one can be tested for a jump
+GAP_BAR = 0.09   # the reference run's bounded mean |dlogp|
+FLOOR_BAR = 1.2  # mean |dlogp| within 1.2x of the FP8 noise floor on the same tokens
+GAIN_BAR = 0.15  # held-out pass@1 up by >= 15 points ...
+GAIN_Z_BAR = 3.0  # ... by more than 3 standard errors
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile by the Cornish-Fisher expansion around the normal quantile z_p."""
+    z = _normal_quantile(p)
+    g1 = (z ** 3 + z) / 4
+    g2 = (5 * z ** 5 + 16 * z ** 3 + 3 * z) / 96
+    g3 = (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / 384
+    g4 = (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / 92160
+    return z + g1 / df + g2 / df ** 2 + g3 / df ** 3 + g4 / df ** 4
+
+
+def _normal_quantile(p: float) -> float:
+    """Inverse normal CDF by bisection on math.erf (exact to 1e-12; no scipy)."""
+    lo, hi = -12.0, 12.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def ols(xs: list, ys: list) -> dict:
+    """Least-squares line with the slope's standard error and 95% interval (n >= 3)."""
+    n = len(xs)
+    if n < 3:
+        raise ValueError(f"a slope with an interval needs >= 3 points, got {n}")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    se = math.sqrt(sum((y - a - b * x) ** 2 for x, y in zip(xs, ys)) / (n - 2) / sxx)
+    t = t_quantile(0.975, n - 2)
+    return {"intercept": a, "slope": b, "slope_se": se, "ci95": [b - t * se, b + t * se], "n": n}
+
+
+def jumps(ys: list) -> dict:
+    """Each point against the ones before it (see the module docstring) -> max |z|, where, how many > JUMP_Z."""
+    zs = []
+    for i in range(MIN_PRIOR, len(ys)):
+        prior = ys[:i]
+        m = sum(prior) / i
+        s = math.sqrt(sum((y - m) ** 2 for y in prior) / (i - 1))
+        zs.append((ys[i] - m) / (s * math.sqrt(1 + 1 / i)) if s > 0 else 0.0)
+    worst = max(range(len(zs)), key=lambda j: abs(zs[j])) if zs else None
+    return {"tested": len(zs), "max_abs_z": abs(zs[worst]) if zs else 0.0,
+            "at_index": worst + MIN_PRIOR if zs else None, "over": sum(abs(z) > JUMP_Z for z in zs)}
+
+
+def _col(recs: list, key: str) -> tuple[list, list]:
+    pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def summarize(recs: list) -> dict:
+    """The bars of issue 20 from a run's records."""
+    train = [r for r in recs if r.get("kind") == "train"]
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    warm = [r for r in recs if r.get("kind") == "eval_warm"]
+    pushes = [r for r in recs if r.get("kind") == "push"] + train
+    s, gap = _col(train, "gap_mean")
+    _, floor = _col(train, "floor_mean")
+    _, reward = _col(train, "reward_mean")
+    out = {"steps": len(train), "gap_mean": sum(gap) / len(gap) if gap else None,
+           "floor_mean": sum(floor) / len(floor) if floor else None}
+    if gap and floor:
+        out["gap_over_floor"] = out["gap_mean"] / out["floor_mean"]
+    if len(gap) >= 3:
+        out["gap_drift"], out["gap_jumps"] = ols(s, gap), jumps(gap)
+    if len(reward) >= 3:
+        out["reward_slope"] = ols(_col(train, "reward_mean")[0], reward)
+    out["pushes"] = len(pushes)
+    out["pushes_verified"] = sum(1 for r in pushes if r.get("verify_servers", 0) >= 1 and "probe_mean" in r)
+    out["probe_max_mean"] = max((r["probe_mean"] for r in pushes if "probe_mean" in r), default=None)
+    out["evals"] = [{k: r.get(k) for k in ("step", "pass@1", "pass@2", "pass@4", "pass@8", "pass@1_se",
+                                          "truncation_rate")} for r in evals]
+    out["warm"] = [{k: r.get(k) for k in ("step", "warm_pass@1", "pass@1", "gain_pass@1", "gain_se", "gain_z",
+                                         "warm_truncation_rate")} for r in warm]
+    last = warm[-1] if warm else {}
+    timing = ("rollout_s", "logprobs_s", "train_s", "sync_s", "live_s", "probe_s", "step_s")
+    out["time_mean_s"] = {k: sum(_col(train, k)[1]) / max(len(_col(train, k)[1]), 1) for k in timing}
+    out["bars"] = {
+        "steps": len(train),
+        "gap_mean_below_0.09": out.get("gap_mean") is not None and out["gap_mean"] < GAP_BAR,
+        "gap_within_1.2x_floor": out.get("gap_over_floor") is not None and out["gap_over_floor"] <= FLOOR_BAR,
+        "no_drift": "gap_drift" in out and out["gap_drift"]["ci95"][0] <= 0 <= out["gap_drift"]["ci95"][1],
+        "no_jump": "gap_jumps" in out and out["gap_jumps"]["over"] == 0,
+        "pass@1_gain_>=_0.15_and_>3se": bool(last) and last["gain_pass@1"] >= GAIN_BAR and last["gain_z"] > GAIN_Z_BAR,
+        "every_push_verified": out["pushes"] > 0 and out["pushes_verified"] == out["pushes"],
+        "reward_slope_positive": "reward_slope" in out and out["reward_slope"]["slope"] > 0,
+    }
+    return out
+
+
+def report(run_dir: str, out_dir: str, extra: dict | None = None, draw: bool = True) -> dict:
+    """summary.json (+ the contents of `extra` {name: json path}) and the figures, under out_dir."""
+    recs = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    summary = summarize(recs)
+    for name, path in (extra or {}).items():
+        if path and os.path.exists(path):
+            with open(path) as f:
+                summary[name] = json.load(f)
+    os.makedirs(out_dir, exist_ok=True)
+    summary["figures"] = figures(recs, out_dir, summary) if draw else []
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def figures(recs: list, out_dir: str, summary: dict) -> list:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("runstats: matplotlib is not installed; no figures", file=sys.stderr)
+        return []
+    from nanoflash import runstats_plots
+    return runstats_plots.draw(plt, recs, out_dir, summary)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        raise SystemExit("usage: python -m nanoflash.runstats RUN_DIR OUT_DIR")
+    print(json.dumps(report(sys.argv[1], sys.argv[2])["bars"], indent=1))

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Issue 20, the one-shot run: GRPO of the h200 preset with live SGLang 0.5.16 colocated on one H200.
+#   device call 1 (carry sg/p01):          mkdir -p /tmp/acc && cp sg/p01/* /tmp/acc/
+#   device call 2 (carry sg/p02, .h20whl): cp sg/p02/* /tmp/acc/ && cp .h20whl/* /tmp/acc/
+#   device call 3 (carry sg/p03):          cp sg/p03/* /tmp/acc/ && bash scripts/grpo_h200.sh go
+#   later calls:                           bash scripts/grpo_h200.sh poll 540     (back to back, <= 10 min each)
+#   last call:                             OUT=$OUT bash scripts/grpo_h200.sh collect
+# `go` installs the pack and the wheels, writes a random-init checkpoint of the h200 preset, starts SGLang on it
+# under setsid and, under setsid too, the pipeline: SFT warm start (bench/grpo_h200.py sft) -> wait for SGLang ->
+# train.py --recipe h200 --rollout.urls (its first push carries the warm start, verified) -> parity on 2-4K-token
+# sequences of the warm start (bench/sglang_check.py parity, planted-bug row) -> report (summary + figures).
+# The CPU dry run of the same pipeline, with nanoflash's embedded server in SGLang's place and a tiny model:
+#   bash scripts/grpo_h200.sh dry
+set -uo pipefail
+R=$(cd "$(dirname "$0")/.." && pwd)
+W=${H20_WORK:-/tmp/h20}; mkdir -p "$W"
+URL=http://127.0.0.1:${H20_PORT:-30000}
+export PYTHONUNBUFFERED=1 NF_URL=$URL
+
+gpu_env() {
+  export PYTHONPATH=/tmp/site2:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$R PATH=/tmp/site/bin:$PATH
+  export CUDA_HOME=$(dirname "$(dirname "$(which nvcc)")") SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
+  # FP8 experts, BF16 wo_a (Miles' settings); no tilelang mHC pre kernel (removes the 450 s first-push compile)
+  export SGLANG_DSV4_FP4_EXPERTS=0 SGLANG_OPT_FP8_WO_A_GEMM=0 SGLANG_OPT_USE_TILELANG_MHC_PRE=0
+  export NF_CHECK_PRESET=h200 NF_DEVICE=cuda PY=python3 MODE=gpu
+}
+dry_env() {
+  export PYTHONPATH=$R NF_CHECK_PRESET=tiny NF_VOCAB=129280 NF_DEVICE=cpu PY=${PY:-$R/.venv/bin/python} MODE=dry
+}
+# train.py / sft overrides of each mode (the recipe is h200 in both)
+overrides() {
+  if [ "$MODE" = gpu ]; then echo "--train.steps ${H20_STEPS:-50}"; return; fi
+  echo "--train.preset tiny --model.vocab_size 129280 --model.n_mtp_layers 0 --model.compress_ratios 0,4,8,4" \
+       "--parallel.device cpu --train.dtype fp32 --train.threads 1" \
+       "--train.steps ${H20_STEPS:-3} --grpo.n_prompts 2 --grpo.group_size 4 --grpo.over_sampling_batch_size 2" \
+       "--grpo.dynamic_sampling false --rollout.max_rounds 2 --rollout.max_workers 2 --rollout.max_new_tokens 8 --eval.every 2" \
+       "--eval.n_problems 4 --eval.k_samples 2 --eval.max_new_tokens 8 --train.progress false"
+}
+
+install() {
+  (cd /tmp/acc && sha256sum -c SHA256SUMS) || exit 1
+  cat /tmp/acc/sgl0516_lean.tar.xz.part* | python3 -c \
+    "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 /tmp/acc/*.whl || exit 1
+}
+serve_sglang() {
+  setsid nohup python3 -m sglang.launch_server --model-path $W/init --load-format auto --tp 1 --disable-cuda-graph \
+    --skip-server-warmup --skip-tokenizer-init --mem-fraction-static ${H20_MEM:-0.45} --port ${URL##*:} \
+    > $W/server.log 2>&1 < /dev/null &
+}
+serve_embedded() {
+  setsid nohup $PY -m nanoflash.rollout.server --checkpoint $W/init --weights fp8 --port ${URL##*:} --disk-root $W \
+    > $W/server.log 2>&1 < /dev/null &
+  echo $! > $W/server.pid
+}
+start() {  # random-init checkpoint -> server -> the pipeline, both detached
+  if (exec 3<>/dev/tcp/127.0.0.1/${URL##*:}) 2>/dev/null; then echo "port ${URL##*:} is taken: $URL" >&2; exit 1; fi
+  $PY "$R/bench/sglang_check.py" ckpt --dir $W/init > $W/ckpt.log 2>&1 || { cat $W/ckpt.log; exit 1; }
+  if [ "$MODE" = gpu ]; then serve_sglang; else serve_embedded; fi
+  setsid nohup bash "$0" pipeline_$MODE > $W/pipeline.log 2>&1 < /dev/null &
+  echo "started: server and pipeline ($MODE); logs in $W"
+}
+pipeline() {
+  cd "$R"
+  local sft="--max-seconds ${H20_SFT_S:-200}"
+  [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3"
+  $PY bench/grpo_h200.py sft --out $W/warm $sft $(overrides) || { echo "FAILED sft"; touch $W/DONE; exit 1; }
+  $PY train.py --recipe h200 --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
+    $(overrides) || { echo "FAILED train"; }
+  local par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2048 --prompt-len-max 3968"
+  [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 4 --prompt-len 64 --prompt-len-max 96"
+  $PY bench/sglang_check.py parity --dir $W/warm --restore 1 --synth 1 --modes bf16,qat --out $W/parity.json \
+    $par || echo "FAILED parity"
+  $PY bench/grpo_h200.py report --run $W/run --out $W/report --sft $W/warm/sft.json --parity $W/parity.json \
+    || echo "FAILED report"
+  touch $W/DONE
+}
+poll() {  # wait up to $1 s for the pipeline, printing progress every 30 s
+  local end=$((SECONDS + ${1:-540}))
+  while [ $SECONDS -lt $end ] && [ ! -e $W/DONE ]; do
+    sleep 30; echo "--- $(date +%T)"; tail -n 3 $W/pipeline.log 2>/dev/null; tail -n 1 $W/server.log 2>/dev/null
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
+  done
+  [ -e $W/DONE ] && echo "PIPELINE DONE" || echo "pipeline still running"
+}
+collect() {  # <= 8 files back: one tarball of the results + the logs
+  local out=${OUT:-/tmp/out}; mkdir -p "$out"
+  tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl run/plots report parity.json warm/sft.json \
+    pipeline.log 2>/dev/null
+  tail -c 4000000 $W/server.log > "$out/server.log"; cp $W/pipeline.log "$out/" 2>/dev/null
+  ls -la "$out"
+}
+case "${1:-}" in
+  go) gpu_env; install && start ;;
+  pipeline_gpu) gpu_env; pipeline ;;
+  pipeline_dry) dry_env; pipeline ;;
+  poll) poll "${2:-540}" ;;
+  collect) collect ;;
+  dry) dry_env; rm -rf $W/DONE $W/run $W/warm $W/report; start && poll "${2:-1800}"
+       kill "$(cat $W/server.pid)" 2>/dev/null; tail -n 30 $W/pipeline.log ;;
+  *) echo "usage: $0 go|poll SECONDS|collect|dry" >&2; exit 2 ;;
+esac

@@ -1,0 +1,199 @@
+"""Issue 20's new pieces on the CPU: the synthetic task, the probe, the live checks, the run statistics.
+
+The whole pipeline runs end to end on the CPU in `bash scripts/grpo_h200.sh dry` (minutes: the V4 vocabulary's
+head is slow on two cores); these tests keep each piece honest in seconds, against naive references.
+"""
+import math
+import random
+
+import pytest
+import torch
+
+from nanoflash import data, live, rewards, runstats, synth
+from nanoflash.config import preset
+from nanoflash.model import Transformer
+from nanoflash.rollout import probe as probe_lib
+from nanoflash.rollout.client import Generation
+from nanoflash.rollout.layout import sglang_fp8
+
+FP32_TOL = 1e-5    # the same fp32 computation done two ways (batched vs one position at a time)
+T_TOL = 2e-3       # Cornish-Fisher t quantile vs the tabulated value (3 decimals in the tables)
+
+
+# ---------------------------------------------------------------------------------------------- task
+def test_synth_splits_disjoint_complete_and_solutions_are_right():
+    k4 = {s: synth.problems("sum4", s) for s in synth.SPLITS}
+    prompts = {s: {p.prompt for p in ps} for s, ps in k4.items()}
+    assert sum(len(v) for v in prompts.values()) == 9 ** 4           # every operand tuple exactly once
+    assert not (prompts["train"] & prompts["heldout"]) and not (prompts["val"] & prompts["heldout"])
+    assert 0.08 < len(prompts["heldout"]) / 9 ** 4 < 0.12             # HELDOUT_PERCENT = 10
+    assert [p.prompt for p in synth.problems("sum4", "heldout")] == [p.prompt for p in k4["heldout"]]  # fixed order
+    rng = random.Random(0)
+    for p in rng.sample(k4["heldout"], 20):
+        ops = synth.parse_prompt(p.prompt)
+        sol = synth.solution(p.prompt)
+        steps = sol.split(".</think>")[0].split(", ")
+        acc = ops[0]
+        for x, step in zip(ops[1:], steps):                         # naive: re-add step by step
+            assert step == f"{acc}+{x}={acc + x}"
+            acc += x
+        assert p.answer == str(sum(ops)) == str(acc)
+        assert rewards.integer_match(rewards.extract_answer(sol), p.answer)   # the math reward reads it
+        assert not rewards.integer_match(rewards.extract_answer(sol.replace(f"{{{acc}}}", f"{{{acc + 1}}}")), p.answer)
+
+
+def test_synth_rows_through_data_and_errors():
+    probs, skipped = data.load_problems("synth:sum3:heldout", "chat")
+    assert skipped == 0 and probs[0].prompt == synth.problems("sum3", "heldout")[0].prompt
+    for bad in ("synth:sum9:train", "synth:sum4:test", "synth:sum4"):
+        with pytest.raises(ValueError, match="sum|split|synth:"):
+            synth.rows(bad)
+    with pytest.raises(ValueError, match="not a synthetic sum prompt"):
+        synth.solution("What is 2 + 2?")
+
+
+def test_synth_sft_pairs_in_the_v4_chat_format():
+    tok = data.V4Tokenizer()
+    p = synth.problems("sum4", "train")[0]
+    prompt, resp = synth.sft_pairs([p], tok)[0]
+    assert tok.decode(prompt).endswith(data.ASSISTANT + data.THINK_START) and resp[-1] == tok.eos_id
+    assert tok.decode(prompt + resp) == tok.chat_text(p) + synth.solution(p.prompt) + data.EOS
+
+
+# ---------------------------------------------------------------------------------------------- models
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread (two threads on a loaded 2-core box spin ~100x slower here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    cfg = preset("tiny", kernels="reference")
+    a = Transformer(cfg).init_weights(seed=0).eval()
+    b = Transformer(cfg).init_weights(seed=1).eval()
+    return cfg, a, b
+
+
+class FakeServer:
+    """Samples from `model` at T and answers with its log-probs, as /generate does (optionally stale)."""
+
+    def __init__(self, model, version="3"):
+        self.model, self.version = model, version
+
+    def generate(self, prompt, sp, url=None):
+        g = torch.Generator().manual_seed(sp["sampling_seed"])
+        ids, lps = list(prompt), []
+        with torch.no_grad():
+            for _ in range(sp["max_new_tokens"]):
+                logp = torch.log_softmax(self.model(torch.tensor([ids]))[0, -1] / sp["temperature"], -1)
+                t = int(torch.multinomial(logp.exp(), 1, generator=g))
+                ids.append(t)
+                lps.append(float(logp[t]))
+        return [Generation(list(prompt), ids[len(prompt):], lps, "length", self.version, "fake")]
+
+
+def test_probe_matches_same_weights_and_flags_others(tiny_pair):
+    cfg, a, b = tiny_pair
+    prompt = [1, 5, 9, 12, 3]
+    same = probe_lib.probe(FakeServer(a), a, prompt, seed=4, n_tokens=6, other=b)
+    assert same["mean"] < FP32_TOL and same["tokens"] == 6
+    assert same["other_mean"] == pytest.approx(same["shift_mean"], rel=1e-3) and same["shift_mean"] > 0.05
+    probe_lib.require_landed(same, 3)
+    stale = probe_lib.probe(FakeServer(b), a, prompt, seed=4, n_tokens=6)
+    assert stale["mean"] > 0.05
+    with pytest.raises(SystemExit, match="weight version 3"):
+        probe_lib.require_landed(same, 4)
+    with pytest.raises(SystemExit, match="above"):
+        probe_lib.require_landed({**same, "mean": probe_lib.PROBE_MAX_MEAN * 2}, 3)
+
+
+def test_token_entropy_against_naive(tiny_pair):
+    cfg, a, _ = tiny_pair
+    ids = torch.randint(3, cfg.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+    got = live.token_entropy(a, ids, temperature=0.7, rows=2)
+    with torch.no_grad():
+        for b, t in ((0, 0), (1, 4), (2, 2)):
+            p = torch.softmax(a(ids[b:b + 1, :t + 1])[0, -1].double() / 0.7, -1)
+            assert float(got[b, t]) == pytest.approx(float(-(p * p.log()).sum()), abs=1e-4)
+
+
+def test_fp8_roundtrip_touches_exactly_the_fp8_served_weights(tiny_pair):
+    cfg, a, _ = tiny_pair
+    m = Transformer(cfg).init_weights(seed=0)
+    live.fp8_roundtrip_(m, cfg)
+    ref = a.state_dict()
+    fp8 = [n for n, t in m.state_dict().items() if t.is_floating_point() and sglang_fp8(n, cfg)
+           and not n.startswith("mtp.")]   # MTP is never pushed (and not checked here)
+    live.fp8_roundtrip_(m, cfg)   # idempotent: FP8 values round to themselves
+    assert fp8 and any(".experts." in n for n in fp8) and not any(n.endswith("wo_a.weight") for n in fp8)
+    for n, p in m.state_dict().items():
+        if n.startswith("mtp."):
+            continue
+        changed = not torch.equal(p, ref[n])
+        assert changed == (n in fp8), n
+        if n in fp8:   # e4m3 keeps 3 mantissa bits: relative error per element <= 2^-4
+            assert float(((p - ref[n]).abs() - ref[n].abs() / 16).max()) <= 1e-6, n
+
+
+def test_verify_counts():
+    s = {"verified": {"u1": {"exact": 60, "change_sets": 155, "first_push_unchecked": 0, "state": None},
+                      "u2": "checksums"}}
+    assert live.verify_counts(s) == {"verify_servers": 2, "verify_exact": 60, "verify_change_sets": 155,
+                                     "verify_unchecked": 0, "verify_full_checksums": 1}
+    assert live.verify_counts({})["verify_servers"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def test_t_quantile_and_ols_against_hand_values():
+    for df, want in ((5, 2.571), (10, 2.228), (30, 2.042), (48, 2.011)):   # tabulated t_{0.975, df}
+        assert runstats.t_quantile(0.975, df) == pytest.approx(want, abs=T_TOL)
+    xs, ys = [0, 1, 2, 3, 4], [1.0, 3.1, 4.9, 7.2, 8.8]
+    r = runstats.ols(xs, ys)
+    # by hand: b = sum((x-2)(y-5)) / 10 = 19.7 / 10, a = 5 - 2b; residual SS / 3 / 10 under the root
+    b = 1.97
+    res = [y - (5 - 2 * b) - b * x for x, y in zip(xs, ys)]
+    se = math.sqrt(sum(e * e for e in res) / 3 / 10)
+    assert r["slope"] == pytest.approx(b) and r["slope_se"] == pytest.approx(se)
+    assert r["ci95"][0] == pytest.approx(b - 3.182 * se, abs=1e-2 * se)
+    flat = runstats.ols(list(range(40)), [0.05 + 0.001 * ((i * 7) % 5 - 2) for i in range(40)])
+    assert flat["ci95"][0] <= 0 <= flat["ci95"][1] or abs(flat["slope"]) < 1e-4
+    with pytest.raises(ValueError, match=">= 3 points"):
+        runstats.ols([0, 1], [0, 1])
+
+
+def test_jumps_finds_a_planted_jump_only():
+    g = random.Random(0)
+    ys = [0.07 + 0.003 * g.gauss(0, 1) for _ in range(40)]
+    assert runstats.jumps(ys)["over"] == 0
+    ys[25] += 0.05
+    j = runstats.jumps(ys)
+    assert j["over"] >= 1 and j["at_index"] == 25 and j["max_abs_z"] > 10
+
+
+def test_summary_of_a_synthetic_run(tmp_path):
+    g = random.Random(1)
+    run = tmp_path / "run"
+    run.mkdir()
+    from nanoflash.metrics import MetricsLog
+    log = MetricsLog(str(run / "metrics.jsonl"))
+    log.log("push", 0, {"verify_servers": 1, "probe_mean": 0.05})
+    for s in range(1, 21):
+        log.log("train", s, {"gap_mean": 0.06 + 0.002 * g.gauss(0, 1), "gap_p99": 0.3, "floor_mean": 0.055,
+                             "reward_mean": 0.2 + 0.02 * s, "verify_servers": 1, "probe_mean": 0.06,
+                             "rollout_s": 1.0, "logprobs_s": 0.2, "train_s": 0.6, "sync_s": 0.3, "live_s": 0.1,
+                             "gpu_mem_gib": 20.0, "gpu_peak_gib": 30.0, "gpu_used_total_gib": 80.0})
+        if s % 10 == 0:
+            log.log("eval", s, {"pass@1": 0.2 + 0.02 * s, "pass@2": 0.5, "pass@1_se": 0.02, "eval_s": 2.0})
+            log.log("eval_warm", s, {"warm_pass@1": 0.2, "pass@1": 0.2 + 0.02 * s, "gain_pass@1": 0.02 * s,
+                                     "gain_se": 0.03, "gain_z": 0.02 * s / 0.03, "warm_eval_s": 2.0})
+    log.close()
+    out = runstats.report(str(run), str(tmp_path / "report"), draw=False)   # figures: the dry run draws them
+    bars = out["bars"]
+    assert bars["every_push_verified"] and out["pushes"] == 21 and bars["reward_slope_positive"]
+    assert bars["pass@1_gain_>=_0.15_and_>3se"] and bars["gap_mean_below_0.09"] and bars["gap_within_1.2x_floor"]
+    assert (tmp_path / "report" / "summary.json").exists() and out["gap_drift"]["n"] == 20
+    assert out["warm"][-1]["gain_pass@1"] == pytest.approx(0.4) and out["gap_jumps"]["over"] == 0
