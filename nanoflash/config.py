@@ -75,7 +75,7 @@ class ModelConfig:
     # nanoflash switches.
     qat: bool = False                 # simulate the official FP8/FP4 activation quantization (straight-through)
     attn_chunk: int = 1024            # queries per attention chunk (memory knob; results do not depend on it)
-    kernels: str = "auto"             # auto (GPU-proven kernels) | reference | triton (+ grouped MoE, mHC)
+    kernels: str = "auto"             # auto (GPU-proven kernels) | reference | triton (+ mHC, bf16 GEMMs)
 
     def __post_init__(self):
         self.compress_ratios = tuple(int(r) for r in self.compress_ratios)

@@ -12,11 +12,12 @@
     matmul.py     bf16 GEMMs with fp32 results for the head, gate and compressor (fp32 in the official code).
 
 Which path runs is one config switch, `ModelConfig.kernels`:
-    "auto"       attention + indexer kernels on CUDA for bf16/fp16 training forwards (no decode cache), the
-                 reference elsewhere -- only kernels that have run inside a whole model on a GPU;
+    "auto"       attention + indexer kernels on CUDA for bf16/fp16 training forwards (no decode cache) and the
+                 grouped experts for bf16 on CUDA, the reference elsewhere -- only kernels that have run inside
+                 a whole model on a GPU;
     "reference"  always model.py (matched precision forces this: train.py sets it);
-    "triton"     also the grouped experts (moe.py), the Triton mHC and the bf16 GEMMs on CUDA (run inside
-                 the 8-layer real-geometry stack on the H200, B14b); attention kernels also on CPU under
+    "triton"     also the grouped experts (moe.py) in every dtype, the Triton mHC and the bf16 GEMMs on CUDA
+                 (run inside the 8-layer real-geometry stack on the H200, B14b); attention kernels also on CPU under
                  TRITON_INTERPRET=1 (tests).
 
 model.py imports this package only when the kernel path is taken, so the reference needs no Triton. Triton
