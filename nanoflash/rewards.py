@@ -217,6 +217,20 @@ class VerifierPool:
         outbox.close()
         self._workers[w] = self._spawn()
 
+    def _send(self, w: int, msg) -> None:
+        """Hand worker w a job; one that died while idle is replaced once, unless it left a start-up failure."""
+        for attempt in range(2):
+            try:
+                return self._workers[w][2].send(msg)
+            except (BrokenPipeError, OSError):
+                try:
+                    note = self._workers[w][1].recv() if self._workers[w][1].poll(0) else None
+                except (EOFError, OSError):
+                    note = None
+                if (note and note[0] is None) or attempt:
+                    raise VerifierUnavailable(f"verifier worker cannot start: {note[2] if note else 'it exits'}")
+                self._replace(w)
+
     def map(self, fn: Callable, arg_list: Sequence[tuple]) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = [("pending", None)] * len(arg_list)
         todo = collections.deque(range(len(arg_list)))
@@ -225,11 +239,7 @@ class VerifierPool:
             for w in range(len(self._workers)):
                 if w not in busy and todo:
                     job = todo.popleft()
-                    try:
-                        self._workers[w][2].send((job, fn, tuple(arg_list[job])))
-                    except (BrokenPipeError, OSError):  # died while idle: replace it and retry this job once
-                        self._replace(w)
-                        self._workers[w][2].send((job, fn, tuple(arg_list[job])))
+                    self._send(w, (job, fn, tuple(arg_list[job])))
                     busy[w] = (job, time.monotonic() + self.timeout_s)
             next_deadline = min(d for _, d in busy.values())
             conns = {self._workers[w][1]: w for w in busy}
