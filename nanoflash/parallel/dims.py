@@ -22,7 +22,7 @@ job. Both timeouts are `ParallelConfig` fields.
 `parallel_state` or picotron's process-group manager). With world size 1 every group is `None` and every
 collective in `nanoflash.parallel` short-circuits, so the single-process code path is the same code.
 
-Backend: `nccl` when CUDA is available, else `gloo` (CPU tests). Tests: `pytest tests/test_parallel_dims.py -q`.
+Backend: `nccl` when CUDA is available, else `gloo` (CPU tests). Tests: `pytest tests/test_parallel_comm.py -q`.
 """
 from __future__ import annotations
 

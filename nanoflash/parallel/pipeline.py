@@ -34,7 +34,7 @@ depend on how the global batch is split across micro-batches, DP or EP ranks.
 
 How this differs from production: no interleaved / zero-bubble / DualPipe schedule, no overlap of the EP
 all-to-all with the other micro-batch's compute, and the stage output is kept (not freed) until its backward.
-Tests: `pytest tests/test_parallel_pipeline.py -q`.
+Tests: `pytest tests/test_parallel_schedule.py tests/test_parallel_parity.py -q`.
 """
 from __future__ import annotations
 

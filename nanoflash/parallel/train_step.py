@@ -16,7 +16,7 @@ same gradient, so a dense gradient is counted only on (dp=0, ep=0) of its stage 
 dp=0; the partial sums are then all-reduced over the world. g <- g * min(1, clip / (||g|| + 1e-6)).
 
 How this differs from production: no overlap of the gradient all-reduce with backward (Megatron / FSDP bucket
-and overlap), no reduce-scatter of optimizer state (ZeRO-1). Tests: `pytest tests/test_parallel_train.py -q`.
+and overlap), no reduce-scatter of optimizer state (ZeRO-1). Tests: `pytest tests/test_parallel_parity.py -q`.
 """
 from __future__ import annotations
 
