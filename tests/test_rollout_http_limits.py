@@ -320,7 +320,7 @@ def test_scoring_waits_for_a_paused_push_and_scores_on_the_whole_update():
     assert last_step.wait(SOCKET_S)
     engine.load(buckets[0])          # the stock protocol: each bucket goes live on its own ...
     engine.post_process()
-    th.join(timeout=3 * 0.5)         # ... and the request must not score on this half update
+    th.join(timeout=1.0)  # ... and the request must not score on this half update (it re-checks every 0.5 s)
     assert th.is_alive() and seen == []
     for b in buckets[1:]:
         engine.load(b)
@@ -333,3 +333,15 @@ def test_scoring_waits_for_a_paused_push_and_scores_on_the_whole_update():
         want = new.token_logprobs(full[None, :-1], full[None, 1:])[0, len(PROMPT) - 1:]
     got = torch.tensor([lp for lp, _, _ in result[0]["meta_info"]["output_token_logprobs"]])
     assert torch.equal(want, got)  # scored on the whole new weights, exactly
+    steps[0], result[:] = 0, []  # aborted while it waits to be scored: its tokens are dropped, never scored
+    last_step.clear()
+    th = threading.Thread(target=lambda: result.extend(engine.generate(PROMPT, {
+        "n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 2, "stop_token_ids": [],
+        "seed": 3})))
+    th.start()
+    assert last_step.wait(SOCKET_S)
+    engine.pause("abort")
+    th.join(timeout=SOCKET_S)
+    engine.unpause()
+    assert seen == [False] and result[0]["output_ids"] == []
+    assert result[0]["meta_info"]["finish_reason"]["type"] == "abort"

@@ -307,13 +307,14 @@ class RolloutEngine:
             full = torch.cat([torch.tensor(prompt, dtype=torch.long, device=out.device), out])
             lps = self.score(full, len(prompt), sp["temperature"]) if len(out) else []
             routes = self.routed_experts(full, scored=len(out) > 0) if routed else None
+            version = self.weight_version  # of the weights that scored it
         fr = ({"type": "stop", "matched": stopped[1]} if stopped else
               {"type": "abort", "message": "aborted"} if reason == "abort" else
               {"type": "length", "length": sp["max_new_tokens"]})
         ids = out.tolist()
         res = {"output_ids": ids, "meta_info": {
             "id": rid, "finish_reason": fr, "prompt_tokens": len(prompt), "completion_tokens": len(ids),
-            "cached_tokens": 0, "weight_version": self.weight_version, "e2e_latency": time.monotonic() - t0,
+            "cached_tokens": 0, "weight_version": version, "e2e_latency": time.monotonic() - t0,
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
         if routes is not None:
             res["meta_info"]["routed_experts"] = routes
