@@ -5,7 +5,8 @@ next to the planner's prediction for the same config (`planner.plan` with `setup
 
 1. baseline: the resident memory of a process that imported nanoflash and created a CUDA context (the
    planner's HOST_PROCESS_BYTES assumption, measured);
-2. the run: `python train.py --recipe gpu` as a child; its peak RSS from getrusage(RUSAGE_CHILDREN), its GPU
+2. the run: `python train.py --recipe gpu` as a child; its peak RSS from getrusage(RUSAGE_CHILDREN) and a VmRSS
+   timeline (1 s samples beside the last stdout line: which phase holds the host peak), its GPU
    peak (`torch.cuda.max_memory_allocated`, logged by train.py), metrics.jsonl for the time split:
    rollout | old log-probs | train (incl. the optimizer step, also shown alone) | push | eval;
 3. the prediction: the activation fit of the preset measured on this GPU (`measure_layer_bytes`), sequences
@@ -28,20 +29,46 @@ BASELINE = ("import resource, torch, nanoflash.model, nanoflash.episodes; torch.
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
 
 
+def rss_gib(pid: int) -> float:
+    """Resident memory of process `pid` now (VmRSS), GiB; 0 once it has gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 2 ** 20
+    except (OSError, StopIteration):
+        return 0.0
+
+
+def _thin(timeline: list) -> list:
+    """Every 5th sample and the first at the peak, as "t s: rss GiB | last stdout line" strings."""
+    top = max((x[1] for x in timeline), default=0.0)
+    first_top = next((i for i, x in enumerate(timeline) if x[1] >= top), -1)
+    return [f"{t} s: {r} GiB | {ln}" for i, (t, r, ln) in enumerate(timeline) if i % 5 == 0 or i == first_top]
+
+
 def run(out: str, extra: list, timeout: float) -> dict:
-    """train.py --recipe gpu as a child (killed after `timeout` s: the steps it logged are still read)."""
+    """train.py --recipe gpu as a child (killed after `timeout` s: the steps it logged are still read). Its
+    resident memory is sampled every second next to the stdout line it had printed by then ("actor: ..." after
+    the build, "step N" after each step), so a host peak can be placed in a phase."""
     t0 = time.time()
     cmd = [sys.executable, "train.py", "--recipe", "gpu", "--out", os.path.join(out, "run"),
            "--train.progress", "false", "--train.plots", "false", *extra]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, stdout, stderr = "timeout", e.stdout or "", e.stderr or ""
-        stdout, stderr = [x.decode() if isinstance(x, bytes) else x for x in (stdout, stderr)]
+    paths = [os.path.join(out, f"train.{k}") for k in ("stdout", "stderr")]
+    with open(paths[0], "w") as fo, open(paths[1], "w") as fe:
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, text=True)
+        timeline = []
+        while proc.poll() is None and time.time() - t0 < timeout:
+            lines = [ln for ln in open(paths[0]).read().splitlines() if ln.strip()]
+            timeline.append((round(time.time() - t0, 1), round(rss_gib(proc.pid), 2), lines[-1][:40] if lines else ""))
+            time.sleep(1.0)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    rc = "timeout" if proc.returncode < 0 and time.time() - t0 >= timeout else proc.returncode
+    stdout, stderr = (open(p_).read() for p_ in paths)
     res = {"rc": rc, "wall_s": time.time() - t0, "stdout_tail": stdout[-1500:],
            "stderr_tail": stderr[-2500:] if rc != 0 else "",
-           "host_peak_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GIB}
+           "host_peak_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GIB,
+           "rss_timeline": _thin(timeline)}
     path = os.path.join(out, "run", "metrics.jsonl")
     recs = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     evals = {r["step"]: r for r in recs if r["kind"] == "eval"}
