@@ -10,7 +10,7 @@ Runs (see docs/demo.md):
     python train.py --recipe flash --dry-run                # per-GPU memory plan of the 4-node deployment
     torchrun --nnodes 2 --nproc-per-node 8 ... train.py --recipe flash --rollout.urls http://r0:30000,...
 
-One step (Miles' synchronous loop, rl_and_sglang.md §1-3): rollout n samples per prompt through the SGLang-
+One step (Miles' synchronous loop, rl_notes §1-3): rollout n samples per prompt through the SGLang-
 protocol servers with dynamic sampling -> rewards -> group advantages -> the trainer recomputes log-probs ->
 one GRPO optimizer step (micro-batches by token budget, PP/EP/DP engine) -> FP8 (or matched-precision) weight
 push, verified by checksum -> every N steps an offline pass@k eval on held-out problems -> checkpoint -> JSONL.

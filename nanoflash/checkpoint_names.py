@@ -17,7 +17,7 @@ dequantized. `NAME_TABLE` holds every tensor once, in four spellings and one sto
 The nanoflash column is the state_dict key; routed experts are *stored* stacked (`EXPERT_STACKS`: one
 `ffn.experts.w13` / `w2` parameter per layer), and `official_views` maps a stack (or its gradient / optimizer
 moment) back to these rows, so no consumer sees the stacks. The SGLang column is the HF-style spelling of Miles'
-`convert_deepseekv4_to_hf`, which SGLang's `DeepseekV4ForCausalLM.load_weights` accepts (rl_and_sglang.md §4.4);
+`convert_deepseekv4_to_hf`, which SGLang's `DeepseekV4ForCausalLM.load_weights` accepts (rl_notes §4.4);
 MTP has none: SGLang's main model skips `mtp.*`. An FP8 weight's scale travels as `<X>.weight_scale_inv` (fp32).
 
 Routed experts are the one many-to-one entry on the transformers side: it stacks them into `gate_up_proj
@@ -33,7 +33,7 @@ Block sizes of the two quantized storages live here and only here (`FP8_BLOCK`, 
 the weight stream import them.
 
 `official_inventory(cfg)` lists every tensor the full model described by `cfg` holds, with its logical
-shape (the spec's §3.2 tables, computed); `checkpoint_keys` adds the `.scale` siblings (69,187 names for the
+shape (the v4_notes §3.2 tables, computed); `checkpoint_keys` adds the `.scale` siblings (69,187 names for the
 flash release).
 
 Tests: `pytest tests/test_checkpoint.py tests/test_weight_sync.py -q`.
@@ -44,8 +44,8 @@ from typing import NamedTuple
 
 import torch
 
-FP8_BLOCK = 128  # FP8 weights: one scale per 128x128 block (spec §3.3; SGLang's weight_block_size [128, 128])
-FP4_BLOCK = 32   # FP4 experts: one E8M0 scale per 1x32 block of inputs (spec §3.3)
+FP8_BLOCK = 128  # FP8 weights: one scale per 128x128 block (v4_notes §3.3; SGLang's weight_block_size [128, 128])
+FP4_BLOCK = 32   # FP4 experts: one E8M0 scale per 1x32 block of inputs (v4_notes §3.3)
 KINDS = ("fp8", "fp4", "bf16", "fp32", "int64")
 
 
@@ -273,7 +273,7 @@ def release_kind(name: str) -> str:
 def storage_kind(name: str, cfg) -> str:
     """How the release stores `name`: fp8 | fp4 | bf16 | fp32 | int64 (`e8m0` for a `.scale` sibling).
 
-    Follows the spec §3.2 inventory, adjusted by the config's release fields: `cfg.dtype == "bf16"` turns
+    Follows v4_notes §3.2 inventory, adjusted by the config's release fields: `cfg.dtype == "bf16"` turns
     the FP8 linears into BF16, `cfg.expert_dtype == "fp8"` stores routed experts as FP8 (the SGLang re-pack).
     """
     if name.endswith(".scale"):  # `hc_*_scale` parameters are spelled with an underscore
@@ -287,7 +287,7 @@ def storage_kind(name: str, cfg) -> str:
 
 
 def _block_shapes(cfg, layer_id: int) -> dict[str, tuple]:
-    """Logical shape of every tensor of block `layer_id` (official suffixes), per the spec §3.2."""
+    """Logical shape of every tensor of block `layer_id` (official suffixes), per v4_notes §3.2."""
     D, H, hd, rq = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
     M, I, E = cfg.hc_mult, cfg.moe_inter_dim, cfg.n_routed_experts
     mix, ratio = (2 + M) * M, cfg.compress_ratios[layer_id]

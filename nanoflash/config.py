@@ -2,7 +2,7 @@
 
 `ModelConfig` uses the field names of DeepSeek's official `inference/config.json` (`ModelArgs`), so
 `ModelConfig(**json.load(open("inference/config.json")))` works as is, and `ModelConfig.from_hf_config(path)`
-reads the Hugging Face `config.json` through the key table of the spec (§1.2):
+reads the Hugging Face `config.json` through the key table of v4_notes §1.2:
 
     hidden_size -> dim, moe_intermediate_size -> moe_inter_dim, num_hidden_layers -> n_layers, ...
 
@@ -145,7 +145,7 @@ class ModelConfig:
         return layer_id < self.n_hash_layers
 
 
-# HF config key -> ModelConfig field (spec §1.2); rope_scaling.* handled separately.
+# HF config key -> ModelConfig field (v4_notes §1.2); rope_scaling.* handled separately.
 HF_KEYS = {
     "vocab_size": "vocab_size", "hidden_size": "dim", "moe_intermediate_size": "moe_inter_dim",
     "num_hidden_layers": "n_layers", "num_hash_layers": "n_hash_layers", "num_attention_heads": "n_heads",

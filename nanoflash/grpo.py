@@ -1,6 +1,6 @@
 """GRPO as Miles runs it: pure functions over two small dataclasses.
 
-The algorithm, one rollout step (rl_and_sglang.md §2):
+The algorithm, one rollout step (rl_notes §2):
 1. Sample `n` responses for each of `G` prompts (a *group* per prompt) and score each with a verifiable reward
    `r_i`. Dynamic sampling drops groups whose rewards are all equal (they carry no signal) and over-samples
    prompts until `G` informative groups are kept (`filter_groups`, `prompts_to_request`).
@@ -292,7 +292,7 @@ def ess_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
 
 def logprob_mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
                              aggregation: str = "seq-mean-token-mean", denom: float | None = None) -> dict[str, Tensor]:
-    """How far the trainer's log-probs are from the rollout engine's at the sampled tokens (Miles §3 metrics).
+    """How far the trainer's log-probs are from the rollout engine's at the sampled tokens (rl_notes §3 metrics).
         train_rollout_logprob_abs_diff = reduce |t - r|               (Miles CI gate; 0 when "true on-policy")
         train_rollout_kl    = reduce low_var_kl(r || t) = reduce [exp(t - r) - 1 - (t - r)]   ~ KL(rollout||train)
         train_rollout_kl_k1 = reduce (r - t)                          (unbiased, high-variance estimator of the same)

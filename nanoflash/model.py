@@ -7,7 +7,7 @@ Reading order, top to bottom: RMSNorm, RoPE/YaRN, Linear, Compressor (token-leve
 (lightning indexer, C4 layers), Attention (sliding window 128 + compressed keys, one softmax with a per-head
 sink, inverse RoPE, grouped low-rank output), Gate (sqrt-softplus, hash routing), Expert, LocalDispatcher, MoE,
 mHC (Sinkhorn, hc_pre / hc_post / hc_head), Block, MTPBlock, Transformer. Equations and porting traps are in
-`shared/docs/deepseek_v4_spec.md` (section numbers below refer to it).
+`docs/v4_notes.md` (`v4_notes §X.Y` below).
 
 How this differs from the official inference code (`inference/model.py`):
 * Training forward for every position; the official forward computes the last position only.
@@ -63,7 +63,7 @@ def fp8_sim_nope(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- norms, rope
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (spec §2.0).
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (v4_notes §2.0).
 
     Shapes: x [..., D] -> [..., D]
     """
@@ -83,7 +83,7 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(rope_dim: int, base: float, factor: float, original_seq_len: int,
                   beta_fast: int, beta_slow: int) -> torch.Tensor:
     """inv_freq_i = base^(-2i/R); with YaRN (original_seq_len > 0) the low frequencies are divided by
-    `factor` through a linear ramp between the beta_fast / beta_slow correction dims (spec §2.3.3).
+    `factor` through a linear ramp between the beta_fast / beta_slow correction dims (v4_notes §2.3.3).
 
     Shapes: -> [R/2] fp32
     """
@@ -161,7 +161,7 @@ class CompressorState:
 
 
 class Compressor(nn.Module):
-    """Token-level KV compression (spec §2.3.5). Each complete window w of m tokens becomes one entry
+    """Token-level KV compression (v4_notes §2.3.5). Each complete window w of m tokens becomes one entry
 
         c_w = sum_slots softmax_slots(wgate x + ape[t mod m]) * (wkv x)        (per channel, fp32)
         c_w = rope(norm(c_w), position w*m)
@@ -236,7 +236,7 @@ class Compressor(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- indexer
 class Indexer(nn.Module):
-    """Lightning indexer of C4 layers (spec §2.3.6): each query keeps the top-k visible compressed entries
+    """Lightning indexer of C4 layers (v4_notes §2.3.6): each query keeps the top-k visible compressed entries
 
         score[t,u] = sum_h relu(qI[t,h] . KI[u]) * w[t,h],   qI = rope(wq_b(qr)),  w = weights_proj(x)/sqrt(dI*HI)
         keep top-min(index_topk, C) of score over u < (t+1)//m
@@ -324,7 +324,7 @@ def use_kernels(cfg: ModelConfig, q: torch.Tensor, cache: Optional[LayerCache]) 
 
 
 class Attention(nn.Module):
-    """V4 attention (spec §2.3): low-rank q with per-head unweighted RMS, one shared K=V head, a sliding window
+    """V4 attention (v4_notes §2.3): low-rank q with per-head unweighted RMS, one shared K=V head, a sliding window
     of W keys [t-W+1, t], and in compressed layers the entries of a Compressor (C4: the indexer's top-k;
     C128: every visible entry), all in ONE softmax with a per-head sink; inverse RoPE on the output, then the
     grouped low-rank output projection  out = wo_b( concat_g( wo_a[g] . o[heads of g] ) ).
@@ -419,7 +419,7 @@ class Attention(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- MoE
 class Gate(nn.Module):
-    """Router (spec §2.4.1): s = sqrt(softplus(x W^T)) in fp32; experts = tid2eid[token id] on hash layers,
+    """Router (v4_notes §2.4.1): s = sqrt(softplus(x W^T)) in fp32; experts = tid2eid[token id] on hash layers,
     else top-k of (s + bias) (bias for selection only); weights = route_scale * s[idx] / sum s[idx].
     Routing replay (R3): `replay` [N,K], the experts the rollout engine chose, replaces the top-k on
     score-routed layers (the weights still come from this model's scores); it arrives as data with the
@@ -477,7 +477,7 @@ def expert_ffn(x, w1, w3, w2, limit: float, rw: Optional[torch.Tensor] = None, q
 
 class Expert(nn.Module):
     """SwiGLU expert: y = w2( rw * silu(min(w1 x, L)) * clamp(w3 x, -L, L) ) with the routing weight rw applied
-    before w2 in fp32 (spec §2.4.2); the shared expert (dense matmuls) has no clamp (L = 0) and no rw.
+    before w2 in fp32 (v4_notes §2.4.2); the shared expert (dense matmuls) has no clamp (L = 0) and no rw.
 
     Shapes: x [T,D], rw [T,1] or None -> [T,D]
     """
@@ -601,7 +601,7 @@ class LocalDispatcher:
 
 
 class MoE(nn.Module):
-    """y = sum_{e in top-k} w_e * Expert_e(x) + SharedExpert(x), summed in fp32 (spec §2.4):
+    """y = sum_{e in top-k} w_e * Expert_e(x) + SharedExpert(x), summed in fp32 (v4_notes §2.4):
     Gate -> dispatch (slots sorted by expert) -> RoutedExperts -> combine, plus the shared expert.
 
     Shapes: x [B,S,D], ids [B,S], replay [B*S,K] or None -> [B,S,D]
@@ -628,7 +628,7 @@ class MoE(nn.Module):
 # ---------------------------------------------------------------------------------------------- mHC
 def hc_split_sinkhorn(mixes, scale, base, M: int, iters: int, eps: float):
     """mixes [..., (2+M)*M] -> pre [...,M] = sigmoid(.)+eps, post [...,M] = 2 sigmoid(.),
-    comb [...,M,M] = Sinkhorn(softmax(.)+eps): column-normalize, then (iters-1) x (rows, columns)  (spec §2.2.1)."""
+    comb [...,M,M] = Sinkhorn(softmax(.)+eps): column-normalize, then (iters-1) x (rows, columns) (v4_notes §2.2.1)."""
     pre = torch.sigmoid(mixes[..., :M] * scale[0] + base[:M]) + eps
     post = 2 * torch.sigmoid(mixes[..., M:2 * M] * scale[1] + base[M:2 * M])
     c = (mixes[..., 2 * M:] * scale[2] + base[2 * M:]).unflatten(-1, (M, M))            # [...,M,M] row-major
@@ -652,7 +652,7 @@ def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 
 def hc_post(x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """out_k = post_k x + sum_j comb[j,k] res_j  -- comb applied TRANSPOSED (spec §2.2.2), fp32 then cast.
+    """out_k = post_k x + sum_j comb[j,k] res_j  -- comb applied TRANSPOSED (v4_notes §2.2.2), fp32 then cast.
 
     Shapes: x [B,S,D], res [B,S,M,D], post [B,S,M], comb [B,S,M,M] -> [B,S,M,D]
     """
@@ -661,7 +661,7 @@ def hc_post(x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 def hc_pre_reference(h, fn, scale, base, M: int, iters: int, eps: float, norm_eps: float):
-    """hc_pre of one sublayer: mixes -> Sinkhorn split -> collapse (spec §2.2.1, §2.2.3).
+    """hc_pre of one sublayer: mixes -> Sinkhorn split -> collapse (v4_notes §2.2.1, §2.2.3).
     h [B,S,M,D] -> (x [B,S,D], post [B,S,M], comb [B,S,M,M])"""
     pre, post, comb = hc_split_sinkhorn(hc_mixes(h, fn, norm_eps), scale.float(), base.float(), M, iters, eps)
     return hc_collapse(h, pre), post, comb
@@ -676,7 +676,7 @@ def hc_head(h, fn, scale, base, cfg: ModelConfig) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- blocks
 class Block(nn.Module):
-    """One V4 layer with manifold-constrained hyper-connections (spec §2.1-2.2):
+    """One V4 layer with manifold-constrained hyper-connections (v4_notes §2.1-2.2):
 
         x1, post, comb = hc_pre(h);   h = hc_post(Attention(attn_norm(x1)), h, post, comb)
         x2, post, comb = hc_pre(h);   h = hc_post(MoE(ffn_norm(x2)),        h, post, comb)
@@ -721,7 +721,7 @@ class Block(nn.Module):
 
 
 class MTPBlock(Block):
-    """Multi-token prediction (spec §2.7): predicts token s+2 from the main streams at s and token s+1.
+    """Multi-token prediction (v4_notes §2.7): predicts token s+2 from the main streams at s and token s+1.
 
         x = e_proj(enorm(embed[next_ids])) + h_proj(hnorm(h))   (per stream);  x = Block_43(x)
         logits = head(norm(hc_head(x)))       (embed and head shared with the main model)

@@ -8,7 +8,7 @@ Reward of one response y to a problem with reference answer a (Miles' DeepSeek-V
 `extract(y)`: look at the text after the last `</think>` when there is one (else the whole response), then take
 whichever comes *last* of (a) the last complete `\\boxed{...}` (nested braces and `\\{ \\}` handled) and (b) the
 last `Answer: ...` line (`**Answer:**`, `$...$` and a trailing period stripped; a `\\boxed{}` inside is unwrapped).
-Reading both removes the `\\boxed{}` vs `Answer:` trap of `rl_and_sglang.md` §6.2: the DAPO prompt asks for an
+Reading both removes the `\\boxed{}` vs `Answer:` trap of `docs/rl_notes.md` §6.2: the DAPO prompt asks for an
 `Answer:` line, the AIME / MATH-500 prompts ask for `\\boxed{}`.
 
 Equivalence: when the reference and the prediction are both plain integers (all of DAPO and AIME) they are

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class GRPOConfig:
-    """GRPO loss and dynamic-sampling knobs; defaults are Miles' DeepSeek-V4-Flash recipe (rl_and_sglang.md §2.7).
+    """GRPO loss and dynamic-sampling knobs; defaults are Miles' DeepSeek-V4-Flash recipe (rl_notes §2.7).
 
     Read by `nanoflash.grpo` (`group_advantages`, `policy_loss`, `filter_groups`, `prompts_to_request`).
     """

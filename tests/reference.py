@@ -1,6 +1,6 @@
 """Deliberately naive references for every block of nanoflash/model.py.
 
-Each function recomputes one block from the spec (`shared/docs/deepseek_v4_spec.md`) with explicit loops,
+Each function recomputes one block from the notes (`docs/v4_notes.md`) with explicit loops,
 complex-number RoPE and dense masks, reading the parameters off the module under test. Nothing here is shared
 with model.py except the config, so a bug has to be made twice to go unnoticed.
 """
@@ -50,7 +50,7 @@ def rope(x, positions, freqs, inverse=False):
 
 
 def compressor(comp, x, cfg):
-    """Per-window loop over complete windows (spec §2.3.5). -> [B, S//m, d]"""
+    """Per-window loop over complete windows (v4_notes §2.3.5). -> [B, S//m, d]"""
     m, d = comp.ratio, comp.head_dim
     B, S, _ = x.shape
     kv = x.double() @ comp.wkv.weight.double().T

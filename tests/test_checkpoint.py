@@ -17,7 +17,7 @@ from nanoflash.checkpoint import (INDEX_FILE, CheckpointError, HFName, checkpoin
 from nanoflash.config import preset
 from nanoflash.model import Transformer
 
-# Spec §3.1/§3.4: the released DeepSeek-V4-Flash holds 69,187 tensors with this dtype census, and its shapes
+# v4_notes §3.1/§3.4: the released DeepSeek-V4-Flash holds 69,187 tensors with this dtype census, and its shapes
 # add up to 290,942,289,362 parameters (tid2eid is a buffer, not counted there).
 FLASH_TENSORS = 69187
 FLASH_CENSUS = {"F8_E4M3": 375, "F32": 417, "BF16": 433, "I64": 3, "I8": 33792, "F8_E8M0": 34167}
@@ -58,7 +58,7 @@ def meta_model(cfg):
 
 
 def spec_flash_keys():
-    """The release's key list written out from the spec's §3.2 tables, independently of checkpoint_names."""
+    """The release's key list written out from the v4_notes §3.2 tables, independently of checkpoint_names."""
     def q(*names):  # FP8/FP4 weights: the weight and its `.scale`
         return [n for name in names for n in (name + ".weight", name + ".scale")]
     keys = ["embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"]

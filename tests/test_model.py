@@ -175,7 +175,7 @@ def test_qat_switch_changes_numerics_but_not_much(gen):
         & fp8_inputs, "BF16 weights of the release get no FP8 activation quantization"
 
 
-# The official QAT sites and blocks (spec §3.3, inference/model.py act_quant / fp4_act_quant), written out here
+# The official QAT sites and blocks (v4_notes §2.6, inference/model.py act_quant / fp4_act_quant), written out here
 # rather than imported, so a wrong constant in model.py shows. The config makes every block size visible:
 # every Linear input a multiple of 128 (block 128, not a test-size gcd), kv nope dims 136 - 8 = 128 (block 64,
 # not 128), indexer head dim 64 (FP4 block 32, not 64).

@@ -1,5 +1,5 @@
 """Every block of nanoflash/model.py against the naive references of tests/reference.py, forward and backward,
-plus the property tests of the spec (§4.2-4.3, §5)."""
+plus the property tests of v4_notes §4.2-4.3, §5."""
 import math
 
 import pytest

@@ -17,7 +17,7 @@ dispatcher differs from EP=1 (`model.LocalDispatcher`); both use the slot helper
       the inverse: un-permute, reverse all_to_all, then y[n] = sum_k y_slot(n,k) in fp32 (`combine_slots`,
       a gather and a sum in k order: deterministic).
 
-The routing weight w travels with the token because the V4 expert multiplies it in before `w2` (spec §2.4.2).
+The routing weight w travels with the token because the V4 expert multiplies it in before `w2` (v4_notes §2.4.2).
 Token rows and weights go in ONE differentiable exchange (`comm.all_to_all_many`, packed as bytes, so the
 fp32 weights stay exact next to bf16 rows): a rank whose experts got no rows never uses the weights, and a
 separate exchange for them would skip its backward there and deadlock the others. Expert order inside one

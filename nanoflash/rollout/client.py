@@ -1,7 +1,7 @@
 """HTTP client for SGLang's rollout protocol (real SGLang or nanoflash's embedded server, it cannot tell).
 
-What it speaks (request/response shapes of SGLang 0.5.16, `docs/rl_and_sglang.md` §4 and
-`docs/sglang_on_h200.md`):
+What it speaks (request/response shapes of SGLang 0.5.16, `docs/rl_notes.md` §4 and
+`shared/docs/sglang_on_h200.md`):
 
     POST /generate {"input_ids": [...], "sampling_params": {"n", "temperature", "top_p", "max_new_tokens",
                     "stop_token_ids"}, "return_logprob": true, "return_routed_experts": false}
@@ -56,7 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 PROTOCOLS = ("stock", "post_process", "session")
-# The first SGLang release with /begin_weight_update and /end_weight_update (rl_and_sglang.md §4.7).
+# The first SGLang release with /begin_weight_update and /end_weight_update (rl_notes §4.7).
 SESSION_MIN_VERSION = (0, 5, 23)
 # The first release whose update_weights_from_distributed takes load_format="flattened_bucket" that we pinned.
 FLAT_MIN_VERSION = (0, 5, 16)

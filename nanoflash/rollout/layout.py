@@ -3,7 +3,7 @@
 Two jobs:
 
 1. **Names.** nanoflash parameter names are the official DeepSeek names (`layers.3.attn.wq_a.weight`); the
-   weight push uses the HF-style names of Miles' `convert_deepseekv4_to_hf` (rl_and_sglang.md §4.4), which
+   weight push uses the HF-style names of Miles' `convert_deepseekv4_to_hf` (rl_notes §4.4), which
    SGLang's `DeepseekV4ForCausalLM.load_weights` accepts:
 
        embed.weight -> model.embed_tokens.weight      head.weight -> lm_head.weight
@@ -47,7 +47,7 @@ import torch
 
 from nanoflash.checkpoint_names import from_sglang, name_pattern, storage_kind, to_sglang  # noqa: F401 (re-exported)
 
-# SGLang keeps these BF16/F32 even in an FP8 deployment (rl_and_sglang.md §4.5): only wo_a differs from the
+# SGLang keeps these BF16/F32 even in an FP8 deployment (rl_notes §4.5): only wo_a differs from the
 # release's storage kinds (the release has it FP8; SGLang with SGLANG_OPT_FP8_WO_A_GEMM=0 builds it BF16).
 KEEP_BF16_IN_FP8 = ("attn.wo_a.weight",)
 # (first half, second half, fused name) of SGLang's atomic pairs, as HF-style suffixes

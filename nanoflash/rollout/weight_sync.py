@@ -1,6 +1,6 @@
 """Weight sync: the push of a weight stream (`stream.py`) into live rollout servers, and its transports.
 
-The push of one process (`push_weights`), per SGLang's documented order (rl_and_sglang.md §4.2, §8 item 4):
+The push of one process (`push_weights`), per SGLang's documented order (rl_notes §4.2, §8 item 4):
 
     pause_generation -> flush_cache -> [begin_weight_update | post_process_weights(restore)] ->
     buckets (from_tensor | from_distributed + broadcast | from_disk) ->
