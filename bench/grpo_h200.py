@@ -148,7 +148,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("phase", choices=["sft", "calibrate", "report"])
     ap.add_argument("--out", default="/tmp/warm")
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--target", type=float, default=0.2, help="stop when validation pass@1 reaches this")
     ap.add_argument("--max-steps", type=int, default=400)

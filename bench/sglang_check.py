@@ -114,15 +114,31 @@ def score(model, samples):
     return {"tokens": d.numel(), "mean": d.mean().item(), "p99": d.quantile(0.99).item(), "max": d.max().item()}
 
 
+def restore(client, a):
+    """--dir into the server: SGLang reads the checkpoint itself (exact: the same FP8 bytes); the embedded server
+    reads no F8_E8M0 file, so it gets a push (verified) of the model loaded from it instead."""
+    from nanoflash.rollout.client import RequestRejected
+    from nanoflash.rollout.weight_sync import iter_sglang_buckets, push_weights
+    t = time.time()
+    try:
+        client.update_weights_from_disk(URL, os.path.abspath(a.dir), None)
+        how = "update_weights_from_disk"
+    except RequestRejected as e:
+        if not client.is_embedded(URL):
+            raise
+        print(f"restore from disk refused ({e}); pushing the checkpoint instead", flush=True)
+        push_weights(client, iter_sglang_buckets(load_model(a), fp8=True, bucket_bytes=a.bucket_mb << 20))
+        how = "push"
+    print(f"restored {a.dir} into {URL} by {how} in {time.time() - t:.1f} s", flush=True)
+
+
 def cmd_parity(a):
     from nanoflash.rollout.client import SGLangClient
     import nanoflash.model as M
     client = SGLangClient([URL], timeout=600)
     client.wait_healthy(timeout=a.wait)
-    if a.restore:   # the server holds other weights (after a GRPO run): load --dir back from disk first
-        t = time.time()
-        client.update_weights_from_disk(URL, os.path.abspath(a.dir), None)
-        print(f"restored {a.dir} into {URL} in {time.time() - t:.1f} s", flush=True)
+    if a.restore:   # the server holds other weights: load --dir into it first
+        restore(client, a)
     t = time.time()
     samples = sample(client, a.prompts, a.n, a.prompt_len, a.new_tokens, prompt_len_max=a.prompt_len_max,
                      synth=bool(a.synth))

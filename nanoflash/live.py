@@ -138,12 +138,24 @@ class LiveChecks:
         if at == 0:   # the weights on the server are the warm start: the same samples, nothing to swap
             warm_acc, res = current_acc, {}
         else:
+            res = {"swap_pushes": 2}
             self.pusher.push(lambda: self.warm.state_dict().items(), WARM_VERSION + at)
-            res = evaluate(task.heldout, gen_for(at), ec.k_samples, task.reward, ec.max_new_tokens, task.encode)
+            res["swap_in_probe_mean"] = self._probe_swap(self.warm, WARM_VERSION + at)
+            res.update(evaluate(task.heldout, gen_for(at), ec.k_samples, task.reward, ec.max_new_tokens, task.encode))
             warm_acc = torch.tensor(res.pop("per_problem_correct"), dtype=torch.float64) / ec.k_samples
             self.pusher.push(self.actor.state_iter, at)   # back to the current weights (version = the step)
+            res["swap_back_probe_mean"] = self._probe_swap(self.actor.model, at)
+            res["swap_pushes_verified"] = 2   # both pushes passed the checksums (push raises) and the probe
         diff = current_acc.double() - warm_acc                                    # [P] paired per problem
         se = float(diff.std() / len(diff) ** 0.5) if len(diff) > 1 else 0.0
-        return {**{f"warm_{k}": v for k, v in res.items()}, "warm_pass@1": float(warm_acc.mean()),
+        res = {(k if k.startswith("swap") else f"warm_{k}"): v for k, v in res.items()}
+        return {**res, "warm_pass@1": float(warm_acc.mean()),
                 "pass@1": float(current_acc.mean()), "gain_pass@1": float(diff.mean()), "gain_se": se,
                 "gain_z": float(diff.mean()) / se if se > 0 else 0.0, "warm_eval_s": time.time() - t0}
+
+    def _probe_swap(self, model, version) -> float:
+        """The probe of a swap push, against the weights that were pushed (stops the run when it fails)."""
+        p = probe_lib.probe(self.rollouts.client, model, self.probe_prompt, seed=self.probe_seed,
+                            temperature=self.cfg.rollout.temperature)
+        probe_lib.require_landed(p, version)
+        return p["mean"]

@@ -109,8 +109,9 @@ def summarize(recs: list) -> dict:
         out["gap_drift"], out["gap_jumps"] = ols(s, gap), jumps(gap)
     if len(reward) >= 3:
         out["reward_slope"] = ols(_col(train, "reward_mean")[0], reward)
-    out["pushes"] = len(pushes)
-    out["pushes_verified"] = sum(1 for r in pushes if r.get("verify_servers", 0) >= 1 and "probe_mean" in r)
+    out["pushes"] = len(pushes) + sum(r.get("swap_pushes", 0) for r in warm)   # + the warm-start swaps
+    out["pushes_verified"] = sum(1 for r in pushes if r.get("verify_servers", 0) >= 1 and "probe_mean" in r) + \
+        sum(r.get("swap_pushes_verified", 0) for r in warm)
     out["probe_max_mean"] = max((r["probe_mean"] for r in pushes if "probe_mean" in r), default=None)
     out["evals"] = [{k: r.get(k) for k in ("step", "pass@1", "pass@2", "pass@4", "pass@8", "pass@1_se",
                                           "truncation_rate")} for r in evals]

@@ -44,7 +44,8 @@ def dlogp(plt, recs, out_dir, summary) -> str:
         d = summary["gap_drift"]
         ax.plot(s, [d["intercept"] + d["slope"] * x for x in s], "k-", lw=0.8,
                 label=f"fit slope {d['slope']:.2e}/step, 95% CI [{d['ci95'][0]:.1e}, {d['ci95'][1]:.1e}]")
-    ax.set_yscale("log")
+    if any(v > 0 for v in g):
+        ax.set_yscale("log")
     ax.set(xlabel="GRPO step (grey: a verified push before the step; red dashed: warm-start swap pushes)",
            ylabel="|log p_train - log p_rollout| per token", title="train-rollout log-prob gap per step")
     ax.legend(fontsize=7)

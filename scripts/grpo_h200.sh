@@ -7,8 +7,9 @@
 #   last call:                             OUT=$OUT bash scripts/grpo_h200.sh collect
 # `go` installs the pack and the wheels, writes a random-init checkpoint of the h200 preset, starts SGLang on it
 # under setsid and, under setsid too, the pipeline: SFT warm start (bench/grpo_h200.py sft) -> wait for SGLang ->
-# train.py --recipe h200 --rollout.urls (its first push carries the warm start, verified) -> parity on 2-4K-token
-# sequences of the warm start (bench/sglang_check.py parity, planted-bug row) -> report (summary + figures).
+# parity on 2-4K-token sequences of the warm start (bench/sglang_check.py parity: the server restored from the
+# warm checkpoint, planted-bug row) -> train.py --recipe h200 --rollout.urls (its first push carries the warm
+# start, verified) -> report (summary + figures).
 # The CPU dry run of the same pipeline, with nanoflash's embedded server in SGLang's place and a tiny model:
 #   bash scripts/grpo_h200.sh dry
 set -uo pipefail
@@ -45,7 +46,8 @@ install() {
 }
 serve_sglang() {
   setsid nohup python3 -m sglang.launch_server --model-path $W/init --load-format auto --tp 1 --disable-cuda-graph \
-    --skip-server-warmup --skip-tokenizer-init --mem-fraction-static ${H20_MEM:-0.45} --port ${URL##*:} \
+    --skip-server-warmup --skip-tokenizer-init --mem-fraction-static ${H20_MEM:-0.45} --context-length 8192 \
+    --port ${URL##*:} \
     > $W/server.log 2>&1 < /dev/null &
 }
 serve_embedded() {
@@ -57,23 +59,30 @@ start() {  # random-init checkpoint -> server -> the pipeline, both detached
   if (exec 3<>/dev/tcp/127.0.0.1/${URL##*:}) 2>/dev/null; then echo "port ${URL##*:} is taken: $URL" >&2; exit 1; fi
   $PY "$R/bench/sglang_check.py" ckpt --dir $W/init > $W/ckpt.log 2>&1 || { cat $W/ckpt.log; exit 1; }
   if [ "$MODE" = gpu ]; then serve_sglang; else serve_embedded; fi
-  setsid nohup bash "$0" pipeline_$MODE > $W/pipeline.log 2>&1 < /dev/null &
+  # the pipeline runs from its own copy: a later device call re-syncs the checkout (bash reads scripts as it
+  # goes); .h20src (git archive of a tested commit, see docs/h200/README.md) is preferred over the checkout
+  local src=$R/.h20src; [ -d $src/nanoflash ] || src=$R
+  rm -rf $W/repo && mkdir -p $W/repo && cp -r $src/nanoflash $src/bench $src/scripts $src/train.py $W/repo/ || exit 1
+  setsid nohup bash $W/repo/scripts/grpo_h200.sh pipeline_$MODE > $W/pipeline.log 2>&1 < /dev/null &
   echo "started: server and pipeline ($MODE); logs in $W"
 }
-pipeline() {
+pipeline() {  # SFT -> parity of the warm start (server restored from its checkpoint) -> GRPO -> report
   cd "$R"
-  local sft="--max-seconds ${H20_SFT_S:-200}"
+  local sft="--max-seconds ${H20_SFT_S:-220}"
   [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3"
   $PY bench/grpo_h200.py sft --out $W/warm $sft $(overrides) || { echo "FAILED sft"; touch $W/DONE; exit 1; }
-  $PY train.py --recipe h200 --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
-    $(overrides) || { echo "FAILED train"; }
   local par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2048 --prompt-len-max 3968"
   [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 4 --prompt-len 64 --prompt-len-max 96"
   $PY bench/sglang_check.py parity --dir $W/warm --restore 1 --synth 1 --modes bf16,qat --out $W/parity.json \
-    $par || echo "FAILED parity"
+    --wait 600 $par || echo "FAILED parity"
+  $PY train.py --recipe h200 --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
+    $(overrides) || echo "FAILED train"
+  report
+  touch $W/DONE
+}
+report() {
   $PY bench/grpo_h200.py report --run $W/run --out $W/report --sft $W/warm/sft.json --parity $W/parity.json \
     || echo "FAILED report"
-  touch $W/DONE
 }
 poll() {  # wait up to $1 s for the pipeline, printing progress every 30 s
   local end=$((SECONDS + ${1:-540}))
@@ -83,10 +92,10 @@ poll() {  # wait up to $1 s for the pipeline, printing progress every 30 s
   done
   [ -e $W/DONE ] && echo "PIPELINE DONE" || echo "pipeline still running"
 }
-collect() {  # <= 8 files back: one tarball of the results + the logs
+collect() {  # <= 8 files back: one tarball of the results + the logs (a run still going is reported as it is)
   local out=${OUT:-/tmp/out}; mkdir -p "$out"
-  tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl run/plots report parity.json warm/sft.json \
-    pipeline.log 2>/dev/null
+  [ -e $W/DONE ] || report > $W/report.log 2>&1
+  tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl report parity.json warm/sft.json pipeline.log
   tail -c 4000000 $W/server.log > "$out/server.log"; cp $W/pipeline.log "$out/" 2>/dev/null
   ls -la "$out"
 }
@@ -95,7 +104,7 @@ case "${1:-}" in
   pipeline_gpu) gpu_env; pipeline ;;
   pipeline_dry) dry_env; pipeline ;;
   poll) poll "${2:-540}" ;;
-  collect) collect ;;
+  collect) [ -d /tmp/site ] && gpu_env || dry_env; collect ;;
   dry) dry_env; rm -rf $W/DONE $W/run $W/warm $W/report; start && poll "${2:-1800}"
        kill "$(cat $W/server.pid)" 2>/dev/null; tail -n 30 $W/pipeline.log ;;
   *) echo "usage: $0 go|poll SECONDS|collect|dry" >&2; exit 2 ;;
