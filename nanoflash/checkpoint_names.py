@@ -46,7 +46,6 @@ import torch
 
 FP8_BLOCK = 128  # FP8 weights: one scale per 128x128 block (v4_notes §3.3; SGLang's weight_block_size [128, 128])
 FP4_BLOCK = 32   # FP4 experts: one E8M0 scale per 1x32 block of inputs (v4_notes §3.3)
-KINDS = ("fp8", "fp4", "bf16", "fp32", "int64")
 
 
 class Row(NamedTuple):

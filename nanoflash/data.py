@@ -20,9 +20,9 @@ it into prompt token ids. This module provides:
    per operand; `*` joins at difficulty >= 3). The `mod10` family asks only for the last digit of a sum
    with a zero-padded `difficulty`-digit `a` and a small `b` (1..MOD10_MAX_ADDEND): `"0527+1="` -> `"8"` =
    (a + b) mod 10. 10^d x MOD10_MAX_ADDEND expressions but a one-token answer, so the `tiny` model learns it in
-   minutes while >= 500 held-out expressions exist (the CPU demo's task). Measured on `tiny`: 2-digit + 2-digit
-   stays at chance (10%) after 300 SFT steps, b in 1..9 reaches 11% after 80; b in 1..3 learns, but 80 GRPO
-   steps gained only +12 points on one of two seeds; b = 1 is what the demo uses. The `copy` family
+   minutes while >= 500 held-out expressions exist (the CPU demo's task). The addend stays small because the
+   rule has to be learnable from the reward alone in a few CPU minutes; wider sums stayed near chance, so the
+   demo uses b = 1. The `copy` family
    (`"0527+0="` -> `"7"`) is the demo's warm start: same format, the digit that matters, none of the answers.
    Train and held-out splits are disjoint *by construction* (`arith_heldout`): an expression is held out iff
    `sha256(key) mod 100 < heldout_percent`, key = the expression's text, or, in the last-digit families, a's
@@ -390,11 +390,3 @@ class V4Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-
-def problems_summary(problems: list[Problem]) -> dict:
-    """Counts for logs: number of problems, of distinct prompts, mean prompt length in characters."""
-    n = len(problems)
-    return {"n": n, "unique_prompts": len({p.prompt for p in problems}),
-            "mean_prompt_chars": sum(len(p.prompt) for p in problems) / max(n, 1)}
-

@@ -1,4 +1,4 @@
-"""SGLang client against small fake HTTP servers: protocol detection, retries, spreading, fail-over.
+"""SGLang client against small fake HTTP servers: protocol detection, retries, spreading, errors.
 
 Run: `pytest tests/test_rollout_client.py -q`.
 """
@@ -96,16 +96,20 @@ def test_parse_version_and_generation_shapes():
         parse_generation({"output_ids": [4], "meta_info": {"output_token_logprobs": [[-1.0, 3, None]]}}, [1], "u")
 
 
-def test_generate_spreads_and_fails_over_and_4xx_is_not_retried():
+def test_generate_goes_to_the_least_busy_server_and_4xx_is_not_retried():
+    """The bug: `_pick` always returning the first url (every request of the loop's pool on one server)."""
     a, b = Fake(["/generate"]), Fake(["/generate"])
-    gone = dead_url()
     try:
-        c = SGLangClient([a.url, b.url, gone], retry_s=0.3)
-        outs = c.generate_many([[1, 2]] * 12, {"n": 2, "max_new_tokens": 2}, max_workers=6)
+        c = SGLangClient([a.url, b.url], retry_s=0.3)
+        with c._lock:
+            c._inflight[a.url] += 1  # one request of the thread pool still running on a
+        outs = [c.generate([1, 2], {"n": 2, "max_new_tokens": 2}) for _ in range(3)]
         assert all(len(o) == 2 and o[0].logprobs == [-0.5, -1.5] for o in outs)
-        hits_a = sum(p == "/generate" for _, p in a.calls)
-        hits_b = sum(p == "/generate" for _, p in b.calls)
-        assert hits_a + hits_b == 12 and hits_a > 0 and hits_b > 0
+        assert sum(p == "/generate" for _, p in a.calls) == 0 and sum(p == "/generate" for _, p in b.calls) == 3
+        with c._lock:
+            c._inflight[a.url] -= 1
+        c.generate([1, 2], {"max_new_tokens": 2})  # a tie again: the first server
+        assert sum(p == "/generate" for _, p in a.calls) == 1
         before = len(a.calls)
         with pytest.raises(RequestRejected, match="token 0 is not allowed"):
             c.generate([0], {}, url=a.url)

@@ -34,7 +34,7 @@ Protocol generations (how weight updates are bracketed), detected without side e
 Robustness: connection errors are retried with exponential backoff (`retry_s` in total); a server that stays
 unreachable raises `ServerGoneError` naming it; HTTP 4xx raises `RequestRejected` at once (never retried;
 `.too_long`: a prompt over the context length). `api_key`: `Authorization: Bearer KEY` on every request.
-`generate_many` spreads requests over all servers (least in-flight first) and fails over when one is gone.
+`generate` without a `url` goes to the server with the fewest requests in flight (the loop's thread pool spreads).
 
 Differences from production (Miles' `SGLangEngine`): synchronous threads, not asyncio; no router; pushing to
 real SGLang by `update_weights_from_tensor` needs SGLang (its pickled CUDA-IPC payload; the embedded server
@@ -52,10 +52,8 @@ import socket
 import threading
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-PROTOCOLS = ("stock", "post_process", "session")
 # The first SGLang release with /begin_weight_update and /end_weight_update (rl_notes §4.7).
 SESSION_MIN_VERSION = (0, 5, 23)
 # The first release whose update_weights_from_distributed takes load_format="flattened_bucket" that we pinned.
@@ -331,26 +329,10 @@ class SGLangClient:
         items = out if isinstance(out, list) else [out]
         return [parse_generation(it, input_ids, url) for it in items]
 
-    def _pick(self, exclude=()) -> str:
+    def _pick(self) -> str:
+        """The server with the fewest requests in flight (the first such on a tie)."""
         with self._lock:
-            live = [u for u in self.urls if u not in exclude] or list(self.urls)
-            return min(live, key=lambda u: self._inflight[u])
-
-    def generate_many(self, prompts: list, sampling_params: dict, max_workers: int = 8) -> list:
-        """Generate for many prompts at once, spread over the servers; a server that is gone is skipped."""
-        def one(ids):
-            tried = []
-            while True:
-                url = self._pick(exclude=tried)
-                try:
-                    return self.generate(ids, sampling_params, url=url,
-                                         retry_s=self.retry_s if len(tried) + 1 >= len(self.urls) else 0.0)
-                except ServerGoneError:
-                    tried.append(url)
-                    if len(set(tried)) >= len(self.urls):
-                        raise
-        with ThreadPoolExecutor(max_workers=max_workers) as pool:
-            return list(pool.map(one, prompts))
+            return min(self.urls, key=lambda u: self._inflight[u])
 
     # ------------------------------------------------------------------ weight updates
     def begin_update(self, url: str):

@@ -47,9 +47,6 @@ def iter_sglang_buckets(model, dims=None, *, fp8: bool, bucket_bytes: int):
         yield fb.tensors()
 
 
-iter_rollout_weights = iter_sglang_buckets  # the name style.md habit 13 uses
-
-
 def sglang_flattened_payload(bucket, tp_size: int = 1) -> dict:
     """The request real SGLang takes: one pickled FlattenedTensorBucket per TP rank (needs sglang; CUDA IPC).
     A `FlatBucket` is wrapped as it is (its GPU buffer, no copy); a list is flattened by SGLang's class."""
