@@ -30,7 +30,7 @@ dry_env() {
 }
 # train.py / sft overrides of each mode (the recipe is h200 in both)
 overrides() {
-  if [ "$MODE" = gpu ]; then echo "--train.steps ${H20_STEPS:-50}"; return; fi
+  if [ "$MODE" = gpu ]; then echo "--train.steps ${H20_STEPS:-50} --train.progress false"; return; fi
   echo "--train.preset tiny --model.vocab_size 129280 --model.n_mtp_layers 0 --model.compress_ratios 0,4,8,4" \
        "--parallel.device cpu --train.dtype fp32 --train.threads 1" \
        "--train.steps ${H20_STEPS:-3} --grpo.n_prompts 2 --grpo.group_size 4 --grpo.over_sampling_batch_size 2" \
@@ -87,7 +87,8 @@ report() {
 poll() {  # wait up to $1 s for the pipeline, printing progress every 30 s
   local end=$((SECONDS + ${1:-540}))
   while [ $SECONDS -lt $end ] && [ ! -e $W/DONE ]; do
-    sleep 30; echo "--- $(date +%T)"; tail -n 3 $W/pipeline.log 2>/dev/null; tail -n 1 $W/server.log 2>/dev/null
+    sleep 30; echo "--- $(date +%T)"; tail -n 2 $W/pipeline.log 2>/dev/null | cut -c1-300
+    grep -a "^step \|^eval " $W/pipeline.log 2>/dev/null | tail -n 1; tail -n 1 $W/server.log 2>/dev/null | cut -c1-200
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
   done
   [ -e $W/DONE ] && echo "PIPELINE DONE" || echo "pipeline still running"
