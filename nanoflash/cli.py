@@ -95,7 +95,7 @@ RECIPES: dict[str, list[str]] = {
              "parallel.micro_batch_tokens=16384", "grpo.n_prompts=16", "grpo.group_size=8",
              "grpo.over_sampling_batch_size=16", "rollout.max_rounds=4", "rollout.weights=fp8",
              "rollout.transport=tensor", "rollout.bucket_bytes=536870912", "rollout.max_new_tokens=40",
-             "rollout.max_workers=16", "optim.lr=2e-4", "optim.weight_decay=0.0", "optim.grad_clip=1.0",
+             "rollout.max_workers=64", "optim.lr=2e-4", "optim.weight_decay=0.0", "optim.grad_clip=1.0",
              "eval.every=10", "eval.path=servers", "eval.n_problems=128", "eval.k_samples=8",
              "eval.max_new_tokens=40", "eval.live=true"],
 }
