@@ -36,6 +36,7 @@ import hmac
 import io
 import json
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -112,6 +113,11 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
+
+    def handle_error(self, request, client_address):
+        """A client that went away (reset, or too slow to take its answer) is not a server error."""
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
 
     def process_request_thread(self, request, client_address):
         try:
