@@ -502,9 +502,8 @@ class RoutedExperts(nn.Module):
     Outside, only official per-expert tensors exist: `state_dict` / `load_state_dict` use `{e}.w1.weight`,
     `{e}.w2.weight`, `{e}.w3.weight` (views into the stacks, in the former per-expert modules' order) and
     `checkpoint_names.official_views` splits a gradient or an optimizer moment the same way.
-    `cfg.kernels`: "triton", and "auto" for bf16 on CUDA, run `nanoflash.kernels.moe.grouped_experts` (grouped
-    GEMMs + fused SwiGLU, no host sync; 0.69x of a dense GEMM at 768 rows per expert on the H200, B13);
-    "reference" and "auto" elsewhere loop `expert_ffn` over the experts (counts read on the host).
+    `cfg.kernels` "triton", and "auto" in bf16 on CUDA: `kernels.moe.grouped_experts` (grouped GEMMs, fused SwiGLU,
+    no host sync; 0.69x of a dense GEMM on the H200, B13); else the `expert_ffn` loop (counts read on the host).
 
     Shapes: x [T,D] sorted by expert, rw [T,1] fp32, counts [E_l] int64 -> [T,D]
     """
