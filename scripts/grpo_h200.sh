@@ -14,6 +14,7 @@
 #   bash scripts/grpo_h200.sh dry
 set -uo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd)
+export H20_HOME=${H20_HOME:-$R}   # the checkout (its .venv for the dry run), when running from the copy
 W=${H20_WORK:-/tmp/h20}; mkdir -p "$W"
 URL=http://127.0.0.1:${H20_PORT:-30000}
 export PYTHONUNBUFFERED=1 NF_URL=$URL
@@ -26,7 +27,7 @@ gpu_env() {
   export NF_CHECK_PRESET=h200 NF_DEVICE=cuda PY=python3 MODE=gpu
 }
 dry_env() {
-  export PYTHONPATH=$R NF_CHECK_PRESET=tiny NF_VOCAB=129280 NF_DEVICE=cpu PY=${PY:-$R/.venv/bin/python} MODE=dry
+  export PYTHONPATH=$R NF_CHECK_PRESET=tiny NF_VOCAB=129280 NF_DEVICE=cpu PY=${PY:-$H20_HOME/.venv/bin/python} MODE=dry
 }
 # train.py / sft overrides of each mode (the recipe is h200 in both)
 overrides() {
@@ -59,11 +60,7 @@ start() {  # random-init checkpoint -> server -> the pipeline, both detached
   if (exec 3<>/dev/tcp/127.0.0.1/${URL##*:}) 2>/dev/null; then echo "port ${URL##*:} is taken: $URL" >&2; exit 1; fi
   $PY "$R/bench/sglang_check.py" ckpt --dir $W/init > $W/ckpt.log 2>&1 || { cat $W/ckpt.log; exit 1; }
   if [ "$MODE" = gpu ]; then serve_sglang; else serve_embedded; fi
-  # the pipeline runs from its own copy: a later device call re-syncs the checkout (bash reads scripts as it
-  # goes); .h20src (git archive of a tested commit, see docs/h200/README.md) is preferred over the checkout
-  local src=$R/.h20src; [ -d $src/nanoflash ] || src=$R
-  rm -rf $W/repo && mkdir -p $W/repo && cp -r $src/nanoflash $src/bench $src/scripts $src/train.py $W/repo/ || exit 1
-  setsid nohup bash $W/repo/scripts/grpo_h200.sh pipeline_$MODE > $W/pipeline.log 2>&1 < /dev/null &
+  setsid nohup bash "$R/scripts/grpo_h200.sh" pipeline_$MODE > $W/pipeline.log 2>&1 < /dev/null &
   echo "started: server and pipeline ($MODE); logs in $W"
 }
 pipeline() {  # SFT -> parity of the warm start (server restored from its checkpoint) -> GRPO -> report
@@ -81,7 +78,7 @@ pipeline() {  # SFT -> parity of the warm start (server restored from its checkp
   touch $W/DONE
 }
 report() {
-  $PY bench/grpo_h200.py report --run $W/run --out $W/report --sft $W/warm/sft.json --parity $W/parity.json \
+  $PY "$R/bench/grpo_h200.py" report --run $W/run --out $W/report --sft $W/warm/sft.json --parity $W/parity.json \
     || echo "FAILED report"
 }
 poll() {  # wait up to $1 s for the pipeline, printing progress every 30 s
@@ -100,13 +97,20 @@ collect() {  # <= 8 files back: one tarball of the results + the logs (a run sti
   tail -c 4000000 $W/server.log > "$out/server.log"; cp $W/pipeline.log "$out/" 2>/dev/null
   ls -la "$out"
 }
+snapshot() {  # everything from here on runs from its own copy: a later device call re-syncs the checkout (and bash
+  # reads scripts as it goes); .h20src (git archive of a tested commit, docs/h200/README.md) before the checkout
+  local src=$R/.h20src; [ -d $src/nanoflash ] || src=$R
+  rm -rf $W/repo && mkdir -p $W/repo && cp -r $src/nanoflash $src/bench $src/scripts $src/train.py $W/repo/ || exit 1
+}
 case "${1:-}" in
-  go) gpu_env; install && start ;;
+  go) snapshot && exec bash $W/repo/scripts/grpo_h200.sh go_here ;;
+  go_here) gpu_env; install && start ;;
   pipeline_gpu) gpu_env; pipeline ;;
   pipeline_dry) dry_env; pipeline ;;
   poll) poll "${2:-540}" ;;
-  collect) [ -d /tmp/site ] && gpu_env || dry_env; collect ;;
-  dry) dry_env; rm -rf $W/DONE $W/run $W/warm $W/report; start && poll "${2:-1800}"
+  collect) [ -d $W/repo ] && R=$W/repo; [ -d /tmp/site ] && gpu_env || dry_env; collect ;;
+  dry) snapshot && exec bash $W/repo/scripts/grpo_h200.sh dry_here "${2:-1800}" ;;
+  dry_here) dry_env; rm -rf $W/DONE $W/run $W/warm $W/report; start && poll "${2:-1800}"
        kill "$(cat $W/server.pid)" 2>/dev/null; tail -n 30 $W/pipeline.log ;;
-  *) echo "usage: $0 go|poll SECONDS|collect|dry" >&2; exit 2 ;;
+  *) echo "usage: $0 go|poll SECONDS|collect|dry [SECONDS]" >&2; exit 2 ;;
 esac
