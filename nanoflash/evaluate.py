@@ -28,10 +28,21 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from nanoflash.data import Problem
-from nanoflash.grpo import pass_at_k  # noqa: F401  (the estimator is part of the GRPO API)
 from nanoflash.rewards import REWARD_CORRECT
 
 PASS_KS = (1, 2, 4, 8)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one problem with c correct of n samples: 1 - prod_{i=n-c+1}^{n} (1 - k/i)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
 
 
 def _check_samples(samples, n_prompts: int, n: int, max_new_tokens: int) -> None:

@@ -307,16 +307,31 @@ def logprob_mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor, m
     }
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-                clip_low: float = 0.2, clip_high: float = 0.28, clip_c: float | None = None,
-                rollout_logp: Tensor | None = None, tis_cap: float | None = 2.0,
-                ref_logp: Tensor | None = None, kl_coef: float = 0.0, kl_type: str = "low_var_kl",
-                entropy: Tensor | None = None, entropy_coef: float = 0.0,
-                aggregation: str = "seq-mean-token-mean", denom: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO/PPO policy loss (Miles `policy_loss_function`), reduced by `masked_reduce(., mask, aggregation, denom)`:
+@dataclass(frozen=True)
+class LossConfig:
+    """The knobs of `policy_loss` (rl_notes §2.2-2.5); `LossConfig.of(run.grpo)` is a run's."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float | None = None             # dual clip for A < 0; None = off
+    tis_cap: float | None = 2.0             # TIS clamp; None = no TIS weight (rollout log-probs: metrics only)
+    kl_coef: float = 0.0                    # acts only when ref_logp is passed
+    kl_type: str = "low_var_kl"
+    entropy_coef: float = 0.0               # acts only when entropy is passed
+    aggregation: str = "seq-mean-token-mean"
+
+    @classmethod
+    def of(cls, gc) -> LossConfig:
+        """The loss of a run's `GRPOConfig` (TIS only with `use_tis`)."""
+        return cls(gc.clip_low, gc.clip_high, gc.clip_c, gc.tis_cap if gc.use_tis else None, gc.kl_coef, gc.kl_type,
+                   gc.entropy_coef, gc.aggregation)
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, lc: LossConfig = LossConfig(), *,
+                rollout_logp: Tensor | None = None, ref_logp: Tensor | None = None, entropy: Tensor | None = None,
+                denom: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO/PPO policy loss (Miles `policy_loss_function`), reduced by `masked_reduce(., mask, lc.aggregation, denom)`:
         L = reduce[w_t * clipped_surrogate(logp - old_logp, A)] + kl_coef reduce[KL(logp||ref)] - entropy_coef reduce[H]
-    w_t = TIS weight from (old_logp, rollout_logp) when rollout_logp is given and tis_cap is not None; with
-    tis_cap=None the rollout log-probs only feed the mismatch metrics. Off-mask tokens get ratio 1 and A = 0.
+    w_t = the TIS weight (`tis_weights`) when rollout_logp is given and lc.tis_cap is set. Off-mask: ratio 1, A = 0.
     Metrics (detached scalars, reduced like the loss, so they sum over micro-batches when `denom` is global):
     loss, pg_loss, pg_clipfrac, ppo_kl (= reduce[old - logp]), ess_ratio, ois, tis, tis_clipfrac, tis_abs,
     train_rollout_*, kl_loss, entropy. Shapes: every tensor [B,S] (advantages [B] or [B,S]) -> (scalar loss, metrics).
@@ -326,23 +341,23 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         advantages = advantages[:, None].expand_as(mask)
     log_ratio = torch.where(on, logp.float() - old_logp.float(), 0.0)  # [B,S] = -ppo_kl
     adv = torch.where(on, advantages.float(), 0.0)  # [B,S]
-    pg, clipped = clipped_surrogate(log_ratio, adv, clip_low, clip_high, clip_c)
-    red = lambda x: masked_reduce(x, mask, aggregation, denom)  # noqa: E731
+    pg, clipped = clipped_surrogate(log_ratio, adv, lc.clip_low, lc.clip_high, lc.clip_c)
+    red = lambda x: masked_reduce(x, mask, lc.aggregation, denom)  # noqa: E731
     m = {"pg_clipfrac": red(clipped), "ppo_kl": red(-log_ratio.detach()), "ess_ratio": red(ess_ratio(log_ratio, mask))}
     if rollout_logp is not None:
-        w, tis_stats = tis_weights(old_logp, rollout_logp, tis_cap)
+        w, tis_stats = tis_weights(old_logp, rollout_logp, lc.tis_cap)
         pg = pg * w
         m["ois"] = red(torch.exp(log_ratio.detach()))
         m.update({k: red(v) for k, v in tis_stats.items()})
-        m.update(logprob_mismatch_metrics(old_logp, rollout_logp, mask, aggregation, denom))
+        m.update(logprob_mismatch_metrics(old_logp, rollout_logp, mask, lc.aggregation, denom))
     loss = red(pg)
     m["pg_loss"] = loss
     if entropy is not None:
         m["entropy"] = red(entropy.float())
-        loss = loss - entropy_coef * m["entropy"]
+        loss = loss - lc.entropy_coef * m["entropy"]
     if ref_logp is not None:
-        m["kl_loss"] = red(approx_kl(logp, ref_logp, kl_type))
-        loss = loss + kl_coef * m["kl_loss"]
+        m["kl_loss"] = red(approx_kl(logp, ref_logp, lc.kl_type))
+        loss = loss + lc.kl_coef * m["kl_loss"]
     m["loss"] = loss
     return loss, {k: v.detach() for k, v in m.items()}
 
@@ -379,15 +394,3 @@ def prompts_to_request(n_kept: int, n_target: int, n_pending: int, over_sampling
                          f"chunk={over_sampling_batch_size}")
     missing = n_target - n_kept - n_pending
     return 0 if missing <= 0 else over_sampling_batch_size * math.ceil(missing / over_sampling_batch_size)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k for one problem with c correct of n samples: 1 - prod_{i=n-c+1}^{n} (1 - k/i)."""
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    miss = 1.0
-    for i in range(n - c + 1, n + 1):
-        miss *= 1.0 - k / i
-    return 1.0 - miss

@@ -197,14 +197,12 @@ class Actor:
         gc, first = self.gc, self.dims.is_first_stage
         mbs, _ = self.micro_batches(shard, self._fields("old_logprobs"))
         Z = global_count(grpo.loss_denominator(shard.mask, gc.aggregation), self.dims) if first else None
-        T, tis_cap = self.temperature, gc.tis_cap if gc.use_tis else None
+        T, lc = self.temperature, grpo.LossConfig.of(gc)
 
         def loss_fn(m, h, mb):
             lp = stage_logprobs(m, h, mb["targets"], T)
-            loss, met = grpo.policy_loss(
-                lp, mb["old_logprobs"], mb["advantages"], mb["mask"], clip_low=gc.clip_low, clip_high=gc.clip_high,
-                clip_c=gc.clip_c, rollout_logp=mb["rollout_logprobs"], tis_cap=tis_cap, aggregation=gc.aggregation,
-                denom=1.0)
+            loss, met = grpo.policy_loss(lp, mb["old_logprobs"], mb["advantages"], mb["mask"], lc,
+                                         rollout_logp=mb["rollout_logprobs"], denom=1.0)
             return loss, {k: met[k] for k in LOSS_KEYS if k in met}
         out = train_step(self.model, self.dims, mbs, self.optimizer, 1.0 / max(Z, 1.0) if first else None,
                          loss_fn=loss_fn, grad_clip=self.oc.grad_clip)

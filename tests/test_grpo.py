@@ -15,7 +15,7 @@ from nanoflash.config import GRPOConfig
 from nanoflash.metrics import step_metrics
 from nanoflash.grpo import (
     Episode, episode_advantages, filter_groups, group_advantages, logprob_mismatch_metrics, loss_denominator,
-    masked_reduce, pack, policy_loss, prompts_to_request, tis_weights,
+    LossConfig, masked_reduce, pack, policy_loss, prompts_to_request, tis_weights,
 )
 
 EXACT = 1e-12  # float64 sums of a handful of terms: only rounding differs
@@ -97,7 +97,7 @@ def test_policy_loss_hand():
     loss, m = policy_loss(lp, old, A, mask)
     assert loss.item() == pytest.approx((-1.14 + 0.95 + 2.0 - 0.75) / 6, abs=FP32_TOL)
     assert m["pg_clipfrac"].item() == pytest.approx((0.5 + 0.5) / 6, abs=FP32_TOL)
-    loss_t, m_t = policy_loss(lp, old, A, mask, aggregation="token-mean")
+    loss_t, m_t = policy_loss(lp, old, A, mask, LossConfig(aggregation="token-mean"))
     assert loss_t.item() == pytest.approx((-1.28 - 1 + 0.8 + 1.1 + 2.0 - 0.5 - 1) / 9, abs=FP32_TOL)
     assert m_t["pg_clipfrac"].item() == pytest.approx(2 / 9, abs=FP32_TOL)
     # gradient d loss / d logp = -rho A / (n_b B) on unclipped tokens, 0 on clipped ones (seq-mean-token-mean)
@@ -110,7 +110,7 @@ def _one_token(rho, adv, **kw):
     """policy_loss of a single token with ratio rho and advantage adv -> (loss, d loss / d logp)."""
     old = torch.tensor([[-1.0]], dtype=torch.float64)
     lp = (old + math.log(rho)).requires_grad_()
-    loss, _ = policy_loss(lp, old, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1), **kw)
+    loss, _ = policy_loss(lp, old, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1), LossConfig(**kw))
     (g,) = torch.autograd.grad(loss, lp)
     return loss.item(), g.item()
 
@@ -161,7 +161,7 @@ def test_tis_and_mismatch_hand():
     # inside the loss: A=1, on-policy ratio 1 -> per-token -w; sample mean = -(2 + 1)/2
     loss, m = policy_loss(old.clone(), old, torch.ones(1, 2), mask, rollout_logp=roll)
     assert loss.item() == pytest.approx(-1.5) and m["tis"].item() == pytest.approx(2.0)
-    loss_off, m_off = policy_loss(old.clone(), old, torch.ones(1, 2), mask, rollout_logp=roll, tis_cap=None)
+    loss_off, m_off = policy_loss(old.clone(), old, torch.ones(1, 2), mask, LossConfig(tis_cap=None), rollout_logp=roll)
     assert loss_off.item() == pytest.approx(-1.0) and m_off["tis_clipfrac"].item() == 0.0
 
 
@@ -223,8 +223,8 @@ def test_policy_loss_vs_naive_loop(agg):
     kw = dict(clip_low=0.2, clip_high=0.28, tis_clip=2.0, kl_coef=0.1, ent_coef=0.01)
     want = naive_policy_loss(lp, old, A, mask, roll, ref, ent, agg=agg, **kw)
     (g_want,) = torch.autograd.grad(want, lp)
-    got, m = policy_loss(lp.double(), old, A, mask, rollout_logp=roll, ref_logp=ref, kl_coef=0.1,
-                         kl_type="k3", entropy=ent, entropy_coef=0.01, aggregation=agg)
+    lc = LossConfig(kl_coef=0.1, kl_type="k3", entropy_coef=0.01, aggregation=agg)
+    got, m = policy_loss(lp.double(), old, A, mask, lc, rollout_logp=roll, ref_logp=ref, entropy=ent)
     (g_got,) = torch.autograd.grad(got, lp)
     # policy_loss computes in fp32 (as the trainer's logprobs are fp32); the loop runs in fp64
     torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
@@ -255,7 +255,7 @@ def test_on_policy_loss_is_minus_mean_advantage_property(agg):
     old = -torch.rand(6, 4, generator=g)
     A = group_advantages(torch.rand(6, generator=g), 3)[:, None].expand(6, 4)
     mask = torch.ones(6, 4)
-    loss, m = policy_loss(old.clone(), old, A, mask, aggregation=agg)
+    loss, m = policy_loss(old.clone(), old, A, mask, LossConfig(aggregation=agg))
     assert loss.item() == pytest.approx(-A[:, 0].mean().item(), abs=FP32_TOL)
     assert m["pg_clipfrac"] == 0 and m["ppo_kl"] == 0 and m["ess_ratio"].item() == pytest.approx(1.0)
 
@@ -269,8 +269,9 @@ def test_micro_batch_split_matches_full_batch_property(agg):
         eps.append(Episode([1] * P, [2] * R, (-torch.rand(R, generator=g)).tolist(), float(i % 3), i // 4))
     batch = pack(eps, episode_advantages(eps, 4))
     logp = (batch.rollout_logprobs.double() + 0.3 * torch.randn(batch.mask.shape, generator=g)).requires_grad_()
-    kw = dict(rollout_logp=batch.rollout_logprobs, aggregation=agg)
-    full, m_full = policy_loss(logp, batch.rollout_logprobs + 0.1, batch.advantages, batch.mask, **kw)
+    lc = LossConfig(aggregation=agg)
+    full, m_full = policy_loss(logp, batch.rollout_logprobs + 0.1, batch.advantages, batch.mask, lc,
+                               rollout_logp=batch.rollout_logprobs)
     (g_full,) = torch.autograd.grad(full, logp)
     micro = batch.split(3)
     denom = sum(loss_denominator(mb.mask, agg) for mb in micro)  # the trainer's global denominator
@@ -278,8 +279,8 @@ def test_micro_batch_split_matches_full_batch_property(agg):
     for mb in micro:
         lp = logp[row:row + len(mb)].detach().requires_grad_()
         row += len(mb)
-        loss, m = policy_loss(lp, mb.rollout_logprobs + 0.1, mb.advantages, mb.mask, denom=denom,
-                              rollout_logp=mb.rollout_logprobs, aggregation=agg)
+        loss, m = policy_loss(lp, mb.rollout_logprobs + 0.1, mb.advantages, mb.mask, lc, denom=denom,
+                              rollout_logp=mb.rollout_logprobs)
         g_micro.append(torch.autograd.grad(loss, lp)[0])
         total += loss.item()
         m_sum = {k: m_sum.get(k, 0.0) + v.item() for k, v in m.items()}
@@ -300,8 +301,8 @@ def test_tis_clamp_property():
         assert stats["tis_clipfrac"].sum() == (~below).sum()
     # the weight carries no gradient: the surrogate's gradient is only scaled by it
     lp = old.clone().requires_grad_()
-    loss, _ = policy_loss(lp, old, torch.ones(4, 6), torch.ones(4, 6), rollout_logp=roll, tis_cap=2.0,
-                          aggregation="token-mean")
+    lc = LossConfig(tis_cap=2.0, aggregation="token-mean")
+    loss, _ = policy_loss(lp, old, torch.ones(4, 6), torch.ones(4, 6), lc, rollout_logp=roll)
     loss.backward()
     w, _ = tis_weights(old, roll, 2.0)
     torch.testing.assert_close(lp.grad, -w / 24)
@@ -344,3 +345,10 @@ def test_group_advantages_2d_api():
     assert A[1].tolist() == pytest.approx([-1.0, 0.0, 1.0])
     assert torch.equal(A.flatten(), group_advantages([1.0, 0.0, 0.0, 0.0, 2.0, 4.0], 3, eps=0.0))
     assert group_advantages([[5.0], [3.0]]).tolist() == [[0.0], [0.0]]
+
+
+def test_loss_config_of_a_run_turns_tis_on_only_with_use_tis():
+    """The bug: a run's GRPOConfig mapped onto the loss with TIS on although `use_tis` is off (or the clips lost)."""
+    assert LossConfig.of(GRPOConfig()) == LossConfig(tis_cap=None)
+    gc = GRPOConfig(clip_low=0.1, clip_high=0.3, clip_c=3.0, use_tis=True, tis_cap=1.5, aggregation="token-mean")
+    assert LossConfig.of(gc) == LossConfig(0.1, 0.3, 3.0, 1.5, aggregation="token-mean")
