@@ -205,8 +205,7 @@ class Rollouts:
         self.broadcaster = None  # the single-process push's group, made on first use (train.py: stage_push's)
 
     def collect(self, pos: int, bar=None):
-        c = self.cfg
-        return collect(self.client, self.task, pos, c.grpo, c.rollout, c.train.seed, self.mcfg, bar)
+        return collect(self.client, self.task, pos, self.cfg, self.mcfg, bar)
 
     def push(self, model, version: int, disk_dir: str) -> dict:
         """One process holding the whole `model` (train.py pushes per stage: `rollout.stage_push.StagePusher`)."""
@@ -276,8 +275,10 @@ def _episodes(gens, prompt_ids, position, task, problem, n_layers: int, topk: in
     return out
 
 
-def collect(client, task: Task, pos: int, gc, rc, seed: int, mcfg, bar=None) -> tuple[list, list, int, dict]:
-    """Dynamic-sampling rollout. Returns (kept episodes, all episodes, new data position, counters)."""
+def collect(client, task: Task, pos: int, cfg, mcfg, bar=None) -> tuple[list, list, int, dict]:
+    """Dynamic-sampling rollout under the run's `cfg` (grpo, rollout, train.seed) for the model `mcfg`.
+    Returns (kept episodes, all episodes, new data position, counters)."""
+    gc, rc, seed = cfg.grpo, cfg.rollout, cfg.train.seed
     G, n, n_layers, topk = gc.n_prompts, gc.group_size, mcfg.n_layers, mcfg.n_activated_experts
     sp = {"n": n, "temperature": rc.temperature, "top_p": rc.top_p, "max_new_tokens": rc.max_new_tokens,
           "stop_token_ids": list(task.stop_ids)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from nanoflash import data, episodes, rewards
-from nanoflash.config import GRPOConfig, RolloutConfig, preset
+from nanoflash.config import GRPOConfig, RolloutConfig, RunConfig, TrainConfig, preset
 from nanoflash.data import CharTokenizer, Problem
 from nanoflash.model import Transformer
 from nanoflash.rollout.client import RequestRejected
@@ -36,7 +36,8 @@ def test_over_long_prompts_are_skipped_and_counted_and_oov_responses_score_zero(
         task = episodes.Task([long, short], [], lambda p: [5] * int(p.prompt), None, reward, [], 0)
         gc = GRPOConfig(n_prompts=2, group_size=2, over_sampling_batch_size=2, dynamic_sampling=False)
         rc = RolloutConfig(max_new_tokens=1, max_rounds=1, max_workers=2)
-        kept, seen, pos, counts = episodes.collect(client, task, 0, gc, rc, 1, model.cfg)
+        cfg = RunConfig(train=TrainConfig(seed=1), grpo=gc, rollout=rc)
+        kept, seen, pos, counts = episodes.collect(client, task, 0, cfg, model.cfg)
         assert pos == 2 and counts["prompts_too_long"] == 1 and len(seen) == 2  # the short prompt's group
         oov = sum(any(t >= vocab for t in e.response_ids) for e in seen)
         assert counts["reward_oov"] == oov and all(e.reward == 0.0 for e in seen

@@ -29,7 +29,7 @@ def served():
 
 
 def _collect(cfg, mcfg, client, task):
-    return ep.collect(client, task, 0, cfg.grpo, cfg.rollout, cfg.train.seed, mcfg)
+    return ep.collect(client, task, 0, cfg, mcfg)
 
 
 def test_samples_from_the_pushed_version_are_accepted_a_restarted_server_is_refused(served):
