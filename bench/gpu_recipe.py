@@ -88,10 +88,10 @@ def run(out: str, extra: list, timeout: float) -> dict:
 def predicted(extra: list) -> dict:
     from nanoflash import episodes as ep
     from nanoflash.cli import parse_args
-    from nanoflash.config import preset
+    from nanoflash.config import run_preset
     from nanoflash.parallel import planner
     cfg = parse_args(["--recipe", "gpu", *extra])
-    mcfg = preset(cfg.train.preset, **cfg.model)
+    mcfg = run_preset(cfg)
     task = ep.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
     seq = len(task.encode(task.train[0])) + cfg.rollout.max_new_tokens - 1
     fit = planner.measure_layer_bytes(mcfg, (256, 512), device="cuda" if torch.cuda.is_available() else "cpu")

@@ -27,7 +27,7 @@ import torch
 from nanoflash import episodes, grpo, synth, trainer
 from nanoflash.checkpoint import save_hf_checkpoint
 from nanoflash.cli import parse_args
-from nanoflash.config import preset
+from nanoflash.config import run_preset
 from nanoflash.parallel.dims import init_distributed
 from nanoflash.parallel.train_step import train_step
 
@@ -62,7 +62,7 @@ def cmd_sft(a, overrides):
     cfg = parse_args(["--recipe", "h200", *overrides])
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    mcfg = preset(cfg.train.preset, **cfg.model)
+    mcfg = run_preset(cfg)
     task = episodes.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
     family = cfg.train.data.split(":")[1]
     torch.manual_seed(cfg.train.seed)
@@ -110,7 +110,7 @@ def cmd_calibrate(a, overrides):
     cfg = parse_args(["--recipe", "h200", "--train.preset", "tiny", "--model.vocab_size", str(len(used)),
                       "--parallel.device", "cpu", "--train.dtype", "fp32", *overrides])
     torch.set_num_threads(cfg.train.threads or 1)
-    mcfg = preset(cfg.train.preset, **cfg.model)
+    mcfg = run_preset(cfg)
     torch.manual_seed(cfg.train.seed)
     actor = trainer.Actor(cfg, mcfg, init_distributed(1, 1, None))
     opt, eos = trainer.make_optimizer(actor.model, cfg.optim, lr=a.lr), rid[tok.eos_id]
@@ -149,7 +149,7 @@ def main(argv=None):
     ap.add_argument("phase", choices=["sft", "calibrate", "report"])
     ap.add_argument("--out", default="/tmp/warm")
     ap.add_argument("--lr", type=float, default=6e-4)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--target", type=float, default=0.2, help="stop when validation pass@1 reaches this")
     ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--max-seconds", type=float, default=240.0)

@@ -270,10 +270,10 @@ def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2)
     import contextlib
     import io
 
-    from nanoflash.config import preset
+    from nanoflash.config import run_preset
     from nanoflash.parallel import planner
     tc, par = cfg.train, cfg.parallel
-    mcfg = preset(tc.preset, **cfg.model)
+    mcfg = run_preset(cfg)
     argv = ["--preset", tc.preset, "--pp", str(par.pp), "--ep", str(par.ep), "--dp", str(par.dp or 1),
             "--micro-batch-tokens", str(par.micro_batch_tokens), "--gpus-per-host", str(gpus_per_node)]
     argv += ["--recompute"] * par.recompute + ["--offload"] * par.offload_optimizer

@@ -209,3 +209,9 @@ def preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     return dataclasses.replace(PRESETS[name](), **overrides)
+
+
+def run_preset(cfg: RunConfig) -> ModelConfig:
+    """The model a run builds from no checkpoint: preset `cfg.train.preset` with `cfg.model` (the --model.*
+    overrides) on top. `startup.model_config` starts from a checkpoint's own config when there is one."""
+    return preset(cfg.train.preset, **cfg.model)

@@ -31,7 +31,7 @@ import sys
 
 from nanoflash import config as config_mod
 from nanoflash.cli import dry_run_text, help_text, parse_args, to_dict
-from nanoflash.config import ModelConfig, RunConfig, preset
+from nanoflash.config import ModelConfig, RunConfig, preset, run_preset
 
 # Fields a resumed run may change (everything else must match the run directory's config.json).
 RESUMABLE = {"train": {"steps", "resume", "progress", "plots", "tensorboard", "wandb", "threads", "save_every",
@@ -104,7 +104,7 @@ def model_config(cfg: RunConfig) -> ModelConfig:
     or the preset, with the --model.* overrides on top."""
     ckpt = os.path.expanduser(cfg.train.checkpoint)
     if not ckpt:
-        return preset(cfg.train.preset, **cfg.model)
+        return run_preset(cfg)
     if os.path.exists(os.path.join(ckpt, "meta.json")):  # a nanoflash training checkpoint (DCP)
         with open(os.path.join(ckpt, "meta.json")) as f:
             stored = json.load(f).get("extra", {}).get("model_config")

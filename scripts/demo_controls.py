@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from nanoflash import episodes, trainer  # noqa: E402
 from nanoflash.cli import parse_args  # noqa: E402
-from nanoflash.config import preset  # noqa: E402
+from nanoflash.config import run_preset  # noqa: E402
 from nanoflash.data import Problem  # noqa: E402
 from nanoflash.metrics import answer_probe, read_jsonl  # noqa: E402
 from nanoflash.parallel.checkpoint import load_checkpoint  # noqa: E402
@@ -50,7 +50,7 @@ def timed(cmd: list, log: str) -> dict:
 def probe_run(run_dir: str, argv: list) -> dict:
     """answer_probe of every checkpoint of run_dir on the run's held-out problems: {step: probe}."""
     cfg = parse_args(argv)
-    mcfg = preset(cfg.train.preset, **cfg.model)
+    mcfg = run_preset(cfg)
     task = episodes.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
     prompts = [task.encode(p) for p in task.heldout]
     refs = [task.encode(Problem("", p.prompt + p.answer, ""))[len(x):] + [task.stop_ids[0]]

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from nanoflash.cli import parse_args
-from nanoflash.config import preset
+from nanoflash.config import run_preset
 from nanoflash.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +64,7 @@ def test_demo_command_runs_verbatim_in_a_clean_environment(tmp_path):
     metas = sorted((out / "checkpoints").glob("step_*/meta.json"))
     assert [m.parent.name for m in metas] == ["step_00000000", "step_00000001"]
     cfg = parse_args(shlex.split(cmd)[2:])
-    want = dataclasses.asdict(preset(cfg.train.preset, **cfg.model))
+    want = dataclasses.asdict(run_preset(cfg))
     for m in metas:                                                      # every checkpoint carries its model
         with open(m) as f:
             assert json.load(f)["extra"]["model_config"] == json.loads(json.dumps(want))
