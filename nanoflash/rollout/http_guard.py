@@ -54,7 +54,7 @@ class HTTPLimits:
 
     read_timeout_s: float = 30.0            # request line + headers (and idle keep-alive) deadline
     min_body_bytes_per_s: float = 1 << 20   # a body must arrive at >= 1 MiB/s on top of read_timeout_s
-    max_connections: int = 64               # open connections (each holds one thread)
+    max_connections: int = 256              # open connections, one thread each (4x the h200 recipe's 64 workers)
     max_body: int = 8 << 20                 # bytes, every route but the weight payload (a /generate batch)
     max_weight_body: int = 4 << 30          # bytes, /update_weights_from_tensor (1 GiB bucket, base64, TP copies)
 
