@@ -187,7 +187,9 @@ QAT_CFG = dict(dim=256, q_lora_rank=128, o_lora_rank=64, moe_inter_dim=128, head
 def _qat_spy(model, monkeypatch):
     """Replace the model's fp8/fp4 simulations by identity spies that record (site, last dim, block)."""
     import nanoflash.model as M
-    calls, current, rotated = [], [None], set()
+    # rotated: id -> tensor. Keeping each Hadamard output alive keeps its id unique: a freed tensor's id can be
+    # reused by a later kv tensor, which then counted as "rotated" (the test failed in some whole-suite orders).
+    calls, current, rotated = [], [None], {}
     for name, mod in model.named_modules():
         if isinstance(mod, (M.Linear, M.RoutedExperts)):  # stacked experts: their two GEMM inputs
             mod.register_forward_pre_hook(lambda m, a, n=name: current.__setitem__(0, (n, m)))
@@ -202,7 +204,7 @@ def _qat_spy(model, monkeypatch):
 
     def had(x):
         y = hadamard(x)
-        rotated.add(id(y))
+        rotated[id(y)] = y
         return y
     monkeypatch.setattr(M, "fp8_sim", spy("fp8"))
     monkeypatch.setattr(M, "fp4_sim", spy("fp4"))
