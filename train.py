@@ -28,17 +28,18 @@ import time
 
 import torch
 
-from nanoflash import episodes as ep
-from nanoflash import grpo, live as live_lib, trainer
+from nanoflash.rl import rollouts as ep
+from nanoflash import grpo
+from nanoflash.rl import live as live_lib, actor as trainer
 from nanoflash.cli import to_dict
-from nanoflash.evaluate import evaluate
-from nanoflash import metrics
-from nanoflash.metrics import MetricsLog, progress
+from nanoflash.rl.evaluate import evaluate
+from nanoflash.rl import metrics
+from nanoflash.rl.metrics import MetricsLog, progress
 from nanoflash.model import Transformer
-from nanoflash.parallel.checkpoint import latest_checkpoint
+from nanoflash.parallel.dcp import latest_checkpoint
 from nanoflash.parallel.dims import init_distributed, print0
-from nanoflash.plots import write_plots
-from nanoflash.rewards import VerifierUnavailable
+from nanoflash.rl.plots import write_plots
+from nanoflash.rl.rewards import VerifierUnavailable
 from nanoflash.rollout.client import RequestRejected
 from nanoflash.rollout.stage_push import StagePusher
 from nanoflash.startup import startup
@@ -88,7 +89,7 @@ if actor.optimizer is None:
 
 # ---------------------------------------------------------------------------------------------- rollouts
 # Weights reach the servers from every pipeline stage's own ranks (rollout.stage_push). Rank 0 gathers a full
-# copy once, only to start embedded servers from (`trainer.gather_full_state`); real SGLang loads its own.
+# copy once, only to start embedded servers from (`actor.gather_full_state`); real SGLang loads its own.
 full_state = trainer.gather_full_state(actor) if dims.world_size > 1 and not rc.urls else None
 shadow = actor.model if dims.world_size == 1 else (Transformer(mcfg) if full_state is not None else None)
 if shadow is not None and full_state is not None:
@@ -120,7 +121,7 @@ def run_eval(at: int) -> None:
     res["pass@1_se"] = float(acc.std() / len(acc) ** 0.5) if len(acc) > 1 else 0.0  # standard error over problems
     print0(f"eval step {at}: " + " ".join(f"{k}={v:.3f}" for k, v in res.items() if k.startswith("pass@")))
     log.log("eval", at, {**res, "eval_s": time.time() - t0})
-    if live is not None:  # the warm start on the same seeds, pushed in and back out (nanoflash/live.py)
+    if live is not None:  # the warm start on the same seeds, pushed in and back out (nanoflash/rl/live.py)
         log.log("eval_warm", at, live.eval_warm(at, acc, lambda a: lambda prompts, n: rollouts.eval_generate(
             prompts, n, ep.eval_seeds(tc.seed, a, len(prompts)))))
 

@@ -116,7 +116,7 @@ def bench_stream(preset_name, dev, bucket_bytes=1 << 28):
 
 def flash_plan(pp=4, ep=4, fp8=True):
     """Bytes of the FP8 stream of V4-Flash per stage source / per EP rank (the inventory on paper, no tensors)."""
-    from nanoflash.checkpoint_names import official_inventory, scale_shape, storage_kind
+    from nanoflash.names import official_inventory, scale_shape, storage_kind
     from nanoflash.parallel.expert import is_expert_param
     from nanoflash.parallel.pipeline import split_layers
     from nanoflash.rollout.layout import sglang_fp8

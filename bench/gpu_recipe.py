@@ -25,7 +25,7 @@ import time
 import torch
 
 GIB = 2 ** 30
-BASELINE = ("import resource, torch, nanoflash.model, nanoflash.episodes; torch.zeros(1, device='cuda'); "
+BASELINE = ("import resource, torch, nanoflash.model, nanoflash.rl.rollouts; torch.zeros(1, device='cuda'); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
 
 
@@ -86,7 +86,7 @@ def run(out: str, extra: list, timeout: float) -> dict:
 
 
 def predicted(extra: list) -> dict:
-    from nanoflash import episodes as ep
+    from nanoflash.rl import rollouts as ep
     from nanoflash.cli import parse_args
     from nanoflash.config import run_preset
     from nanoflash.parallel import planner

@@ -6,7 +6,7 @@
 `sft` trains the model `--recipe h200` describes (same preset, dtype, optimizer, device) from its seeded init
 on reference responses of the training split (`synth.sft_pairs`: the V4 chat prompt, then the written-out
 sums and `\\boxed{}`), and every CHECK_EVERY steps samples VAL_PROBLEMS validation problems x VAL_SAMPLES at
-temperature 1 in-process (`episodes.sample_batched`, the embedded engine's sampler) scored by the task's own
+temperature 1 in-process (`rollouts.sample_batched`, the embedded engine's sampler) scored by the task's own
 reward. It stops at the first check whose validation pass@1 reaches --target (the warm start should leave
 GRPO room: 10-40% held out), at --max-steps, or after --max-seconds, and writes the weights as an
 SGLang-servable checkpoint (FP8 128x128 linears, FP8 experts: what the server will hold) plus sft.json
@@ -14,7 +14,7 @@ SGLang-servable checkpoint (FP8 128x128 linears, FP8 experts: what the server wi
 stopping rule never looks at an eval problem.
 
 `report` reads metrics.jsonl (and parity.json, sft.json when present) and writes summary.json and the figures
-(`nanoflash.runstats`).
+(`nanoflash.rl.runstats`).
 """
 import argparse
 import json
@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from nanoflash import episodes, grpo, synth, trainer
+from nanoflash.rl import rollouts, synth, actor as trainer
+from nanoflash import grpo
 from nanoflash.checkpoint import save_hf_checkpoint
 from nanoflash.cli import parse_args
 from nanoflash.config import run_preset
@@ -52,7 +53,7 @@ def val_pass1(actor, task, val: list, seed: int, max_new: int) -> float:
     """Mean reward of VAL_SAMPLES samples per validation problem at T = 1, sampled in-process."""
     prompts = [task.encode(p) for p in val]
     seeds = [seed * 7919 + i for i in range(len(val))]
-    out = episodes.sample_batched(actor.model, prompts, VAL_SAMPLES, max_new, 1.0, list(task.stop_ids), seeds)
+    out = rollouts.sample_batched(actor.model, prompts, VAL_SAMPLES, max_new, 1.0, list(task.stop_ids), seeds)
     flat = [p for p in val for _ in range(VAL_SAMPLES)]
     rs = task.reward(flat, [ids for group in out for ids, _ in group])
     return sum(rs) / len(rs)
@@ -63,7 +64,7 @@ def cmd_sft(a, overrides):
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     mcfg = run_preset(cfg)
-    task = episodes.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
+    task = rollouts.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
     family = cfg.train.data.split(":")[1]
     torch.manual_seed(cfg.train.seed)
     actor = trainer.Actor(cfg, mcfg, init_distributed(1, 1, None))
@@ -99,7 +100,7 @@ def cmd_calibrate(a, overrides):
     """The SFT curve of the task on the CPU with the `tiny` preset: the V4 ids this task uses (~60) renumbered
     to a compact vocabulary so a 2-core CPU can train it (the full 129,280-row head costs ~10 s a step there).
     The same prompts, responses, splits and reward; only the ids are renamed. Writes the curve as JSON."""
-    from nanoflash import rewards
+    from nanoflash.rl import rewards
     from nanoflash.grpo import Episode  # noqa: F401  (sft_batch_step packs Episodes)
     tok = _tokenizer()
     train, val = synth.problems("sum4", "train"), synth.problems("sum4", "val")[:VAL_PROBLEMS]
@@ -118,7 +119,7 @@ def cmd_calibrate(a, overrides):
     def reward(probs, ids):
         texts = [tok.decode([used[i] for i in x], True) for x in ids]
         return [float(rewards.integer_match(rewards.extract_answer(t), p.answer)) for t, p in zip(texts, probs)]
-    task = episodes.Task(train, val, lambda p: [rid[t] for t in tok.encode_chat(p)], None, reward, [eos], eos)
+    task = rollouts.Task(train, val, lambda p: [rid[t] for t in tok.encode_chat(p)], None, reward, [eos], eos)
     curve, t0 = [], time.time()
     for i in range(1, a.max_steps + 1):
         opt.lr = a.lr * min(1.0, i / SFT_LR_WARMUP)
@@ -133,12 +134,12 @@ def cmd_calibrate(a, overrides):
 
 
 def _tokenizer():
-    from nanoflash.data import V4Tokenizer
+    from nanoflash.rl.data import V4Tokenizer
     return V4Tokenizer()
 
 
 def cmd_report(a):
-    from nanoflash import runstats
+    from nanoflash.rl import runstats
     summary = runstats.report(a.run, a.out, extra={k: p for k, p in (("sft", a.sft), ("parity", a.parity)) if p})
     print(json.dumps(summary["bars"], indent=1))
 

@@ -80,8 +80,8 @@ def load_model(a, dtype=torch.bfloat16, **kw) -> Transformer:
 def synth_prompt(length: int, seed: int) -> list:
     """In-distribution text of the warm-started model (issue 20): held-out running-sum problems with their
     reference responses in the V4 chat format, back to back, until `length` tokens; cut to exactly `length`."""
-    from nanoflash import synth
-    from nanoflash.data import V4Tokenizer
+    from nanoflash.rl import synth
+    from nanoflash.rl.data import V4Tokenizer
     tok, probs = V4Tokenizer(), synth.problems("sum4", "heldout", seed=seed)
     ids, i = [], 0
     while len(ids) < length:

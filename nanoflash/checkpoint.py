@@ -2,7 +2,7 @@
 
 Layout (deepseek-ai/DeepSeek-V4-Flash): `config.json`, `model.safetensors.index.json` ({"weight_map": name ->
 shard file}) and shards `model-0000k-of-0000n.safetensors`. Names are the official ones, which are also the
-nanoflash FQNs (the table lives in `checkpoint_names.py`). Storage per tensor (v4_notes §3.2-3.3):
+nanoflash FQNs (the table lives in `names.py`). Storage per tensor (v4_notes §3.2-3.3):
 
     FP8   W[i,j] = e4m3(Q[i,j]) * S[i//128, j//128]       attention / shared-expert / indexer wq_b / MTP linears
     FP4   W[i,j] = e2m1(nibble(i,j)) * S[i, j//32]         routed experts; int8 bytes hold 2 values (low nibble first)
@@ -44,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nanoflash import quant
-from nanoflash.checkpoint_names import (  # noqa: F401  (re-exported: the name table's public API)
+from nanoflash.names import (  # noqa: F401  (re-exported: the name table's public API)
     HFName, checkpoint_keys, hf_state_dict_to_nanoflash, hf_to_official, nanoflash_state_dict_to_hf,
     official_inventory, official_to_hf, release_kind, scale_shape, storage_kind)
 

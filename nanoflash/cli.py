@@ -87,7 +87,7 @@ RECIPES: dict[str, list[str]] = {
             "eval.every=3", "eval.before_train=false", "eval.path=servers", "eval.n_problems=16",
             "eval.k_samples=8", "eval.max_new_tokens=16"],
     # one H200, SGLang colocated (scripts/grpo_h200.sh, docs/h200/): the h200 preset (1.24B) in bf16, warm-started
-    # by bench/grpo_h200.py sft, GRPO on running sums in the V4 chat format (nanoflash/synth.py) through SGLang at
+    # by bench/grpo_h200.py sft, GRPO on running sums in the V4 chat format (nanoflash/rl/synth.py) through SGLang at
     # --rollout.urls, a verified FP8 push + probe every step, the warm start re-evaluated at every eval (eval.live).
     # lr: the 2026-12-01 H200 run at 2e-4 collapsed (the probe moved 2.4 nats in 2 steps, docs/h200/); 2e-5 is
     # the next try, NOT yet run
@@ -258,7 +258,7 @@ def rollout_weight_bytes(mcfg, push: bool = False) -> float:
     what a weight push sends instead: experts re-packed FP8 (one byte, as Miles on Hopper), no MTP block."""
     import torch
 
-    from nanoflash.checkpoint_names import storage_kind
+    from nanoflash.names import storage_kind
     from nanoflash.model import Transformer
     with torch.device("meta"):
         model = Transformer(mcfg)

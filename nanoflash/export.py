@@ -7,7 +7,7 @@ SOURCE is a run directory (its newest committed checkpoint) or one `checkpoints/
 config comes from the checkpoint itself (`meta.json` -> `extra.model_config`, which `train.py` writes into every
 checkpoint); for a checkpoint written before that, from the run's `config.json` (preset + `--model.*`). The
 weights are rebuilt as one full model on the CPU from any PP/EP layout (DCP reshards by name:
-`parallel.checkpoint.export_hf`) and written by `checkpoint.save_hf_checkpoint`: `config.json` (HF keys plus the
+`parallel.dcp.export_hf`) and written by `checkpoint.save_hf_checkpoint`: `config.json` (HF keys plus the
 exact nanoflash config), the index and the shards, official tensor names.
 
 Storage (`--weights`, `--experts`): bf16 (default) keeps every FP8-kind linear and expert in BF16, the
@@ -34,7 +34,7 @@ import sys
 import torch
 
 from nanoflash.config import ModelConfig, preset
-from nanoflash.parallel.checkpoint import META, latest_checkpoint
+from nanoflash.parallel.dcp import META, latest_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -85,7 +85,7 @@ def add_transformers_keys(out_dir: str, cfg: ModelConfig) -> None:
 def export(source: str, out_dir: str, weights: str = "bf16", experts: str | None = None,
            dtype: str = "fp32") -> dict:
     """SOURCE (run or step directory) -> HF-layout OUT_DIR. Returns {"checkpoint", "tensors", "out_dir"}."""
-    from nanoflash.parallel.checkpoint import export_hf
+    from nanoflash.parallel.dcp import export_hf
     ckpt = resolve_checkpoint(source)
     cfg = checkpoint_model_config(ckpt)
     if os.path.exists(out_dir) and os.listdir(out_dir):

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nanoflash.checkpoint_names import EXPERT_STACKS, official_parameters, official_views
+from nanoflash.names import EXPERT_STACKS, official_parameters, official_views
 from nanoflash.config import ModelConfig
 from nanoflash.quant import fp4_sim, fp8_sim, hadamard
 
@@ -501,7 +501,7 @@ class RoutedExperts(nn.Module):
 
     Outside, only official per-expert tensors exist: `state_dict` / `load_state_dict` use `{e}.w1.weight`,
     `{e}.w2.weight`, `{e}.w3.weight` (views into the stacks, in the former per-expert modules' order) and
-    `checkpoint_names.official_views` splits a gradient or an optimizer moment the same way.
+    `names.official_views` splits a gradient or an optimizer moment the same way.
     `cfg.kernels` "triton", and "auto" in bf16 on CUDA: `kernels.moe.grouped_experts` (grouped GEMMs, fused SwiGLU,
     no host sync; 0.69x of a dense GEMM on the H200, B13); else the `expert_ffn` loop (counts read on the host).
 

@@ -52,7 +52,7 @@ import functools
 
 import torch
 
-from nanoflash.checkpoint_names import FP4_BLOCK, FP8_BLOCK  # noqa: F401  (defined once: 128x128 and 1x32)
+from nanoflash.names import FP4_BLOCK, FP8_BLOCK  # noqa: F401  (defined once: 128x128 and 1x32)
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 E2M1_MAX = 6.0  # largest FP4 e2m1 value

@@ -103,7 +103,7 @@ class OptimConfig:
 
 @dataclass
 class RolloutConfig:
-    """Where rollouts come from and how weights reach them (read by `nanoflash.trainer`).
+    """Where rollouts come from and how weights reach them (read by `nanoflash.rl.actor`).
 
     Empty `urls` = train.py starts `n_servers` embedded nanoflash servers itself (in-process threads, SGLang
     protocol over HTTP on 127.0.0.1); otherwise it talks to the SGLang servers at those URLs.
@@ -181,7 +181,7 @@ class TrainConfig:
     data: str = "../shared/data/dapo_math_17k.parquet"  # training parquet / jsonl (task=dapo|chat), relative to the cwd
     prompt_key: str = ""              # training file's prompt field, dotted for nested ("" = prompt, else problem)
     answer_key: str = ""              # training file's answer field ("" = reward_model.ground_truth, else label, else answer)
-    reward: str = ""                  # reward plug-in "module:function" (contract: nanoflash/plugins.py); "" = the task's own
+    reward: str = ""                  # reward plug-in "module:function" (contract: nanoflash/rl/plugins.py); "" = the task's own
     reward_timeout_s: float = 10.0    # per response: a plug-in call past this is killed and scores 0
     reward_workers: int = 2           # processes running the reward plug-in
     difficulty: int = 1               # arith operand digits

@@ -6,7 +6,7 @@
 overrides (`cli.parse_args`), runs the checks that need no model (`check_config`: data and checkpoint paths,
 server URLs, knob combinations; the config dataclasses refuse bad values and the knobs nothing reads), resolves
 the model config (`model_config`: a checkpoint's own, or the preset, plus `--model.*`), loads the task's data
-and reward plug-in (`episodes.make_task`: the tokenizer/vocabulary check, field names, `train.reward`), and
+and reward plug-in (`rollouts.make_task`: the tokenizer/vocabulary check, field names, `train.reward`), and
 prepares the run directory. A user error anywhere in there is ONE line on stderr (`train.py: error: ...`)
 and exit code 2, before any model is built (`NANOFLASH_TRACEBACK=1` shows the traceback instead).
 
@@ -64,8 +64,8 @@ def startup(argv: list[str], prog: str = "train.py"):
             raise SystemExit(0)
         check_config(cfg)
         mcfg = model_config(cfg)
-        from nanoflash import episodes
-        task = episodes.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
+        from nanoflash.rl import rollouts
+        task = rollouts.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
         prepare_out_dir(cfg, rank0=int(os.environ.get("RANK", "0")) == 0)
     except (ValueError, OSError, ImportError, KeyError) as e:
         usage_error(e, prog)
@@ -132,7 +132,7 @@ def config_diff(old: dict, new: dict) -> list[str]:
 
 def prepare_out_dir(cfg: RunConfig, rank0: bool = True) -> None:
     """Refuse another run's directory; stop (exit 0) if this run is finished; write out_dir/config.json."""
-    from nanoflash.parallel.checkpoint import latest_checkpoint
+    from nanoflash.parallel.dcp import latest_checkpoint
     tc, out = cfg.train, cfg.train.out_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"train.out_dir={out!r} is a file, not a directory")

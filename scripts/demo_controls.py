@@ -22,12 +22,12 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from nanoflash import episodes, trainer  # noqa: E402
+from nanoflash.rl import rollouts, actor  # noqa: E402
 from nanoflash.cli import parse_args  # noqa: E402
 from nanoflash.config import run_preset  # noqa: E402
-from nanoflash.data import Problem  # noqa: E402
-from nanoflash.metrics import answer_probe, read_jsonl  # noqa: E402
-from nanoflash.parallel.checkpoint import load_checkpoint  # noqa: E402
+from nanoflash.rl.data import Problem  # noqa: E402
+from nanoflash.rl.metrics import answer_probe, read_jsonl  # noqa: E402
+from nanoflash.parallel.dcp import load_checkpoint  # noqa: E402
 from nanoflash.parallel.dims import ParallelDims  # noqa: E402
 
 CONTROL_EXTRA = (20, 40)  # intermediate control points (extra SFT steps after the warm start), besides the 60
@@ -51,14 +51,14 @@ def probe_run(run_dir: str, argv: list) -> dict:
     """answer_probe of every checkpoint of run_dir on the run's held-out problems: {step: probe}."""
     cfg = parse_args(argv)
     mcfg = run_preset(cfg)
-    task = episodes.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
+    task = rollouts.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
     prompts = [task.encode(p) for p in task.heldout]
     refs = [task.encode(Problem("", p.prompt + p.answer, ""))[len(x):] + [task.stop_ids[0]]
             for x, p in zip(prompts, task.heldout)]
     out, root = {}, os.path.join(run_dir, "checkpoints")
     for d in sorted(os.listdir(root)):
         if d.startswith("step_") and not d.endswith(".tmp"):
-            model = trainer.build_model(mcfg, ParallelDims(), cfg.parallel, torch.float32, "cpu", seed=None)
+            model = actor.build_model(mcfg, ParallelDims(), cfg.parallel, torch.float32, "cpu", seed=None)
             meta = load_checkpoint(os.path.join(root, d), model, None, ParallelDims())
             out[meta["step"]] = answer_probe(model.eval(), prompts, refs, cfg.eval.temperature)
     return out
@@ -98,7 +98,7 @@ def main():
             res[f"{arm}-s{seed}"] = entry
     with open(os.path.join(args.out, "controls.json"), "w") as f:
         json.dump(res, f, indent=1)
-    from nanoflash.plots import control_plot
+    from nanoflash.rl.plots import control_plot
     print(control_plot(res, os.path.join(ROOT, "docs", "demo", "grpo_vs_control.png")))
     print(json.dumps(res, indent=1))
 

@@ -9,7 +9,8 @@ where the trainer's own top-k differs from the engine's record, and the Miles mi
 """
 import sys, torch
 from nanoflash.cli import parse_args
-from nanoflash import trainer, episodes as ep, grpo
+from nanoflash.rl import actor as trainer, rollouts as ep
+from nanoflash import grpo
 from nanoflash.config import preset
 from nanoflash.parallel.dims import ParallelDims
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The GRPO actor (`nanoflash.trainer.Actor`) at PP x EP x DP on gloo against the single process.
+"""The GRPO actor (`nanoflash.rl.actor.Actor`) at PP x EP x DP on gloo against the single process.
 
 The path under test is exactly what train.py runs: rank 0 holds the global batch, `scatter_shards` sends
 each first-stage rank its rows, `actor.logprobs` (forward_only at any PP) and `actor.train` (train_step with
@@ -18,7 +18,7 @@ from nanoflash.cli import parse_args
 from nanoflash.config import preset
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.parallel.microbatch import pack_microbatches
-from nanoflash.trainer import FIELDS, Actor, batch_samples, build_model, make_optimizer, scatter_shards
+from nanoflash.rl.actor import FIELDS, Actor, batch_samples, build_model, make_optimizer, scatter_shards
 
 # Response lengths chosen so shards pack into different micro-batch counts at a 40-token budget
 # (PP2xEP2: 3 vs 2 micro-batches; DP2xEP2: 2, 1, 2, 1).

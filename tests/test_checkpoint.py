@@ -1,4 +1,4 @@
-"""Tests for the checkpoint name table (`nanoflash/checkpoint_names.py`) and HF safetensors I/O
+"""Tests for the checkpoint name table (`nanoflash/names.py`) and HF safetensors I/O
 (`nanoflash/checkpoint.py`). Run: `pytest tests/test_checkpoint.py -q` (about 15 s on 2 cores)."""
 import json
 import math
@@ -58,7 +58,7 @@ def meta_model(cfg):
 
 
 def spec_flash_keys():
-    """The release's key list written out from the v4_notes §3.2 tables, independently of checkpoint_names."""
+    """The release's key list written out from the v4_notes §3.2 tables, independently of names."""
     def q(*names):  # FP8/FP4 weights: the weight and its `.scale`
         return [n for name in names for n in (name + ".weight", name + ".scale")]
     keys = ["embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"]

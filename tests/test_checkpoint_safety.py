@@ -1,5 +1,5 @@
 """Checkpoints that cannot run code, catch corruption and fall back to the last good one; runs that never adopt
-another run's checkpoints; diverged runs that stop with one message (nanoflash.parallel.checkpoint, train.py).
+another run's checkpoints; diverged runs that stop with one message (nanoflash.parallel.dcp, train.py).
 
 Each test reproduces the fault: a crafted RNG pickle, a flipped byte in a DCP shard, a corrupt newest
 checkpoint, NaN inside an HF checkpoint, `--train.resume false` into an old run's folder, `--optim.lr 1e30`.
@@ -17,7 +17,7 @@ import torch
 from nanoflash.checkpoint import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
 from nanoflash.config import OptimConfig, preset
 from nanoflash.model import Transformer
-from nanoflash.parallel.checkpoint import CheckpointCorrupt, file_crc32, load_checkpoint, load_latest, save_checkpoint
+from nanoflash.parallel.dcp import CheckpointCorrupt, file_crc32, load_checkpoint, load_latest, save_checkpoint
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.parallel.train_step import make_optimizer
 
@@ -135,7 +135,7 @@ def test_diverging_learning_rate_stops_with_one_message(tmp_path):
 
 
 def test_torn_last_metrics_line_is_dropped_a_corrupt_middle_line_is_an_error(tmp_path, capsys):
-    from nanoflash.metrics import MetricsLog, read_jsonl
+    from nanoflash.rl.metrics import MetricsLog, read_jsonl
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"kind": "train", "step": 1}\n{"kind": "train", "step": 2}\n{"kind": "tra')  # killed mid-write
     assert [r["step"] for r in read_jsonl(str(path))] == [1, 2]

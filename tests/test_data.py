@@ -1,4 +1,4 @@
-"""Tests of nanoflash/data.py: real data files, malformed rows, the arithmetic task, the V4 chat format.
+"""Tests of nanoflash/rl/data.py: real data files, malformed rows, the arithmetic task, the V4 chat format.
 
 Run: pytest tests/test_data.py -q
 """
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from nanoflash.config import preset
-from nanoflash.data import (BOS, DAPO_TAIL, MOD10_MAX_ADDEND, CharTokenizer, Problem, V4Tokenizer,
+from nanoflash.rl.data import (BOS, DAPO_TAIL, MOD10_MAX_ADDEND, CharTokenizer, Problem, V4Tokenizer,
                             arithmetic_problems, load_dapo, load_jsonl_problems, render_chat)
 
 # The data files sit beside the checkout (../shared/data); NANOFLASH_DATA overrides.
@@ -218,7 +218,7 @@ def test_own_jsonl_and_parquet_with_configured_fields(tmp_path):
     """Any path, either format, field names given as dotted keys; a row without them is skipped and counted."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from nanoflash.data import load_problems
+    from nanoflash.rl.data import load_problems
     rows = [{"question": f"What is {i}+{i}?", "meta": {"gold": str(2 * i)}} for i in range(5)] + [{"question": "x"}]
     (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "mine.parquet"))
@@ -230,7 +230,7 @@ def test_own_jsonl_and_parquet_with_configured_fields(tmp_path):
 
 
 def test_wrong_field_name_is_one_error_listing_the_fields(tmp_path):
-    from nanoflash.data import load_problems
+    from nanoflash.rl.data import load_problems
     (tmp_path / "mine.jsonl").write_text(json.dumps({"question": "q", "solution": "4"}) + "\n")
     with pytest.raises(ValueError, match=r"none of its 1 rows.*answer_key='answer_text'.*\['question', 'solution'\]"):
         load_problems(str(tmp_path / "mine.jsonl"), prompt_key="question", answer_key="answer_text")

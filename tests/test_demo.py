@@ -10,10 +10,11 @@ import re
 import pytest
 import torch
 
-from nanoflash import cli, episodes
+from nanoflash import cli
+from nanoflash.rl import rollouts
 from nanoflash.config import preset
-from nanoflash.data import Problem
-from nanoflash.metrics import answer_probe
+from nanoflash.rl.data import Problem
+from nanoflash.rl.metrics import answer_probe
 from nanoflash.model import Transformer
 
 # batched teacher-forced forwards vs one sequence at a time, fp32: the same math in another batch shape
@@ -30,7 +31,7 @@ def parts(prompt: str) -> tuple[str, str, str]:
 @pytest.fixture(scope="module")
 def demo_task():
     cfg = cli.parse_args(["--recipe", "demo"])
-    return cfg, episodes.make_task(cfg.train, cfg.eval, 18)
+    return cfg, rollouts.make_task(cfg.train, cfg.eval, 18)
 
 
 def test_heldout_shares_only_the_rule_digit_with_anything_trained_on(demo_task):

@@ -114,7 +114,7 @@ def test_the_checkers_catch_what_they_claim():
 
 
 def test_the_readme_reading_order_names_every_module():
-    """The bug: a module (trainer.py and episodes.py were) or a package missing from the README's reading order,
+    """The bug: a module (rl/actor.py and rl/rollouts.py were) or a package missing from the README's reading order,
     so a reader following it never meets half of the loop."""
     text = (ROOT / "README.md").read_text()
     table = text.split("## Reading order", 1)[1].split("\n## ", 1)[0]

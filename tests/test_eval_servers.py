@@ -6,12 +6,12 @@ comparison can fail). Run: pytest tests/test_eval_servers.py -q
 """
 import pytest
 
-from nanoflash import episodes as ep
+from nanoflash.rl import rollouts as ep
 from nanoflash.cli import parse_args
 from nanoflash.config import preset
-from nanoflash.evaluate import evaluate
+from nanoflash.rl.evaluate import evaluate
 from nanoflash.model import Transformer
-from nanoflash.rewards import REWARD_CORRECT
+from nanoflash.rl.rewards import REWARD_CORRECT
 
 K_SAMPLES, MAX_NEW, N_PROBLEMS = 4, 4, 8
 

@@ -1,4 +1,4 @@
-"""Tests of nanoflash/evaluate.py: pass@k against brute-force enumeration, evaluate() on a scripted generator.
+"""Tests of nanoflash/rl/evaluate.py: pass@k against brute-force enumeration, evaluate() on a scripted generator.
 
 Run: pytest tests/test_evaluate.py -q
 """
@@ -8,9 +8,9 @@ from fractions import Fraction
 
 import pytest
 
-from nanoflash.data import CharTokenizer, arithmetic_problems
-from nanoflash.evaluate import evaluate, pass_at_k
-from nanoflash.rewards import arith_reward, token_reward_fn
+from nanoflash.rl.data import CharTokenizer, arithmetic_problems
+from nanoflash.rl.evaluate import evaluate, pass_at_k
+from nanoflash.rl.rewards import arith_reward, token_reward_fn
 
 EXACT_TOL = 1e-12  # pass_at_k is a product of <= n float factors; a few ulps of rounding, nothing more
 

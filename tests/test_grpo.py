@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoflash.config import GRPOConfig
-from nanoflash.metrics import step_metrics
+from nanoflash.rl.metrics import step_metrics
 from nanoflash.grpo import (
     Episode, episode_advantages, filter_groups, group_advantages, logprob_mismatch_metrics, loss_denominator,
     LossConfig, masked_reduce, pack, policy_loss, prompts_to_request, tis_weights,

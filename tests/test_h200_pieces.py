@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from nanoflash import data, live, rewards, runstats, synth
+from nanoflash.rl import data, live, rewards, runstats, synth
 from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.rollout import probe as probe_lib
@@ -178,7 +178,7 @@ def test_summary_of_a_synthetic_run(tmp_path):
     g = random.Random(1)
     run = tmp_path / "run"
     run.mkdir()
-    from nanoflash.metrics import MetricsLog
+    from nanoflash.rl.metrics import MetricsLog
     log = MetricsLog(str(run / "metrics.jsonl"))
     log.log("push", 0, {"verify_servers": 1, "probe_mean": 0.05})
     for s in range(1, 21):

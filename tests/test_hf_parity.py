@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import reference as ref
-from nanoflash.checkpoint_names import hf_state_dict_to_nanoflash
+from nanoflash.names import hf_state_dict_to_nanoflash
 from nanoflash.config import preset
 from nanoflash.model import Indexer, Transformer, hc_post
 

@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from nanoflash.metrics import MetricsLog, read_jsonl
+from nanoflash.rl.metrics import MetricsLog, read_jsonl
 
 
 class FakeTB:

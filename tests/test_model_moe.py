@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanoflash.checkpoint_names import official_inventory, official_views
+from nanoflash.names import official_inventory, official_views
 from nanoflash.config import preset
 from nanoflash.model import Expert, MoE, Transformer
 
@@ -294,7 +294,7 @@ def test_dcp_checkpoint_of_per_expert_layout_loads(tmp_path, tiny):
     """A DCP checkpoint written from the per-expert layout (model + AdamW state by per-expert names, exactly
     what the code before stacking saved) loads into stacked experts; a new save has the same keys."""
     from torch.distributed.checkpoint import FileSystemReader
-    from nanoflash.parallel import checkpoint as ckpt
+    from nanoflash.parallel import dcp as ckpt
     from nanoflash.parallel.dims import ParallelDims
     from nanoflash.parallel.optim import AdamW, trainable_parameters
     old = per_expert_layout(tiny)

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from nanoflash.checkpoint_names import official_views
+from nanoflash.names import official_views
 from nanoflash.config import preset
 from nanoflash.model import MoE, round_robin_tid2eid
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import run_ranks
-from nanoflash.checkpoint_names import official_views
+from nanoflash.names import official_views
 from nanoflash.config import preset
 from nanoflash.model import MoE
 from nanoflash.parallel.dims import ParallelDims

@@ -1,4 +1,4 @@
-"""Reward plug-ins (`--train.reward module:function`, nanoflash/plugins.py): loaded from a module in a temporary
+"""Reward plug-ins (`--train.reward module:function`, nanoflash/rl/plugins.py): loaded from a module in a temporary
 directory, run in worker processes; the contract's outcomes (value, timeout, exception, non-number) each
 checked, and one short train.py run that trains on a plug-in reward.
 
@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
-from nanoflash import cli, episodes, plugins
-from nanoflash.data import Problem
-from nanoflash.metrics import read_jsonl
+from nanoflash import cli
+from nanoflash.rl import rollouts, plugins
+from nanoflash.rl.data import Problem
+from nanoflash.rl.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 1.0  # the plug-in's "hang" sleeps 30 s: far past this, so the timeout path is the only way out
@@ -85,7 +86,7 @@ def test_plugin_load_errors_name_the_spec(plugin_dir, spec, says):
 
 def test_make_task_uses_the_plugin_for_token_responses(plugin_dir):
     cfg = cli.parse_args(["--recipe", "smoke", "--train.reward", "my_rewards:score"])
-    task = episodes.make_task(cfg.train, cfg.eval, 18)
+    task = rollouts.make_task(cfg.train, cfg.eval, 18)
     prob = task.train[0]
     right = task.encode(Problem("x", prob.prompt + prob.answer, prob.answer))[len(task.encode(prob)):]
     other = str((int(prob.answer) + 1) % 10)

@@ -15,7 +15,7 @@ import pytest
 
 from nanoflash.cli import parse_args
 from nanoflash.config import run_preset
-from nanoflash.metrics import read_jsonl
+from nanoflash.rl.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")

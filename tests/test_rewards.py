@@ -1,4 +1,4 @@
-"""Tests of nanoflash/rewards.py: answer extraction, math-verify equivalence in a process pool, timeouts.
+"""Tests of nanoflash/rl/rewards.py: answer extraction, math-verify equivalence in a process pool, timeouts.
 
 Run: pytest tests/test_rewards.py -q
 """
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from nanoflash.data import CharTokenizer, Problem
-from nanoflash.rewards import (MathReward, VerifierPool, answer_line, arith_reward, extract_answer, integer_match,
+from nanoflash.rl.data import CharTokenizer, Problem
+from nanoflash.rl.rewards import (MathReward, VerifierPool, answer_line, arith_reward, extract_answer, integer_match,
                                last_boxed, token_reward_fn)
 
 HANG_TIMEOUT_S = 1.0  # per-item limit in the timeout tests: long enough for a no-op item on a loaded 2-core box
@@ -134,7 +134,7 @@ def test_arith_reward_and_token_adapter():
 
 def test_pool_works_from_a_main_that_cannot_be_reimported():
     """spawn-based pools crash when `__main__` is stdin (or re-run an unguarded script); ours must not."""
-    script = ("from nanoflash.rewards import VerifierPool\n"
+    script = ("from nanoflash.rl.rewards import VerifierPool\n"
               "with VerifierPool(n_workers=1, warm_imports=()) as pool:\n"
               "    print(pool.map(abs, [(-3,)]))\n")
     done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=60)

@@ -216,7 +216,7 @@ def test_the_key_is_needed_on_every_route_and_train_passes_it(server, monkeypatc
     monkeypatch.setenv("NF_TEST_KEY", KEY)
     cfg = RunConfig(train=TrainConfig(out_dir=str(tmp_path)), grpo=GRPOConfig(),
                     rollout=RolloutConfig(urls=(url,), api_key="env:NF_TEST_KEY", weights="fp32"))
-    from nanoflash import episodes
+    from nanoflash.rl import rollouts as episodes
     model = tiny(3)
     rollouts = episodes.Rollouts(cfg, None, model.cfg, None)
     rollouts.push(model, 1, str(tmp_path / "sync"))  # verified push with the key: no 401

@@ -9,7 +9,7 @@ Run: pytest tests/test_rollout_identity.py -q
 import pytest
 import torch
 
-from nanoflash import episodes as ep
+from nanoflash.rl import rollouts as ep
 from nanoflash.cli import parse_args
 from nanoflash.config import preset
 from nanoflash.model import Transformer

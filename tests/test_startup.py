@@ -147,7 +147,7 @@ def test_external_server_started_late_is_waited_for_and_a_dead_one_is_one_line()
     import time
 
     from conftest import free_port
-    from nanoflash import episodes
+    from nanoflash.rl import rollouts
     from nanoflash.config import preset
     from nanoflash.model import Transformer
     from nanoflash.rollout.client import SGLangClient
@@ -158,11 +158,11 @@ def test_external_server_started_late_is_waited_for_and_a_dead_one_is_one_line()
     late = threading.Timer(1.0, lambda: serve(RolloutEngine(Transformer(preset("tiny")), weights="fp32"), port=port))
     late.start()
     t0 = time.monotonic()
-    episodes.wait_for_servers(SGLangClient([f"http://127.0.0.1:{port}"]), timeout_s=60)
+    rollouts.wait_for_servers(SGLangClient([f"http://127.0.0.1:{port}"]), timeout_s=60)
     assert 0.9 < time.monotonic() - t0 < 60
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(SystemExit) as exc:
-        episodes.wait_for_servers(SGLangClient([dead]), timeout_s=0.5)
+        rollouts.wait_for_servers(SGLangClient([dead]), timeout_s=0.5)
     assert dead in str(exc.value) and "health_timeout_s=0.5" in str(exc.value) and "\n" not in str(exc.value)
 
 

@@ -49,19 +49,19 @@ def test_bad_overrides_name_the_culprit(argv, culprit):
 def test_demo_task_holds_out_500_unseen_problems(recipe):
     """Issue 5's bar: the demo evaluates >= 500 held-out problems, none of them in the training stream; the
     CI smoke runs the same task family."""
-    from nanoflash import episodes
+    from nanoflash.rl import rollouts
     cfg = cli.parse_args(["--recipe", recipe])
-    task = episodes.make_task(cfg.train, cli.parse_args(["--recipe", "demo"]).eval, 18)
+    task = rollouts.make_task(cfg.train, cli.parse_args(["--recipe", "demo"]).eval, 18)
     held, train = {p.prompt for p in task.heldout}, {p.prompt for p in task.train}
     assert len(held) == len(task.heldout) >= 500 and not held & train
     assert all(len(p.answer) == 1 for p in task.heldout[:50])      # one-token answers (mod10 family)
 
 
 def test_arith_family_typo_names_the_culprit():
-    from nanoflash import episodes
+    from nanoflash.rl import rollouts
     cfg = cli.parse_args(["--recipe", "demo", "--train.data", "arith:mod7"])
     with pytest.raises(ValueError, match="arith:mod7"):
-        episodes.make_task(cfg.train, cfg.eval, 18)
+        rollouts.make_task(cfg.train, cfg.eval, 18)
 
 
 def test_to_dict_round_trips_through_json():
@@ -87,7 +87,7 @@ def test_dry_run_plans_the_flash_layout(monkeypatch):
 
 def test_rollout_weight_bytes_counts_release_storage():
     """FP4 experts count half a byte, FP8 linears one: the tiny model's bytes follow storage_kind exactly."""
-    from nanoflash.checkpoint_names import storage_kind
+    from nanoflash.names import storage_kind
     from nanoflash.config import preset
     from nanoflash.model import Transformer
     cfg = preset("tiny")

@@ -22,11 +22,11 @@ from nanoflash.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from nanoflash.cli import parse_args
 from nanoflash.config import preset
 from nanoflash.model import Transformer
-from nanoflash.metrics import read_jsonl
-from nanoflash.parallel.checkpoint import latest_checkpoint, load_checkpoint
+from nanoflash.rl.metrics import read_jsonl
+from nanoflash.parallel.dcp import latest_checkpoint, load_checkpoint
 from nanoflash.parallel.dims import ParallelDims
-from nanoflash.plots import linear_fit, moving_average
-from nanoflash import trainer
+from nanoflash.rl.plots import linear_fit, moving_average
+from nanoflash.rl import actor
 
 from conftest import free_port
 
@@ -60,8 +60,8 @@ def kill_after_checkpoint(out: str, step: int, *extra: str) -> None:
 
 def _state(out: str):
     cfg = parse_args(["--recipe", "smoke"])
-    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.float32, "cpu")
-    opt = trainer.make_optimizer(model, cfg.optim)
+    model = actor.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.float32, "cpu")
+    opt = actor.make_optimizer(model, cfg.optim)
     meta = load_checkpoint(latest_checkpoint(os.path.join(out, "checkpoints")), model, opt, ParallelDims())
     return meta, model.state_dict(), opt.state_dict()
 
@@ -184,7 +184,7 @@ def _tiny_hf_checkpoint(path: str) -> dict:
     """An HF-layout checkpoint of a seeded tiny model; returns its tensors as a bf16 trainer loads them."""
     cfg = parse_args(["--recipe", "smoke"])
     save_hf_checkpoint(Transformer(preset("tiny", **cfg.model)).init_weights(5), path, weights="bf16")
-    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.bfloat16, "cpu",
+    model = actor.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.bfloat16, "cpu",
                                 seed=None)
     load_hf_checkpoint(model, path)
     return model.state_dict()
@@ -192,7 +192,7 @@ def _tiny_hf_checkpoint(path: str) -> dict:
 
 def _ckpt_weights(out: str, step: int) -> dict:
     cfg = parse_args(["--recipe", "smoke", "--train.dtype", "bf16"])
-    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.bfloat16, "cpu")
+    model = actor.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.bfloat16, "cpu")
     load_checkpoint(os.path.join(out, "checkpoints", f"step_{step:08d}"), model, None, ParallelDims())
     return model.state_dict()
 
@@ -238,7 +238,7 @@ def test_plot_helpers_against_hand_values():
 def test_write_plots_reads_metrics_back(tmp_path):
     """Three PNGs from a metrics file holding an exact-zero mismatch (linear axis) and a pass@1_se field."""
     pytest.importorskip("matplotlib")
-    from nanoflash.plots import write_plots
+    from nanoflash.rl.plots import write_plots
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for s in range(3):
             f.write(json.dumps({"kind": "train", "step": s + 1, "reward_mean": 0.1 * s,

@@ -1,4 +1,4 @@
-"""The one name table (`checkpoint_names.NAME_TABLE`): four spellings per tensor, block sizes defined once.
+"""The one name table (`names.NAME_TABLE`): four spellings per tensor, block sizes defined once.
 
 Run: `pytest tests/test_weight_sync_names.py -q`.
 """
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from nanoflash import checkpoint_names as cn
+from nanoflash import names as cn
 from nanoflash import quant
 from nanoflash.config import preset
 from nanoflash.model import Transformer
@@ -53,4 +53,4 @@ def test_block_sizes_and_name_tables_are_defined_once():
     root = pathlib.Path(cn.__file__).parent
     defines = re.compile(r"^(FP8_BLOCK|FP4_BLOCK|SGLANG_BLOCK|SGLANG_TOP)\s*=", re.M)
     where = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if defines.search(p.read_text()))
-    assert where == ["checkpoint_names.py"], f"block sizes / name tables defined outside the one table: {where}"
+    assert where == ["names.py"], f"block sizes / name tables defined outside the one table: {where}"

@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from nanoflash import trainer
+from nanoflash.rl import actor
 from nanoflash.cli import parse_args
 from nanoflash.config import preset
-from nanoflash.parallel.checkpoint import load_checkpoint
+from nanoflash.parallel.dcp import load_checkpoint
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.rollout.layout import expected_checksums
 from nanoflash.rollout.stage_push import layout_digest
@@ -42,7 +42,7 @@ def test_train_pp2_ep2_distributed_push_equals_single_process_push(tmp_path, wei
     (rec,) = [r for r in recs if r.get("kind") == "train" and r["step"] == 1]
     assert rec["sync_buckets"] > 4 and rec["sync_layout_sha"]
     cfg = parse_args(["--recipe", "smoke"])
-    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.float32, "cpu")
+    model = actor.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.float32, "cpu")
     load_checkpoint(os.path.join(out, "checkpoints", "step_00000001"), model, None, ParallelDims())
     single = expected_checksums(iter_sglang_buckets(model, fp8=weights == "fp8", bucket_bytes=BUCKET))
     assert rec["sync_layout_sha"] == layout_digest(single)

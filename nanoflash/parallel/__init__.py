@@ -2,7 +2,7 @@
 
 Reading order: dims (the grid) -> comm (collectives) -> expert (EP dispatcher) -> pipeline (stages, 1F1B)
 -> train_step (reduction, clipping, loss scaling) -> optim (AdamW, freeze list) -> microbatch (token budget)
--> checkpoint (DCP, atomic) -> planner (memory dry run). Tests: `pytest tests/test_parallel_*.py -q`.
+-> dcp (distributed checkpoints, atomic) -> planner (memory dry run). Tests: `pytest tests/test_parallel_*.py -q`.
 """
 from nanoflash.parallel.dims import ParallelDims, init_distributed
 from nanoflash.parallel.expert import apply_expert_parallel

@@ -46,7 +46,7 @@ import time
 import torch
 from torch import nn
 
-from nanoflash.checkpoint_names import official_views
+from nanoflash.names import official_views
 
 FROZEN_KEYS = (".ffn.gate.weight", ".ffn.gate.bias", ".attn.indexer.")  # frozen in V4 RL (Miles)
 MTP_PREFIX = "mtp."
@@ -259,7 +259,7 @@ class AdamW:
     # ------------------------------------------------------------------ checkpoint I/O (flat, by FQN)
     def state_dict(self) -> dict:
         """{"step": int, "<official fqn>.<exp_avg|exp_avg_sq|master>": tensor} - flat, so DCP can reshard it by
-        name; a stacked expert parameter's state is its per-expert views (`checkpoint_names.official_views`)."""
+        name; a stacked expert parameter's state is its per-expert views (`names.official_views`)."""
         sd = {"step": self.step_count}
         sd.update(self._official_state())
         return sd

@@ -30,7 +30,7 @@ Per rank (pp_rank, ep_rank; DP replicas are equal) it counts, from the parameter
 Host, per rank: the offloaded optimizer state (pageable), its pinned staging (2 slots per direction of one
 chunk), push payloads (transport=tensor to embedded servers: safetensors + base64 + JSON on both ends;
 disk: blob + base64; gloo: the bucket), the embedded engine's loader store (HTTP pushes land on the host) or
-whole engine on a CPU, rank 0's TEMPORARY full fp32 copy (`trainer.gather_full_state` + shadow model, world
+whole engine on a CPU, rank 0's TEMPORARY full fp32 copy (`actor.gather_full_state` + shadow model, world
 > 1) and HOST_PROCESS_BYTES of Python / torch / CUDA runtime. Per node: the ranks of the grid order
 (grid = arange(world).view(pp, dp, ep)) that share `gpus_per_host`.
 
@@ -53,7 +53,7 @@ import dataclasses
 
 import torch
 
-from nanoflash.checkpoint_names import official_parameters
+from nanoflash.names import official_parameters
 from nanoflash.config import ParallelConfig, preset
 from nanoflash.model import Block, Transformer
 from nanoflash.parallel.expert import EXPERT_KEY, expert_range

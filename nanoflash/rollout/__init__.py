@@ -11,8 +11,8 @@ Reading order:
                     (true on-policy), R3 routing records, the pushed weights and their post-processing
     server.py       `python -m nanoflash.rollout.server`: the HTTP layer over the engine
     mismatch.py     `python -m nanoflash.rollout.mismatch`: |dlogp| statistics and the first diverging block
-    sglang_check.py opt-in proof against SGLang's real loader on a CPU (its own environment)
+    loader_check.py opt-in proof against SGLang's real loader on a CPU (its own environment)
 
 Tests: `pytest tests/test_weight_sync.py tests/test_rollout_client.py tests/test_rollout_server.py
-tests/test_rollout_mismatch.py -q` (opt-in: `pytest -m sglang tests/test_rollout_sglang_loader.py`).
+tests/test_rollout_mismatch.py -q` (opt-in: `pytest -m sglang tests/test_rollout_loader_check.py`).
 """

@@ -12,7 +12,7 @@ Two jobs:
        layers.L.ffn.experts.E.w1|w3|w2 -> ...mlp.experts.E.gate_proj|up_proj|down_proj
        FP8 scale of X.weight -> X.weight_scale_inv (fp32, the dequant multiplier)
 
-   The spellings are the SGLang column of the one name table, `checkpoint_names.NAME_TABLE`; `to_sglang` /
+   The spellings are the SGLang column of the one name table, `names.NAME_TABLE`; `to_sglang` /
    `from_sglang` live there and are re-exported here. MTP (`mtp.*`) has no SGLang name and is not pushed:
    SGLang's main model skips those names silently (sglang_loader_check.md).
 
@@ -45,7 +45,7 @@ import hashlib
 
 import torch
 
-from nanoflash.checkpoint_names import from_sglang, name_pattern, storage_kind, to_sglang  # noqa: F401 (re-exported)
+from nanoflash.names import from_sglang, name_pattern, storage_kind, to_sglang  # noqa: F401 (re-exported)
 
 # SGLang keeps these BF16/F32 even in an FP8 deployment (rl_notes §4.5): only wo_a differs from the
 # release's storage kinds (the release has it FP8; SGLang with SGLANG_OPT_FP8_WO_A_GEMM=0 builds it BF16).
@@ -228,7 +228,7 @@ def compare_checksums(expected: dict, actual: dict, server: str = "server", full
 # Tiles only interact through that sum, so a stacked tensor (`mlp.experts.w13_weight` [E, 2I, D]) is hashed
 # from its per-expert slabs wherever a slab is a whole number of tiles: each source adds its experts' tile
 # sums, the coordinator adds the sources'. Transcribed from the 0.5.16 wheel; `tests/test_weight_sync_hash.py`
-# checks it against a word-by-word transcription, and `sglang_check.py` (opt-in) against SGLang's own Triton
+# checks it against a word-by-word transcription, and `loader_check.py` (opt-in) against SGLang's own Triton
 # kernels run by Triton's interpreter on a CPU (equal, 2026-12-01); on a GPU the torch code gives the CPU values.
 HASH_TILE_WORDS = 8192
 _M32, _M64 = 0xFFFFFFFF, (1 << 64) - 1

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from nanoflash.checkpoint_names import fill_pattern, name_pattern
+from nanoflash.names import fill_pattern, name_pattern
 from nanoflash.parallel.expert import expert_range, is_expert_param
 from nanoflash.rollout.client import SGLangClient
 from nanoflash.rollout.layout import LoaderState, compare_checksums, sglang_checksums, sglang_partials

@@ -4,7 +4,7 @@ Per tensor of a (name, tensor) iterator (a model's `state_dict()`, or one rank's
 buffers, so the hash-routing table `ffn.gate.tid2eid` travels too; MTP is skipped, SGLang's main model
 ignores it):
 
-    rename      official name -> SGLang HF-style name                 (checkpoint_names.to_sglang, the one table)
+    rename      official name -> SGLang HF-style name                 (names.to_sglang, the one table)
     quantize    fp8=True and SGLang serves it FP8: per 128x128 block  S = max(amax, 1e-10)/448 (fp32),
                 Q = e4m3(clamp(W * (1/S), +-448)); sent as X.weight (e4m3) + X.weight_scale_inv (S)
                 (Miles' Hopper convention, `quant.quantize_fp8_block_into`: a Triton kernel on GPU); everything
@@ -35,7 +35,7 @@ from typing import NamedTuple
 import safetensors.torch
 import torch
 
-from nanoflash.checkpoint_names import name_pattern, scale_shape, storage_kind, to_sglang
+from nanoflash.names import name_pattern, scale_shape, storage_kind, to_sglang
 from nanoflash.quant import quantize_fp8_block_into
 from nanoflash.rollout.layout import sglang_fp8
 

@@ -31,7 +31,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from nanoflash.checkpoint_names import official_inventory, to_sglang
+from nanoflash.names import official_inventory, to_sglang
 from nanoflash.rollout.layout import compare_checksums, expected_checksums, sglang_fp8
 from nanoflash.rollout.stream import (ATOMIC, FLAT_FORMAT, SAFE_FORMAT, FlatBucket, Item, Slot,  # noqa: F401
                                       convert_items, decode_blob, decode_tensors, encode_blob, encode_tensors,

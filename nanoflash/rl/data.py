@@ -163,8 +163,8 @@ def _read_jsonl(path: str) -> list:
 
 
 def _read_rows(path_or_name: str) -> list:
-    if path_or_name.startswith("synth:"):  # a generated data set, e.g. synth:sum4:train (nanoflash/synth.py)
-        from nanoflash import synth
+    if path_or_name.startswith("synth:"):  # a generated data set, e.g. synth:sum4:train (nanoflash/rl/synth.py)
+        from nanoflash.rl import synth
         return synth.rows(path_or_name)
     path_or_name = os.path.expanduser(path_or_name)
     if os.path.isdir(path_or_name):

@@ -1,6 +1,6 @@
 """The statistics and figures of a live GRPO run (issue 20's bars), read back from its `metrics.jsonl`.
 
-    python -m nanoflash.runstats runs/h200 docs/h200        # summary.json + five PNGs
+    python -m nanoflash.rl.runstats runs/h200 docs/h200        # summary.json + five PNGs
 
 Statistics (pure functions, tested against hand-computed values):
 
@@ -28,7 +28,7 @@ import math
 import os
 import sys
 
-from nanoflash.metrics import read_jsonl
+from nanoflash.rl.metrics import read_jsonl
 
 JUMP_Z = 3.0     # issue 20: a post-push step more than 3 standard errors from the steps before it is a jump
 MIN_PRIOR = 3    # steps needed before one can be tested for a jump
@@ -156,11 +156,11 @@ def figures(recs: list, out_dir: str, summary: dict) -> list:
     except ImportError:
         print("runstats: matplotlib is not installed; no figures", file=sys.stderr)
         return []
-    from nanoflash import runstats_plots
+    from nanoflash.rl import runstats_plots
     return runstats_plots.draw(plt, recs, out_dir, summary)
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        raise SystemExit("usage: python -m nanoflash.runstats RUN_DIR OUT_DIR")
+        raise SystemExit("usage: python -m nanoflash.rl.runstats RUN_DIR OUT_DIR")
     print(json.dumps(report(sys.argv[1], sys.argv[2])["bars"], indent=1))

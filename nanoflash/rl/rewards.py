@@ -27,7 +27,7 @@ vocabulary can be larger) scores 0 without being decoded, counted as `oov`.
 
 The synthetic arithmetic task uses `integer_match` on the whole decoded response.
 
-Reward plug-ins (`--train.reward module:function`): `nanoflash/plugins.py`.
+Reward plug-ins (`--train.reward module:function`): `nanoflash/rl/plugins.py`.
 
 Differs from production: Miles grades with the deepscaler/verl sympy grader (`grade_answer_mathd` or
 `grade_answer_sympy`) on the last `\\boxed{}` only, without a process pool; DAPO's own reward reads the
@@ -201,7 +201,7 @@ class VerifierPool:
     def _spawn(self):
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
-        code = (f"from nanoflash.rewards import _worker_main; "
+        code = (f"from nanoflash.rl.rewards import _worker_main; "
                 f"_worker_main({to_child_r}, {to_parent_w}, {self.warm_imports!r})")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(to_child_r, to_parent_w), env=env)

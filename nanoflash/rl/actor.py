@@ -40,7 +40,7 @@ import torch.distributed as dist
 from nanoflash import grpo
 from nanoflash.checkpoint import load_hf_checkpoint
 from nanoflash.model import Transformer
-from nanoflash.parallel.checkpoint import latest_checkpoint, load_checkpoint, load_latest, save_checkpoint
+from nanoflash.parallel.dcp import latest_checkpoint, load_checkpoint, load_latest, save_checkpoint
 from nanoflash.parallel.microbatch import equalize_count, pack_microbatches
 from nanoflash.parallel.optim import AdamW
 from nanoflash.parallel.pipeline import forward_only

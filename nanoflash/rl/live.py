@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from nanoflash.evaluate import evaluate
+from nanoflash.rl.evaluate import evaluate
 from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
 from nanoflash.rollout import probe as probe_lib
 from nanoflash.rollout.layout import sglang_fp8

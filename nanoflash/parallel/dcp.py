@@ -24,7 +24,7 @@ rename leaves a `.tmp` directory that `latest_checkpoint` ignores and the next s
 checkpoint is never touched. Old checkpoints beyond `keep` are deleted only after the new one is committed.
 
 How this differs from production: no async save (DCP `async_save`) and no staging to pinned memory.
-Tests: `pytest tests/test_parallel_checkpoint.py -q`.
+Tests: `pytest tests/test_parallel_dcp.py -q`.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
                     when it is positive (an exact 0, the matched-precision mode, is drawn on a linear axis)
     passk.png       eval pass@k over steps, one line per k
 
-    python -m nanoflash.plots runs/demo          # writes runs/demo/plots/*.png
+    python -m nanoflash.rl.plots runs/demo          # writes runs/demo/plots/*.png
 
 `control_plot` draws the demo against its control (scripts/demo_controls.py): held-out pass@1 +- 3 standard
 errors over steps, GRPO (solid) and the warm start continued with supervised steps on its own data (dashed),
@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-from nanoflash.metrics import read_jsonl
+from nanoflash.rl.metrics import read_jsonl
 
 
 def moving_average(xs: list[float], window: int) -> list[float]:

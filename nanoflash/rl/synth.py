@@ -35,7 +35,7 @@ import itertools
 import random
 import re
 
-from nanoflash.data import Problem
+from nanoflash.rl.data import Problem
 
 HELDOUT_PERCENT = 10   # share of operand tuples held out for evaluation
 VAL_PERCENT = 5        # share kept for the warm start's stopping rule (never trained on, never evaluated)

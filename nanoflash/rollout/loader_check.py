@@ -2,8 +2,8 @@
 
 One command builds the environment (once) and runs the check (sglang_loader_check.md explains why it works):
 
-    python -m nanoflash.rollout.sglang_check --build-env .venv-sglang --sglang 0.5.23
-    python -m nanoflash.rollout.sglang_check --build-env .venv-sglang-0.5.16 --sglang 0.5.16
+    python -m nanoflash.rollout.loader_check --build-env .venv-sglang --sglang 0.5.23
+    python -m nanoflash.rollout.loader_check --build-env .venv-sglang-0.5.16 --sglang 0.5.16
 
 Both pass (2026-11-29, CPU): BF16 101/101 and FP8 138/138 SGLang parameters bit-identical after each of two
 updates, and the control push without tid2eid is reported; 0.5.16 again on 2026-12-01 with the flat-bucket
@@ -27,7 +27,7 @@ What it does, inside that environment:
    `Fp8BlockComparable.dequantize` against nanoflash's reproduction of `/weights_checker` (`layout.sglang_hash`),
    on the shapes of fused experts too: the hash every push into real SGLang is verified with.
 
-Exit status 0 iff everything matched. `tests/test_rollout_sglang_loader.py` (marker `sglang`) runs it.
+Exit status 0 iff everything matched. `tests/test_rollout_loader_check.py` (marker `sglang`) runs it.
 """
 from __future__ import annotations
 
@@ -278,7 +278,7 @@ def main(argv=None):
         if not os.path.exists(py):
             build_env(args.build_env, args.sglang)
         env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        cmd = [py, "-m", "nanoflash.rollout.sglang_check", "--sglang", args.sglang, "--bucket-bytes",
+        cmd = [py, "-m", "nanoflash.rollout.loader_check", "--sglang", args.sglang, "--bucket-bytes",
                str(args.bucket_bytes)]
         sys.exit(subprocess.run(cmd, env=env).returncode)
     import logging
@@ -289,7 +289,7 @@ def main(argv=None):
         os.environ.setdefault(k, v)
     failures = sum(run_check(fp8=fp8, bucket_bytes=args.bucket_bytes) for fp8 in (False, True))
     env = dict(os.environ, TRITON_INTERPRET="1")   # SGLang's hash kernels on the CPU (a process of their own)
-    failures += subprocess.run([sys.executable, "-m", "nanoflash.rollout.sglang_check", "--hash"], env=env).returncode
+    failures += subprocess.run([sys.executable, "-m", "nanoflash.rollout.loader_check", "--hash"], env=env).returncode
     print("OK: every SGLang parameter is what nanoflash meant" if failures == 0 else f"FAILED: {failures} problem(s)")
     sys.exit(1 if failures else 0)
 

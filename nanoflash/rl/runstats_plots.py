@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from nanoflash.plots import linear_fit, moving_average
+from nanoflash.rl.plots import linear_fit, moving_average
 
 
 def _col(recs, key, kind="train"):

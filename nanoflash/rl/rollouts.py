@@ -36,7 +36,8 @@ from typing import Callable
 
 import torch
 
-from nanoflash import data, grpo, plugins, rewards
+from nanoflash.rl import data, plugins, rewards
+from nanoflash import grpo
 from nanoflash.rollout.client import RequestRejected, ServerGoneError, SGLangClient, decode_routed_experts
 from nanoflash.rollout.engine import RolloutEngine, sample
 from nanoflash.rollout.server import serve

@@ -2,7 +2,7 @@
 PP2 and EP2 checkpoints load into a single-process (PP1, EP1) model and export to the HF layout; a malformed
 checkpoint gives one clear error.
 
-Run: pytest tests/test_parallel_checkpoint.py -q
+Run: pytest tests/test_parallel_dcp.py -q
 """
 import os
 import signal
@@ -14,7 +14,7 @@ from conftest import run_ranks
 from nanoflash.checkpoint import load_hf_checkpoint
 from nanoflash.config import preset
 from nanoflash.model import Transformer
-from nanoflash.parallel import checkpoint as ckpt
+from nanoflash.parallel import dcp as ckpt
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.parallel.expert import apply_expert_parallel
 from nanoflash.parallel.optim import AdamW, trainable_parameters

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from nanoflash.data import Problem
-from nanoflash.rewards import REWARD_CORRECT
+from nanoflash.rl.data import Problem
+from nanoflash.rl.rewards import REWARD_CORRECT
 
 PASS_KS = (1, 2, 4, 8)
 

@@ -2,7 +2,7 @@
 
 The contract (`PluginReward`):
 
-    def my_reward(response: str, problem: nanoflash.data.Problem) -> float
+    def my_reward(response: str, problem: nanoflash.rl.data.Problem) -> float
 
 * inputs: the decoded response text (special tokens dropped; after the stop token nothing) and the `Problem`
   (`.prompt` the user message, `.answer` the reference answer string from the dataset's answer field, `.id`,
@@ -36,7 +36,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from nanoflash.rewards import DEFAULT_TIMEOUT_S, REWARD_WRONG, VerifierPool
+from nanoflash.rl.rewards import DEFAULT_TIMEOUT_S, REWARD_WRONG, VerifierPool
 
 
 class RewardPluginError(SystemExit):
@@ -112,7 +112,7 @@ class PluginReward:
             self.counts[status] += 1
             if status == "error":
                 raise RewardPluginError(f"reward plug-in {self.spec} failed on problem {p.id!r}: {value} (a plug-in "
-                                        f"must score bad responses itself; see nanoflash/plugins.py)")
+                                        f"must score bad responses itself; see nanoflash/rl/plugins.py)")
             lost += status != "ok"
             out.append(float(value) if status == "ok" else REWARD_WRONG)
         if lost:
