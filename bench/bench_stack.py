@@ -69,21 +69,10 @@ def stack_config(kernels: str, n_layers: int = 8, smoke: bool = False):
 def build(cfg):
     """bf16 model straight on the GPU (meta -> to_empty, random fill on the device: the CPU init of 14B
     parameters would take minutes)."""
-    from nanoflash.model import round_robin_tid2eid
     with torch.device("meta"):
         m = Transformer(cfg).cast_(torch.bfloat16)
     m = m.to_empty(device=DEV)
-    g = torch.Generator(device=DEV).manual_seed(0)
-    for name, p in m.named_parameters():
-        if name.endswith(("norm.weight", "_scale")):
-            p.fill_(1.0)
-        elif name.endswith(("_base", "attn_sink", "ape", "gate.bias")):
-            p.zero_()
-        else:
-            p.normal_(0.0, 0.02, generator=g)
-    for name, b in m.named_buffers():
-        if name.endswith("tid2eid"):
-            b.copy_(round_robin_tid2eid(*b.shape, cfg.n_routed_experts).to(b.device))
+    m.init_weights(generator=torch.Generator(device=DEV).manual_seed(0))   # init_weights' rules, drawn on the GPU
     return m.train()
 
 

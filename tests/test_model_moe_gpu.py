@@ -10,7 +10,7 @@ import torch
 
 from nanoflash.names import official_views
 from nanoflash.config import preset
-from nanoflash.model import MoE, round_robin_tid2eid
+from nanoflash.model import MoE
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -135,21 +135,9 @@ def norm_err(a, b) -> float:
 
 
 def _init_like_init_weights(m, seed: int):
-    """Transformer.init_weights' rules (norms / scales 1, biases / sinks 0, the rest N(0, 0.02), round-robin
-    hash table), drawn by a seeded generator on the model's device (2.1B host draws would take a minute)."""
-    g = torch.Generator(device=next(m.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith(("norm.weight", "_scale")):
-                p.fill_(1.0)
-            elif n.endswith(("_base", "attn_sink", "ape", "gate.bias")):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-        for n, b in m.named_buffers():
-            if n.endswith("tid2eid"):
-                b.copy_(round_robin_tid2eid(*b.shape, m.cfg.n_routed_experts))
-    return m
+    """Transformer.init_weights' rules drawn by one seeded generator on the model's device (2.1B host draws
+    would take a minute)."""
+    return m.init_weights(generator=torch.Generator(device=next(m.parameters()).device).manual_seed(seed))
 
 
 def _model_run(m, ids, routed, wts):

@@ -55,7 +55,7 @@ import torch
 
 from nanoflash.names import official_parameters
 from nanoflash.config import ParallelConfig, preset
-from nanoflash.model import Block, Transformer
+from nanoflash.model import Block, Transformer, init_param_
 from nanoflash.parallel.expert import EXPERT_KEY, expert_range
 from nanoflash.parallel.optim import ALIGN, HOST_CHUNK_ELEMS, is_frozen
 from nanoflash.parallel.pipeline import LAST_STAGE_MODULES, LAST_STAGE_PARAMS, split_layers
@@ -278,12 +278,7 @@ def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="
         g = torch.Generator(device=device).manual_seed(ratio)  # seeded per ratio and per S: a measurement at
         with torch.no_grad():  # one S is the same in every call (routing decides the MoE's saved bytes)
             for name, p in block.named_parameters():
-                if name.endswith(("norm.weight", "_scale")):
-                    p.fill_(1.0)
-                elif name.endswith(("_base", "attn_sink", "ape", "gate.bias")):
-                    p.zero_()
-                else:
-                    p.normal_(0, 0.02, generator=g)
+                init_param_(name, p, g)
         block.to(dtype)
         weights = {p.untyped_storage().data_ptr() for p in block.parameters()}  # saved too, but not activations
         measured = []

@@ -29,6 +29,7 @@ import os
 import sys
 
 from nanoflash.rl.metrics import read_jsonl
+from nanoflash.rl.plots import linear_fit
 
 JUMP_Z = 3.0     # issue 20: a post-push step more than 3 standard errors from the steps before it is a jump
 MIN_PRIOR = 3    # steps needed before one can be tested for a jump
@@ -65,10 +66,9 @@ def ols(xs: list, ys: list) -> dict:
     n = len(xs)
     if n < 3:
         raise ValueError(f"a slope with an interval needs >= 3 points, got {n}")
-    mx, my = sum(xs) / n, sum(ys) / n
+    a, b = linear_fit(xs, ys)
+    mx = sum(xs) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    a = my - b * mx
     se = math.sqrt(sum((y - a - b * x) ** 2 for x, y in zip(xs, ys)) / (n - 2) / sxx)
     t = t_quantile(0.975, n - 2)
     return {"intercept": a, "slope": b, "slope_se": se, "ci95": [b - t * se, b + t * se], "n": n}
@@ -87,8 +87,10 @@ def jumps(ys: list) -> dict:
             "at_index": worst + MIN_PRIOR if zs else None, "over": sum(abs(z) > JUMP_Z for z in zs)}
 
 
-def _col(recs: list, key: str) -> tuple[list, list]:
-    pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
+def column(recs: list, key: str, kind: str | None = None) -> tuple[list, list]:
+    """(steps, values) of `key` in the records (of `kind` only, if given), skipping non-numbers."""
+    pts = [(r["step"], r[key]) for r in recs
+           if (kind is None or r.get("kind") == kind) and isinstance(r.get(key), (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -98,9 +100,9 @@ def summarize(recs: list) -> dict:
     evals = [r for r in recs if r.get("kind") == "eval"]
     warm = [r for r in recs if r.get("kind") == "eval_warm"]
     pushes = [r for r in recs if r.get("kind") == "push"] + train
-    s, gap = _col(train, "gap_mean")
-    _, floor = _col(train, "floor_mean")
-    _, reward = _col(train, "reward_mean")
+    s, gap = column(train, "gap_mean")
+    _, floor = column(train, "floor_mean")
+    _, reward = column(train, "reward_mean")
     out = {"steps": len(train), "gap_mean": sum(gap) / len(gap) if gap else None,
            "floor_mean": sum(floor) / len(floor) if floor else None}
     if gap and floor:
@@ -108,7 +110,7 @@ def summarize(recs: list) -> dict:
     if len(gap) >= 3:
         out["gap_drift"], out["gap_jumps"] = ols(s, gap), jumps(gap)
     if len(reward) >= 3:
-        out["reward_slope"] = ols(_col(train, "reward_mean")[0], reward)
+        out["reward_slope"] = ols(column(train, "reward_mean")[0], reward)
     out["pushes"] = len(pushes) + sum(r.get("swap_pushes", 0) for r in warm)   # + the warm-start swaps
     out["pushes_verified"] = sum(1 for r in pushes if r.get("verify_servers", 0) >= 1 and "probe_mean" in r) + \
         sum(r.get("swap_pushes_verified", 0) for r in warm)
@@ -119,7 +121,7 @@ def summarize(recs: list) -> dict:
                                          "warm_truncation_rate")} for r in warm]
     last = warm[-1] if warm else {}
     timing = ("rollout_s", "logprobs_s", "train_s", "sync_s", "live_s", "probe_s", "step_s")
-    out["time_mean_s"] = {k: sum(_col(train, k)[1]) / max(len(_col(train, k)[1]), 1) for k in timing}
+    out["time_mean_s"] = {k: sum(column(train, k)[1]) / max(len(column(train, k)[1]), 1) for k in timing}
     out["bars"] = {
         "steps": len(train),
         "gap_mean_below_0.09": out.get("gap_mean") is not None and out["gap_mean"] < GAP_BAR,

@@ -14,11 +14,7 @@ from __future__ import annotations
 import os
 
 from nanoflash.rl.plots import linear_fit, moving_average
-
-
-def _col(recs, key, kind="train"):
-    pts = [(r["step"], r[key]) for r in recs if r.get("kind") == kind and isinstance(r.get(key), (int, float))]
-    return [p[0] for p in pts], [p[1] for p in pts]
+from nanoflash.rl.runstats import column
 
 
 def _save(plt, fig, out_dir, name) -> str:
@@ -31,10 +27,10 @@ def _save(plt, fig, out_dir, name) -> str:
 
 def dlogp(plt, recs, out_dir, summary) -> str:
     fig, ax = plt.subplots(figsize=(8, 4))
-    s, g = _col(recs, "gap_mean")
+    s, g = column(recs, "gap_mean", "train")
     ax.plot(s, g, "o-", ms=3, label=f"SGLang vs trainer, mean (run mean {summary.get('gap_mean') or 0:.4f})")
-    ax.plot(*_col(recs, "gap_p99"), ":", alpha=0.6, label="SGLang vs trainer, p99")
-    ax.plot(*_col(recs, "floor_mean"), "s--", ms=3,
+    ax.plot(*column(recs, "gap_p99", "train"), ":", alpha=0.6, label="SGLang vs trainer, p99")
+    ax.plot(*column(recs, "floor_mean", "train"), "s--", ms=3,
             label=f"FP8 floor: nanoflash FP8-sim vs plain (mean {summary.get('floor_mean') or 0:.4f})")
     for st in s:
         ax.axvline(st, color="0.85", lw=0.5, zorder=0)
@@ -54,7 +50,7 @@ def dlogp(plt, recs, out_dir, summary) -> str:
 
 def reward(plt, recs, out_dir, summary) -> str:
     fig, ax = plt.subplots(figsize=(8, 4))
-    s, r = _col(recs, "reward_mean")
+    s, r = column(recs, "reward_mean", "train")
     a, b = linear_fit(s, r)
     ax.plot(s, r, "o", ms=3, alpha=0.6, label="reward per step (all samples seen)")
     ax.plot(s, moving_average(r, 5), "-", label="5-step moving average")
@@ -67,7 +63,7 @@ def reward(plt, recs, out_dir, summary) -> str:
 def passk(plt, recs, out_dir, summary) -> str:
     fig, ax = plt.subplots(figsize=(8, 4))
     for k in (1, 2, 4, 8):
-        s, v = _col(recs, f"pass@{k}", "eval")
+        s, v = column(recs, f"pass@{k}", "eval")
         if s:
             ax.plot(s, v, "o-", label=f"pass@{k}")
     warm = [r for r in recs if r.get("kind") == "eval_warm"]
@@ -109,7 +105,7 @@ def memory(plt, recs, out_dir, summary) -> str:
     fig, ax = plt.subplots(figsize=(8, 4))
     for key, label in (("gpu_mem_gib", "trainer allocated"), ("gpu_peak_gib", "trainer peak"),
                        ("gpu_used_total_gib", "whole GPU used (trainer + SGLang)")):
-        s, v = _col(recs, key)
+        s, v = column(recs, key, "train")
         if s:
             ax.plot(s, v, "o-", ms=3, label=label)
     ax.set(xlabel="GRPO step", ylabel="GiB", title="GPU memory")
