@@ -28,12 +28,10 @@ import time
 
 import torch
 
-from nanoflash.rl import rollouts as ep
 from nanoflash import grpo
-from nanoflash.rl import live as live_lib, actor as trainer
 from nanoflash.cli import to_dict
+from nanoflash.rl import actor as trainer, live as live_lib, metrics, rollouts as ep  # actor: the instance below
 from nanoflash.rl.evaluate import evaluate
-from nanoflash.rl import metrics
 from nanoflash.rl.metrics import MetricsLog, progress
 from nanoflash.model import Transformer
 from nanoflash.parallel.dcp import latest_checkpoint
