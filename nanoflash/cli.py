@@ -76,15 +76,15 @@ RECIPES: dict[str, list[str]] = {
               "eval.every=20", "eval.k_samples=8", "eval.temperature=0.8", "eval.max_new_tokens=4096"],
     # one H200 (bench/gpu_recipe.py measures it): the `small` preset in bf16 from a seeded init (1.6B with the
     # arithmetic task's 18-id vocabulary: sampled ids outside it would stop the reward), AdamW offloaded, the
-    # embedded FP8 engine on the same GPU (weights handed over by safetensors on local disk), 3 GRPO steps on
-    # the synthetic task, eval through the server; no checkpoints (30 GB each with optimizer)
+    # embedded FP8 engine in the same process on the same GPU (weights handed over in-process: transport=local),
+    # 4 GRPO steps on the synthetic task, eval through the server every 2; no checkpoints (30 GB each with optimizer)
     "gpu": ["train.preset=small", "train.task=arith", "train.data=arith:mod10", "train.difficulty=4",
-            "train.dtype=bf16", "train.steps=3", "train.save_every=-1", "train.out_dir=runs/gpu",
+            "train.dtype=bf16", "train.steps=4", "train.save_every=-1", "train.out_dir=runs/gpu",
             "model.vocab_size=18", "model.max_seq_len=64", "parallel.device=cuda",
             "parallel.offload_optimizer=true", "parallel.micro_batch_tokens=2048", "grpo.n_prompts=8",
             "grpo.group_size=8", "grpo.over_sampling_batch_size=8", "grpo.dynamic_sampling=false",
-            "rollout.weights=fp8", "rollout.transport=disk", "rollout.max_new_tokens=16", "rollout.max_workers=8",
-            "eval.every=3", "eval.before_train=false", "eval.path=servers", "eval.n_problems=16",
+            "rollout.weights=fp8", "rollout.transport=local", "rollout.max_new_tokens=16", "rollout.max_workers=8",
+            "eval.every=2", "eval.before_train=false", "eval.path=servers", "eval.n_problems=16",
             "eval.k_samples=8", "eval.max_new_tokens=16"],
     # one H200, SGLang colocated (scripts/grpo_h200.sh, docs/h200/): the h200 preset (1.24B) in bf16, warm-started
     # by bench/grpo_h200.py sft, GRPO on running sums in the V4 chat format (nanoflash/rl/synth.py) through SGLang at

@@ -117,7 +117,7 @@ class RolloutConfig:
     max_new_tokens: int = 8           # response limit (Miles --rollout-max-response-len)
     max_workers: int = 8              # concurrent /generate requests from the trainer
     bucket_bytes: int = 1 << 30       # weight-sync bucket size (V4 recipe: 1 GiB)
-    transport: str = "tensor"         # weight push: tensor | disk | distributed
+    transport: str = "tensor"         # weight push: tensor | local (embedded servers, this process) | disk | distributed
     sync_addr: str = "127.0.0.1:29600"  # host:port of the trainer's rank 0 for transport=distributed (NCCL/gloo group)
     verify: bool = True               # compare /weights_checker checksums after every push
     routing_replay: bool = False      # R3: replay the rollout engine's expert choices in the trainer forward
@@ -130,8 +130,11 @@ class RolloutConfig:
         self.key()  # env:VAR must be set now, not at the first push
         if self.weights not in ("fp8", "bf16", "fp32"):
             raise ValueError(f"RolloutConfig.weights must be fp8|bf16|fp32, got {self.weights!r}")
-        if self.transport not in ("tensor", "disk", "distributed"):
-            raise ValueError(f"RolloutConfig.transport must be tensor|disk|distributed, got {self.transport!r}")
+        if self.transport not in ("tensor", "local", "disk", "distributed"):
+            raise ValueError(f"RolloutConfig.transport must be tensor|local|disk|distributed, got {self.transport!r}")
+        if self.transport == "local" and self.urls:
+            raise ValueError("RolloutConfig.transport=local hands tensors to the embedded servers of this process; "
+                             f"with rollout.urls {list(self.urls)} use tensor, distributed or disk")
         if self.n_servers < 1 or self.max_new_tokens < 1 or self.max_rounds < 1:
             raise ValueError(f"RolloutConfig: n_servers={self.n_servers}, max_new_tokens={self.max_new_tokens}, "
                              f"max_rounds={self.max_rounds} must all be >= 1")

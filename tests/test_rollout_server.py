@@ -27,7 +27,7 @@ from nanoflash.rollout.engine import RolloutEngine
 from nanoflash.rollout.layout import sglang_fp8
 from nanoflash.rollout.server import serve
 from nanoflash.rollout.weight_sync import (Broadcaster, SAFE_FORMAT, encode_tensors, iter_sglang_buckets,
-                                           probe_logprobs, push_weights)
+                                           probe_logprobs, push_weights, send_local_payload)
 
 PROMPT = [3, 17, 42, 9, 100, 5]
 BF16_MEAN_DLOGP_BOUND = 0.01  # bf16 matmul weights vs fp32, same values: measured 1.1e-3 (fixed seeds)
@@ -113,6 +113,29 @@ def test_push_distributed_gloo_then_disk(stock, tmp_path):
     push_weights(client, buckets(trainer), version=3, transport="disk", disk_dir=str(tmp_path / "w"))
     probe = probe_logprobs(client, trainer, PROMPT)
     assert probe["max"] == 0.0 and probe["version"] == "3"
+
+
+def test_push_local_hands_tensors_in_process_and_refuses_a_foreign_handle(stock):
+    """transport=local: the same verified push with a handle instead of bytes; the store then holds the values
+    sent (checksums equal the tensor transport's); a handle this process never parked is a 400 that changes
+    nothing, and a URL that is not an embedded server is refused before anything is sent."""
+    trainer, client, httpd = stock
+    perturb(trainer, 5)
+    stats = push_weights(client, buckets(trainer), version=5, transport="local")  # verifies checksums
+    assert stats["verified"] and probe_logprobs(client, trainer, PROMPT)["max"] == 0.0
+    assert client.weights_checksums(client.urls[0]) == stats["checksums"]
+    before = httpd.rollout.engine.store.checksums()
+    status, body = _raw(client.urls[0], "POST", "/update_weights_from_tensor",
+                        json.dumps({"load_format": "nanoflash_in_process", "handle": "0" * 32}).encode())
+    assert status == 400 and "in-process payload" in body["error"]["message"]
+    assert httpd.rollout.engine.store.checksums() == before
+    other = SGLangClient(client.urls[0], retry_s=2.0)
+    other.is_embedded = lambda url: False  # what a real SGLang server reports
+    with pytest.raises(ValueError, match="transport=local"):
+        send_local_payload(other, buckets(trainer)[0], None)
+    assert httpd.rollout.engine.store.checksums() == before
+    sums = client.post(client.urls[0], "/weights_checker", {"action": "checksum", "derived": True})["ranks"][0]
+    assert sums["derived_checksum"] == httpd.rollout.engine.derived_checksum()
 
 
 def test_tid2eid_buffer_is_pushed(stock):

@@ -37,6 +37,7 @@ def test_defaults_are_the_miles_recipe():
     (["--recipe", "nosuch"], "nosuch"),
     (["--grpo.aggregation", "median"], "median"),            # caught by GRPOConfig.__post_init__ after parsing
     (["--rollout.weights", "fp4"], "fp4"),
+    (["--rollout.transport", "local", "--rollout.urls", "http://h:30000"], "transport=local"),  # in-process only
     (["--steps"], "--steps"),
     (["stray"], "stray"),
 ])

@@ -25,7 +25,8 @@ Per rank (pp_rank, ep_rank; DP replicas are equal) it counts, from the parameter
     push        a push source (dp 0, ep 0 of each stage) or EP peer: `stage_push.live_budget` buckets
     engine      an embedded rollout engine on rank 0's GPU (the `gpu` recipe): its fp32 (bf16) model copy,
                 the loader store of the pushed layout (built on the GPU at start-up; HTTP pushes then land
-                it on the host, so it is counted on both), its decode cache; batched eval's logits
+                it on the host, so it is counted on both; transport=local keeps it on the GPU), its decode
+                cache; batched eval's logits
 
 Host, per rank: the offloaded optimizer state (pageable), its pinned staging (2 slots per direction of one
 chunk), push payloads (transport=tensor to embedded servers: safetensors + base64 + JSON on both ends;
@@ -75,7 +76,8 @@ HEAD_CHUNK = 1024         # tokens per chunk of `model.chunked_logprobs`
 # Host copies of one push bucket: tensor (embedded server, one process) = CPU copy + safetensors blob + base64 +
 # JSON body on the sender (1 + 1 + 4/3 + 4/3), JSON string + decoded blob + tensors on the receiver (4/3 + 1 + 1);
 # disk = the blob written + the tensors read back; gloo = the bucket on the CPU; nccl = none. Estimates.
-PUSH_HOST_FACTOR = {"tensor": 8.0, "disk": 2.0, "gloo": 1.0, "nccl": 0.0}
+# local = a handle to the GPU tensors (in-process embedded server): none.
+PUSH_HOST_FACTOR = {"tensor": 8.0, "local": 0.0, "disk": 2.0, "gloo": 1.0, "nccl": 0.0}
 
 
 @dataclasses.dataclass
@@ -85,7 +87,7 @@ class Setup:
     seq_len: int | None = None              # tokens per sequence in a micro-batch; None = one of T tokens
     imbalance: float = ROUTING_IMBALANCE
     chunk_elems: int = HOST_CHUNK_ELEMS      # optimizer chunk (offload staging, fp32 casts)
-    push: str = "nccl"                      # tensor | disk | gloo | nccl: where one push bucket is copied
+    push: str = "nccl"                      # tensor | local | disk | gloo | nccl: where one push bucket is copied
     bucket_bytes: int = 1 << 30
     engine: str = ""                        # embedded engine weights on rank 0 (fp8 | bf16 | fp32), "" = none
     engine_on_gpu: bool = True
@@ -242,7 +244,8 @@ def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: b
         if (s, e) == (0, 0):  # rank 0: the embedded engine, the TEMPORARY full copy
             model_b, store = _engine(cfg, setup, full, push_bytes) if setup.engine else (0, 0)
             gpu["engine"] = (model_b + store) if setup.engine_on_gpu else 0
-            host["engine"] = store + (0 if setup.engine_on_gpu else model_b)
+            lands_on_host = setup.push != "local" or not setup.engine_on_gpu  # local keeps the GPU tensors
+            host["engine"] = store * lands_on_host + (0 if setup.engine_on_gpu else model_b)
             host["full_copy"] = 2 * 4 * full if setup.full_copy else 0
         once = host["push"] + host.get("engine", 0) + host.get("full_copy", 0)  # dp 0 / rank 0 only
         r.update(grad_bytes=grads, act_bytes=gpu["activations"], gpu_terms=gpu, host_terms=host, dp=par.dp or 1,

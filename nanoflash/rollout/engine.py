@@ -26,13 +26,15 @@ int32 `tid2eid` -> int64. Modes: "fp32"/"bf16" run the model in that dtype; "fp8
 e4m3 weights (what an FP8 engine computes with, minus its activation quantization). Cost: the pushed layout
 is kept next to the model's parameters (about 2x weight memory; fine for tiny/small, not for flash). `post_process` runs
 after every update call (stock protocol) or at `end_weight_update` / `post_process_weights`; until then the
-model still runs the old derived weights, which the checksum of the derived state (`derived_checksum`) shows.
+model still runs the old derived weights, which the checksum of the derived state (`derived_checksum`, on
+`/weights_checker` when asked) shows.
 
 Tests: `pytest tests/test_rollout_server.py -q`.
 """
 from __future__ import annotations
 
 import base64
+import hashlib
 import math
 import threading
 import time
@@ -41,7 +43,7 @@ import uuid
 import torch
 
 from nanoflash.quant import FP8_BLOCK, dequantize_fp8_block
-from nanoflash.rollout.layout import LoaderState, from_sglang, tensor_sha256, unpermute_ape
+from nanoflash.rollout.layout import LoaderState, from_sglang, unpermute_ape
 from nanoflash.rollout.weight_sync import iter_sglang_buckets
 
 # cache vs full-forward logits at start-up: only a broken cache (O(1) errors) must fail. fp32: reductions reorder
@@ -197,9 +199,11 @@ class RolloutEngine:
 
     def derived_checksum(self) -> str:
         """One hash over the parameters the model actually runs with (catches a skipped post_process)."""
-        with self.lock:
-            return tensor_sha256(torch.cat([t.detach().float().reshape(-1)
-                                            for _, t in sorted(self.model.state_dict().items())]))
+        with self.lock:  # sha256 of the concatenated fp32 bytes, fed one tensor at a time (no full copy)
+            h = hashlib.sha256()
+            for _, t in sorted(self.model.state_dict().items()):
+                h.update(t.detach().float().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            return h.hexdigest()
 
     # ------------------------------------------------------------------ pause / abort
     def pause(self, mode: str):

@@ -30,7 +30,11 @@ request of the largest n); `/update_weights_from_disk` reads only below `--disk-
 `/init_weights_update_group` joins only groups at `--group-hosts` with bounded ranks and timeout
 (`update_guard.py`). `/update_weights_from_tensor` accepts only
 `load_format="nanoflash_safetensors"` (base64 safetensors) -- SGLang's own payload is a pickle of CUDA-IPC
-handles, and this server never unpickles network bytes (400). Any malformed request gets 400 with a message
+handles, and this server never unpickles network bytes (400) -- or, from the trainer in the server's own
+process, `"nanoflash_in_process"` with a handle to tensors it parked (`stream.hand_over`: no bytes on the wire,
+the GPU tensors as they are; a handle this process never parked is a 400). `/weights_checker` adds the hash
+of the weights the model runs with (`derived_checksum`: every parameter in fp32, costly) only when asked
+(`"derived": true`). Any malformed request gets 400 with a message
 naming the problem; an unexpected failure gets 500; the server keeps serving either way. `/health_generate`
 runs one greedy token and answers 503 naming the failure when it cannot (e.g. NaN weights).
 
@@ -50,8 +54,8 @@ from nanoflash.rollout.engine import MAX_N, BadRequest, RolloutEngine, parse_sam
 from nanoflash.rollout.http_guard import BoundedHTTPServer, HTTPError, HTTPLimits, make_handler
 from nanoflash.rollout.mismatch import trace
 from nanoflash.rollout.update_guard import GroupPolicy, check_group, disk_files, own_hosts
-from nanoflash.rollout.weight_sync import (FLAT_FORMAT, SAFE_FORMAT, decode_blob, decode_tensors, encode_tensors,
-                                           join_receivers, receive_bucket)
+from nanoflash.rollout.weight_sync import (FLAT_FORMAT, LOCAL_FORMAT, SAFE_FORMAT, decode_blob, decode_tensors,
+                                           encode_tensors, join_receivers, receive_bucket, take_over)
 
 VERSION = "0.5.16"   # the SGLang release whose request/response shapes this server follows
 COMMON = {"/health": "GET", "/health_generate": "GET", "/get_server_info": "GET", "/server_info": "GET",
@@ -187,6 +191,12 @@ class RolloutServer:
 
     def r_update_weights_from_tensor(self, body):
         fmt = body.get("load_format")
+        if fmt == LOCAL_FORMAT:  # a handle to tensors the trainer in this same process parked (no bytes)
+            try:
+                named = take_over(body.get("handle"))
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+            return self._update(named, body, "/update_weights_from_tensor")
         if fmt != SAFE_FORMAT:
             raise BadRequest(f"/update_weights_from_tensor: load_format {fmt!r} is a pickled payload, which this "
                              f"server never unpickles; send load_format={SAFE_FORMAT!r} (base64 safetensors)")
@@ -273,8 +283,9 @@ class RolloutServer:
     def _weights_checker(self, body):
         action = body.get("action", "checksum")  # SGLang's CheckWeightsReqInput default
         if action == "checksum":
-            sums, derived = self.engine.store.checksums(), self.engine.derived_checksum()
-            ranks = [{"checksums": sums, "derived_checksum": derived,   # TP ranks hold the same (unsharded) copy
+            sums = self.engine.store.checksums()
+            extra = {"derived_checksum": self.engine.derived_checksum()} if body.get("derived") else {}
+            ranks = [{"checksums": sums, **extra,   # TP ranks hold the same (unsharded) copy
                       "parallelism_info": {"tp_rank": k, "tp_size": self.tp_size, "dp_rank": 0, "dp_size": 1,
                                            "pp_rank": 0, "pp_size": 1, "rank": k, "size": self.tp_size}}
                      for k in range(self.tp_size)]

@@ -31,7 +31,9 @@ from scratch on re-created groups `max_retries` times, then the run stops naming
 
 Transports: "distributed" as above; "tensor" (one host: colocated) posts each bucket's flat GPU buffer as
 SGLang's CUDA-IPC `FlattenedTensorBucket` (the embedded server: safetensors); "disk" writes one fresh
-directory per source and push (`{disk_dir}/v{version}/pp{s}`) and has every server load it.
+directory per source and push (`{disk_dir}/v{version}/pp{s}`) and has every server load it; "local" (one
+process, embedded servers in it: the `gpu` recipe) posts a handle to the bucket's GPU tensors
+(`weight_sync.send_local_payload`).
 
 Verification (rank 0), from each source's ledger: every expected SGLang name sent exactly once (a missing or
 doubled bucket is named); embedded servers: their checksums equal the loader layout each source derived from
@@ -60,8 +62,9 @@ from nanoflash.names import fill_pattern, name_pattern
 from nanoflash.parallel.expert import expert_range, is_expert_param
 from nanoflash.rollout.client import SGLangClient
 from nanoflash.rollout.layout import LoaderState, compare_checksums, sglang_checksums, sglang_partials
-from nanoflash.rollout.weight_sync import (Broadcaster, FlatBucket, PushFailed, expected_names, send_tensor_payload,
-                                           stream_buckets, verify_real_server, write_disk_bucket)
+from nanoflash.rollout.weight_sync import (Broadcaster, FlatBucket, PushFailed, expected_names, send_local_payload,
+                                           send_tensor_payload, stream_buckets, verify_real_server,
+                                           write_disk_bucket)
 
 GROUP = "nanoflash-pp{stage}"   # one weight-update group per pipeline stage (Miles: "miles-pp_{pp_rank}")
 LIVE_BUCKETS = 3                 # on the wire, being built, the verification copy
@@ -119,6 +122,9 @@ class StagePusher:
         self.is_source, self.in_stage = dims.rank == self.src_rank, dims.dp_rank == 0
         self.broadcaster, self.begun, self.last, self.summary = None, set(), {}, {}
         self.client = client
+        if rc.transport == "local" and dims.world_size > 1:
+            raise ValueError(f"rollout.transport=local hands tensors to embedded servers inside one process; this "
+                             f"trainer has {dims.world_size} ranks (use tensor, distributed or disk)")
         self._learn_servers()
         if rc.transport == "distributed":
             self._open_groups()
@@ -349,12 +355,12 @@ class _Sender:
         self.finish()
         if self.transport == "distributed":
             self.pending = (fb, self.p.broadcaster.send_async(fb, None))
-        elif self.transport == "tensor":
-            errors = []
+        elif self.transport in ("tensor", "local"):
+            errors, send = [], send_tensor_payload if self.transport == "tensor" else send_local_payload
 
             def post():
                 try:
-                    send_tensor_payload(self.client, fb, None)
+                    send(self.client, fb, None)
                 except Exception as e:
                     errors.append(f"{type(e).__name__}: {e}")
             th = threading.Thread(target=post, daemon=True)

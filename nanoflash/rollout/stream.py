@@ -20,7 +20,10 @@ ignores it):
                 bucket costs its own bytes plus the quantizer's bounded scratch.
 
 `stream_buckets(named, cfg)` yields `FlatBucket`s one at a time; `FlatBucket.tensors()` gives [(name, view)].
-Payload encodings live here too: the embedded server's safetensors payload (`encode_tensors`, never a pickle).
+Payload encodings live here too: the embedded server's safetensors payload (`encode_tensors`, never a pickle),
+and the in-process handover (`hand_over` / `take_over`): an embedded server running in the trainer's own
+process gets a handle to the bucket's tensors, on their device, instead of their bytes -- the single-process
+analogue of SGLang's CUDA-IPC payload (a handle, no copy until the loader's own).
 
 Tests: `pytest tests/test_weight_sync.py -q`.
 """
@@ -30,6 +33,8 @@ from __future__ import annotations
 import base64
 import json
 import struct
+import threading
+import uuid
 from typing import NamedTuple
 
 import safetensors.torch
@@ -41,6 +46,7 @@ from nanoflash.rollout.layout import sglang_fp8
 
 SAFE_FORMAT = "nanoflash_safetensors"   # load_format of the embedded server's safe tensor payload
 FLAT_FORMAT = "flattened_bucket"        # SGLang's load_format for one flat uint8 buffer + per-tensor metadata
+LOCAL_FORMAT = "nanoflash_in_process"   # load_format of a handle to tensors an in-process server takes as they are
 # units: official block suffixes (`#` = expert id) that must share a bucket (their scales ride along)
 ATOMIC = [("attn.wq_a.weight", "attn.wkv.weight"),
           ("attn.compressor.wkv.weight", "attn.compressor.wgate.weight"),
@@ -214,6 +220,40 @@ def encode_blob(named: list, names: list | None = None) -> bytes:
     names = names or [n for n, _ in named]
     return safetensors.torch.save({n: t.detach().cpu().contiguous() for n, t in named},
                                   metadata={"order": json.dumps(names)})
+
+
+# handle -> [(name, tensor)], filled by `hand_over` and emptied by `take_over` in the same process
+_HANDED: dict[str, list] = {}
+_HANDED_LOCK = threading.Lock()
+
+
+def hand_over(named: list) -> str:
+    """Park [(name, tensor)] for an in-process server; -> the handle its request names (used once)."""
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate tensor names in one payload: {sorted({n for n in names if names.count(n) > 1})}")
+    handle = uuid.uuid4().hex
+    with _HANDED_LOCK:
+        _HANDED[handle] = list(named)
+    return handle
+
+
+def take_over(handle) -> list:
+    """The tensors parked under `handle` (removed); a handle this process never parked names the likely cause."""
+    with _HANDED_LOCK:
+        named = _HANDED.pop(handle, None) if isinstance(handle, str) else None
+    if named is None:
+        raise ValueError(f"no in-process payload under handle {str(handle)[:40]!r}: load_format={LOCAL_FORMAT!r} "
+                         f"works only for a server in the trainer's own process, once per handle (send "
+                         f"load_format={SAFE_FORMAT!r} to a server in another process)")
+    return named
+
+
+def drop_handed(handles) -> None:
+    """Forget handles a failed push left parked (their tensors are freed with them)."""
+    with _HANDED_LOCK:
+        for h in handles:
+            _HANDED.pop(h, None)
 
 
 def decode_tensors(payload: str) -> list:

@@ -9,7 +9,8 @@ The push of one process (`push_weights`), per SGLang's documented order (rl_note
 
 Transports: "tensor" sends a safetensors payload to the embedded server and SGLang's own pickled
 `FlattenedTensorBucket` of the (GPU) flat buffer to real SGLang (`sglang_flattened_payload`: CUDA IPC, so one
-host only); "distributed" (`Broadcaster`) is rank 0 of a gloo/NCCL group with every receiving rank of every
+host only); "local" hands an embedded server in the trainer's own process a handle to the tensors
+(`stream.hand_over`: no serialization, the GPU tensors as they are, the same HTTP calls around them); "distributed" (`Broadcaster`) is rank 0 of a gloo/NCCL group with every receiving rank of every
 server (as many per server as it reports: SGLang joins `rank_offset + tp_rank`) and broadcasts while the
 server's `/update_weights_from_distributed` call receives: one flat uint8 buffer per bucket with
 load_format="flattened_bucket" where the server supports it (SGLang >= 0.5.16's
@@ -33,9 +34,13 @@ import torch.distributed as dist
 
 from nanoflash.names import official_inventory, to_sglang
 from nanoflash.rollout.layout import compare_checksums, expected_checksums, sglang_fp8
-from nanoflash.rollout.stream import (ATOMIC, FLAT_FORMAT, SAFE_FORMAT, FlatBucket, Item, Slot,  # noqa: F401
-                                      convert_items, decode_blob, decode_tensors, encode_blob, encode_tensors,
-                                      iter_units, named_of, pack_units, stream_buckets)
+from nanoflash.rollout.stream import (ATOMIC, FLAT_FORMAT, LOCAL_FORMAT, SAFE_FORMAT, FlatBucket, Item,  # noqa: F401
+                                      Slot, convert_items, decode_blob, decode_tensors, drop_handed, encode_blob,
+                                      encode_tensors, hand_over, iter_units, named_of, pack_units, stream_buckets,
+                                      take_over)
+
+
+TRANSPORTS = ("tensor", "local", "distributed", "disk")
 
 
 def iter_sglang_buckets(model, dims=None, *, fp8: bool, bucket_bytes: int):
@@ -238,6 +243,22 @@ def send_tensor_payload(client, bucket, version):
         client.post(url, "/update_weights_from_tensor", dict(body, flush_cache=False, **_version(version)))
 
 
+def send_local_payload(client, bucket, version):
+    """transport=local: every server is an embedded one in this process; each gets a handle to the bucket's
+    tensors as they are (on the GPU in the `gpu` recipe), which its loader copies into its own store."""
+    named = named_of(bucket)
+    for url in client.urls:
+        if not client.is_embedded(url):
+            raise ValueError(f"transport=local hands tensors to embedded servers in this process; {url} is not "
+                             f"one (use transport=tensor, distributed or disk)")
+        handle = hand_over(named)
+        try:
+            client.post(url, "/update_weights_from_tensor",
+                        {"load_format": LOCAL_FORMAT, "handle": handle, "flush_cache": False, **_version(version)})
+        finally:
+            drop_handed([handle])  # taken by the server, or left by a failed request: never kept
+
+
 def write_disk_bucket(directory: str, index: int, bucket) -> None:
     """One safetensors file per bucket, named by its index."""
     with open(os.path.join(directory, f"bucket-{index:05d}.safetensors"), "wb") as f:
@@ -264,16 +285,17 @@ def push_weights(client, buckets, *, version=None, transport: str = "tensor", br
     if version is None:
         client.weight_version += 1
         version = client.weight_version
-    if transport not in ("tensor", "distributed", "disk"):
-        raise ValueError(f"transport must be tensor|distributed|disk, got {transport!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {'|'.join(TRANSPORTS)}, got {transport!r}")
     client.pause_generation(pause_mode)
     try:
         client.flush_cache()
         for url in client.urls:
             client.begin_update(url)
-        if transport == "tensor":
+        if transport in ("tensor", "local"):
+            send = send_tensor_payload if transport == "tensor" else send_local_payload
             for b in buckets:
-                send_tensor_payload(client, b, version)
+                send(client, b, version)
         elif transport == "distributed":
             if broadcaster is None:
                 raise ValueError("transport='distributed' needs a Broadcaster (init the group once)")
