@@ -3,21 +3,31 @@
 For B billion trainable parameters in the `small` preset's real shapes (bf16 weights and gradients on the
 GPU), seconds per billion parameters of one step (median of `--iters` after one warm-up) of:
 
-    offload      nanoflash.parallel.optim.AdamW(offload=True): grads down, host fused AdamW, weights up,
-                 streamed through bounded pinned slots; host threads = the default (CPUs / local ranks)
+    offload      nanoflash.parallel.optim.AdamW(offload=True) at its defaults: grads down, host fused AdamW
+                 tile by tile, weights up, streamed through bounded pinned slots; host threads = the default
+                 (CPUs / local ranks)
     offload_t1   the same with host_threads=1 (what OMP_NUM_THREADS=1 under torchrun gave the old code)
     torch_cpu    torch.optim.AdamW(fused=True) over fp32 host tensors whose gradients are already on the host
-                 (the host math alone, no transfers: 28 bytes of host memory traffic per parameter, where
-                 the offloaded step also casts the weights up, 6 more, and the DMA writes / reads 6)
+                 (the host math alone, no transfers: 28 bytes of host memory traffic per parameter), measured
+                 before and after the sweep; every ratio below is to the mean of the two
     torch_cpu_offload  the same optimizer used as an offload, the plain way: every gradient copied to its
                  fp32 host tensor, the fused step, every weight copied back (no overlap, pageable memory)
     torch_cpu_t1 torch_cpu on one thread
     device       nanoflash AdamW with the state on the GPU (torch's fused CUDA kernel)
     legacy       the previous offload (a Python loop per parameter, whole state pinned, full fp32 gradient
                  copy on the host), on a quarter of the parameters
+    host_copy_gbs / h2d_gbs / d2h_gbs   ceilings in the same run: a 1 GiB fp32 host copy_ on the host threads
+                 (GB/s of bytes read + written), pinned 1 GiB host->device and device->host copies
 
-and whether the offloaded master after one step equals torch_cpu's parameters bit for bit (same inputs).
-Prints one JSON line. Run on the GPU host: PYTHONPATH=. python bench/bench_optim.py --billions 1.0
+With `--sweep`, every (chunk, tile, grad_cast) of `--chunks` x `--tiles` x `--casts` (or of `--configs`
+'16M:1M:host,...'; tile 0 = the whole chunk) is timed on the same optimizer (`AdamW.set_streaming`), each after a bitwise check: from the same
+initial state, one step's master must equal torch_cpu's first step bit for bit. Each row carries its rate
+ratio to torch_cpu and its breakdown (`AdamW.last_breakdown`, median per phase over the timed steps: host
+kernel, host grad / weight casts, waits on the copy events, issuing copies, the final upload).
+
+Prints JSON lines (the sweep rows as they finish, then one summary); `--out FILE` also writes them there.
+Run on the GPU host: PYTHONPATH=. python bench/bench_optim.py --billions 1.0 --sweep
+CPU smoke test: PYTHONPATH=. python bench/bench_optim.py --billions 0.02 --sweep --iters 1
 """
 import argparse
 import json
@@ -33,6 +43,8 @@ from nanoflash.model import Transformer
 from nanoflash.parallel.optim import AdamW, default_host_threads, trainable_parameters
 
 KW = dict(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-8)
+HOST_KERNEL_BYTES = 28  # per parameter: the fused kernel reads master, m, v, grad (fp32) and writes master, m, v
+CEIL_ELEMS = 1 << 28    # 1 GiB of fp32 for the bandwidth ceilings
 
 
 def shapes(billions: float) -> list:
@@ -53,7 +65,8 @@ def sync():
         torch.cuda.synchronize()
 
 
-def timed(step, iters: int) -> float:
+def timed(step, iters: int, after=None) -> float:
+    """Median wall seconds of `iters` calls of step() after one warm-up; after(): called after each timed one."""
     step()
     ts = []
     for _ in range(iters):
@@ -62,6 +75,8 @@ def timed(step, iters: int) -> float:
         step()
         sync()
         ts.append(time.perf_counter() - t)
+        if after:
+            after()
     return statistics.median(ts)
 
 
@@ -94,54 +109,117 @@ def legacy_step(ps, state, step_no: int):
     sync()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--billions", type=float, default=1.0)
-    ap.add_argument("--iters", type=int, default=3)
-    a = ap.parse_args()
-    shp = shapes(a.billions)
-    n = sum(math.prod(s) for s in shp)
-    res = {"params": n, "tensors": len(shp), "host_threads": default_host_threads(), "cpus": os.cpu_count()}
-    per_b = lambda s: s / (n / 1e9)  # noqa: E731
+def elems(text: str) -> int:
+    """'256K' / '16M' / '1024' -> elements."""
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    return int(text[:-1] if mult > 1 else text) * mult
 
-    ps = gpu_params(shp, 0)
-    ref = [torch.nn.Parameter(p.detach().float().cpu()) for _, p in ps]  # torch_cpu: the same inputs
-    for r, (_, p) in zip(ref, ps):
-        r.grad = p.grad.float().cpu()
-    off = AdamW(ps, offload=True, **KW)
-    off.step()  # one step from identical inputs: compare with torch's fused CPU step below
-    groups = [{"params": [r for r in ref if r.ndim >= 2]},
-              {"params": [r for r in ref if r.ndim < 2], "weight_decay": 0.0}]
-    topt = torch.optim.AdamW(groups, fused=True, **KW)
-    topt.step()
-    res["offload_equals_torch_cpu_bitwise"] = all(torch.equal(off.state[nm]["master"], r)
-                                                  for (nm, _), r in zip(ps, ref))
-    res["offload"] = per_b(timed(off.step, a.iters))
-    res["pinned_mib"] = off.host_bytes()["pinned"] / 2 ** 20
-    res["torch_cpu"] = per_b(timed(topt.step, a.iters))
 
+def ceilings(threads: int) -> dict:
+    """Host copy bandwidth on `threads` threads and pinned DMA bandwidths, GB/s (1 GiB, best of 3)."""
+    out, prev = {}, torch.get_num_threads()
+    src, dst = torch.ones(CEIL_ELEMS), torch.empty(CEIL_ELEMS)
+    torch.set_num_threads(threads)
+    out["host_copy_gbs"] = 2 * src.nbytes / min(_once(lambda: dst.copy_(src)) for _ in range(3)) / 1e9
+    torch.set_num_threads(prev)
+    if torch.cuda.is_available():
+        pin, gpu = torch.empty(CEIL_ELEMS, pin_memory=True), torch.empty(CEIL_ELEMS, device="cuda")
+        out["h2d_gbs"] = pin.nbytes / min(_once(lambda: gpu.copy_(pin, non_blocking=True)) for _ in range(3)) / 1e9
+        out["d2h_gbs"] = pin.nbytes / min(_once(lambda: pin.copy_(gpu, non_blocking=True)) for _ in range(3)) / 1e9
+    return out
+
+
+def _once(fn) -> float:
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+class Ref:
+    """torch's fused CPU AdamW on the same inputs: fp32 host copies of the weights and gradients; its first
+    step's result (`first`) and the initial weights (`init`) kept for the bitwise checks."""
+
+    def __init__(self, ps):
+        self.params = [torch.nn.Parameter(p.detach().float().cpu()) for _, p in ps]
+        for r, (_, p) in zip(self.params, ps):
+            r.grad = p.grad.float().cpu()
+        self.init = [r.detach().clone() for r in self.params]
+        groups = [{"params": [r for r in self.params if r.ndim >= 2]},
+                  {"params": [r for r in self.params if r.ndim < 2], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, fused=True, **KW)
+        self.opt.step()
+        self.first = [r.detach().clone() for r in self.params]
+
+
+def reset_and_check(off: AdamW, ref: Ref) -> bool:
+    """Put `off` back at the initial state, step once, compare its master with torch's first step."""
+    for (name, _), w0 in zip(off.params.items(), ref.init):
+        st = off.state[name]
+        st["master"].copy_(w0)
+        st["exp_avg"].zero_()
+        st["exp_avg_sq"].zero_()
+    off.step_count = 0
+    off.step()
+    return all(torch.equal(off.state[name]["master"], r) for name, r in zip(off.params, ref.first))
+
+
+def measure_config(off: AdamW, ref: Ref, iters: int, per_b, **stream) -> dict:
+    """One sweep row: set the stream, bitwise check, then time it with a median breakdown per phase."""
+    off.set_streaming(**stream)
+    row = {**stream, "bitwise": reset_and_check(off, ref)}
+    phases = []
+    row["s_per_b"] = per_b(timed(off.step, iters, after=lambda: phases.append(dict(off.last_breakdown))))
+    keys = sorted({k for ph in phases for k in ph})
+    row["breakdown_s_per_b"] = {k: round(per_b(statistics.median(ph.get(k, 0.0) for ph in phases)), 4)
+                                for k in keys}
+    row["tiles"] = sum(len(ch) for ch in off.chunks)
+    return row
+
+
+def sweep_configs(a) -> list[tuple[int, int, str]]:
+    """--configs 'chunk:tile:cast,...' or else --chunks x --tiles x --casts; tile 0 = the chunk; no repeats."""
+    if a.configs:
+        triples = [c.split(":") for c in a.configs.split(",")]
+    else:
+        triples = [(c, t, g) for c in a.chunks.split(",") for t in a.tiles.split(",") for g in a.casts.split(",")]
+    out = []
+    for c, t, g in triples:
+        chunk, tile = elems(c), elems(t)
+        cfg = (chunk, chunk if tile == 0 else min(tile, chunk), g)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def sweep(off: AdamW, ref: Ref, a, per_b, emit) -> list:
+    rows = []
+    for chunk, tile, cast in sweep_configs(a):
+        rows.append(measure_config(off, ref, a.iters, per_b, chunk_elems=chunk, tile_elems=tile, grad_cast=cast))
+        emit({"sweep": rows[-1]})
+    return rows
+
+
+def extras(ps, ref: Ref, off: AdamW, shp, n, res, per_b):
+    """The slow comparison rows: plain offload, one thread, state on the GPU, the previous offload."""
     def plain_offload():
-        for r, (_, p) in zip(ref, ps):
+        for r, (_, p) in zip(ref.params, ps):
             r.grad.copy_(p.grad)
-        topt.step()
-        for r, (_, p) in zip(ref, ps):
+        ref.opt.step()
+        for r, (_, p) in zip(ref.params, ps):
             p.data.copy_(r)
-    res["torch_cpu_offload"] = per_b(timed(plain_offload, a.iters))
+    res["torch_cpu_offload"] = per_b(timed(plain_offload, 2))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    res["torch_cpu_t1"] = per_b(timed(topt.step, 1))
+    res["torch_cpu_t1"] = per_b(timed(ref.opt.step, 1))
     torch.set_num_threads(threads)
-    del topt, ref, groups
     off.host_threads = 1
     res["offload_t1"] = per_b(timed(off.step, 1))
-    del off
-
+    off.host_threads = default_host_threads()
     dev = AdamW(ps, **KW)
-    res["device"] = per_b(timed(dev.step, a.iters))
-    del dev, ps
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
+    res["device"] = per_b(timed(dev.step, 3))
+    del dev
     cum = [sum(math.prod(x) for x in shp[:i + 1]) for i in range(len(shp))]
     quarter = gpu_params(shp[: next(i + 1 for i, c in enumerate(cum) if c >= n / 4)], 1)
     nq = sum(p.numel() for _, p in quarter)
@@ -155,9 +233,58 @@ def main():
         count[0] += 1
         legacy_step(quarter, state, count[0])
     res["legacy"] = timed(leg, 1) / (nq / 1e9)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--billions", type=float, default=1.0)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--sweep", action="store_true", help="time every --chunks x --tiles x --casts")
+    ap.add_argument("--chunks", default="1M,4M,16M")
+    ap.add_argument("--tiles", default="256K,1M,4M,0", help="0: the whole chunk (no tiling)")
+    ap.add_argument("--casts", default="host,device")
+    ap.add_argument("--configs", default="", help="explicit 'chunk:tile:cast,...' instead of the product")
+    ap.add_argument("--no-extras", action="store_true", help="skip the slow comparison rows")
+    ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    a = ap.parse_args()
+    out = open(a.out, "w") if a.out else None
+
+    def emit(obj):
+        line = json.dumps(obj, default=lambda v: str(v))
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+    shp = shapes(a.billions)
+    n = sum(math.prod(s) for s in shp)
+    res = {"params": n, "tensors": len(shp), "host_threads": default_host_threads(), "cpus": os.cpu_count()}
+    per_b = lambda s: s / (n / 1e9)  # noqa: E731
+    res.update(ceilings(default_host_threads()))
+    ps = gpu_params(shp, 0)
+    ref = Ref(ps)
+    off = AdamW(ps, offload=True, **KW)
+    res["offload_equals_torch_cpu_bitwise"] = reset_and_check(off, ref)
+    base = [per_b(timed(ref.opt.step, a.iters))]
+    res["offload"] = per_b(timed(off.step, a.iters))
+    res["offload_breakdown_s_per_b"] = {k: round(per_b(v), 4) for k, v in off.last_breakdown.items()}
+    res["pinned_mib"] = off.host_bytes()["pinned"] / 2 ** 20
+    rows = sweep(off, ref, a, per_b, emit) if a.sweep else []
+    base.append(per_b(timed(ref.opt.step, a.iters)))
+    res["torch_cpu_before_after"] = base
+    res["torch_cpu"] = statistics.mean(base)
+    res["torch_cpu_host_gbs"] = HOST_KERNEL_BYTES / res["torch_cpu"]  # bytes/param / (s per 1e9 params)
+    for r in rows:
+        r["vs_torch_cpu"] = round(res["torch_cpu"] / r["s_per_b"], 3)
+    if rows:
+        res["sweep_best"] = min(rows, key=lambda r: r["s_per_b"])
+    off.set_streaming()  # the defaults again for the one-thread row
+    if not a.no_extras:
+        extras(ps, ref, off, shp, n, res, per_b)
+        res["offload_vs_torch_cpu_offload"] = res["torch_cpu_offload"] / res["offload"]
     res["offload_vs_torch_cpu"] = res["torch_cpu"] / res["offload"]  # rate ratio: > 1 is faster than the math alone
-    res["offload_vs_torch_cpu_offload"] = res["torch_cpu_offload"] / res["offload"]
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}), flush=True)
+    emit({"sweep_table": [{k: r[k] for k in ("chunk_elems", "tile_elems", "grad_cast", "bitwise", "s_per_b",
+                                             "vs_torch_cpu")} for r in rows]})
+    emit({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()})
 
 
 if __name__ == "__main__":

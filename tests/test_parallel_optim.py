@@ -2,6 +2,7 @@
 torch.nn.utils.clip_grad_norm_; offload; the RL freeze list; layer splits.
 Run: pytest tests/test_parallel_optim.py -q"""
 import copy
+import itertools
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.parallel import optim as optim_mod
-from nanoflash.parallel.optim import ALIGN, AdamW, plan_chunks, trainable_parameters
+from nanoflash.parallel.optim import ALIGN, AdamW, plan_chunks, plan_tiles, trainable_parameters
 from nanoflash.parallel.pipeline import split_layers
 from nanoflash.parallel.train_step import clip_gradients_, token_nll_loss, train_step
 
@@ -170,6 +171,8 @@ def test_train_step_clips_like_torch(gen):
 # ---------------------------------------------------------------------------------------------- fused / offload
 def _seeded_grads(params, gen, dtype=None):
     for p in params:
+        if dtype is not None and dtype != p.dtype:
+            p.grad_dtype = None  # torch >= 2.10: allow a gradient dtype other than the parameter's
         p.grad = torch.randn(p.shape, generator=gen).to(dtype or p.dtype).to(p.device)
 
 
@@ -191,30 +194,77 @@ def test_fused_step_equals_torch_fused_adamw_bitwise(gen):
         assert torch.equal(a, b), n
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_offload_equals_on_device_bitwise(dtype, gen):
-    """Streamed through small chunks (tensors cut inside, several tensors per chunk), the offloaded update
-    gives the on-device one's bits: weights, master, m and v, over 3 steps with weight decay."""
+def _offload_vs_device(dev_model, off_model, gen, steps=3, grad_dtype=None, **stream):
+    """`steps` AdamW steps with weight decay, on-device vs offloaded (`stream`: chunk/tile/grad_cast) from the
+    same seeded gradients; -> (dev, off) optimizers."""
+    kw = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-8)
+    dev = AdamW(trainable_parameters(dev_model), **kw)
+    off = AdamW(trainable_parameters(off_model), offload=True, host_threads=2, **stream, **kw)
+    for _ in range(steps):
+        _seeded_grads([p for _, p in trainable_parameters(dev_model)], gen, grad_dtype)
+        for (_, p), (_, q) in zip(trainable_parameters(dev_model), trainable_parameters(off_model)):
+            q.grad_dtype = p.grad_dtype if hasattr(p, "grad_dtype") else None
+            q.grad = p.grad.to(q.device)
+        dev.step()
+        off.step()
+    return dev, off
+
+
+def _assert_same_bits(dev_model, off_model, dev, off):
+    for (n, p), (_, q) in zip(dev_model.named_parameters(), off_model.named_parameters()):
+        assert torch.equal(p, q.cpu()), n
+    for n, st in off.state.items():
+        for k, v in st.items():
+            assert torch.equal(v, dev.state[n].get(k, dict(dev.params)[n])), (n, k)
+
+
+@pytest.mark.parametrize("dtype,tile,grad_cast", [(torch.float32, 512, "host"), (torch.bfloat16, 1024, "device"),
+                                                  (torch.bfloat16, 256, "host")])
+def test_offload_equals_on_device_bitwise(dtype, tile, grad_cast, gen):
+    """Streamed through small chunks and tiles (tensors cut inside by both, several tensors per chunk and per
+    tile, bf16 and fp32 parameters mixed in the bf16 model), with the gradient cast to fp32 on the host or on
+    the device, the offloaded update gives the on-device one's bits: weights, master, m and v, over 3 steps."""
     dev_model = Transformer(preset("tiny")).init_weights(0)
     if dtype != torch.float32:
         dev_model.cast_(dtype)
     off_model = copy.deepcopy(dev_model)
-    kw = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-8)
-    dev = AdamW(trainable_parameters(dev_model), **kw)
-    off = AdamW(trainable_parameters(off_model), offload=True, chunk_elems=256, host_threads=2, **kw)
-    assert any(a not in (0,) for ch in off.chunks for _, a, _, _ in ch)      # some tensor is cut inside
-    assert any(len(ch) > 1 for ch in off.chunks)                              # some chunk holds several
-    for _ in range(3):
-        _seeded_grads([p for _, p in trainable_parameters(dev_model)], gen)
-        for (_, p), (_, q) in zip(trainable_parameters(dev_model), trainable_parameters(off_model)):
-            q.grad = p.grad.clone()
-        dev.step()
-        off.step()
-    for (n, p), (_, q) in zip(dev_model.named_parameters(), off_model.named_parameters()):
-        assert torch.equal(p, q), n
-    for n, st in off.state.items():
-        for k, v in st.items():
-            assert torch.equal(v, dev.state[n].get(k, dict(dev.params)[n])), (n, k)
+    dev, off = _offload_vs_device(dev_model, off_model, gen, chunk_elems=1024, tile_elems=tile, grad_cast=grad_cast)
+    pieces = [pc for ch in off.chunks for t in ch for pc in t]
+    assert any(a % tile != 0 for _, a, _, _ in pieces)                        # a tile cuts inside a tensor
+    assert any(len(t) > 1 for ch in off.chunks for t in ch)                   # some tile holds several
+    assert (tile < 1024) == any(len(ch) > 1 for ch in off.chunks)             # chunks cut into tiles
+    _assert_same_bits(dev_model, off_model, dev, off)
+
+
+def test_offload_fp32_grads_of_bf16_weights_travel_in_fp32(gen):
+    """fp32 gradients (fp32 accumulation) of bf16 weights go down in fp32 under grad_cast="host" (a bf16 slot
+    would round them): the on-device update's bits, which reads the fp32 gradient as it is."""
+    dev_model = Transformer(preset("tiny")).init_weights(0).cast_(torch.bfloat16)
+    off_model = copy.deepcopy(dev_model)
+    dev, off = _offload_vs_device(dev_model, off_model, gen, steps=2, grad_dtype=torch.float32,
+                                  chunk_elems=1024, tile_elems=256, grad_cast="host")
+    assert set(off._staging["down"]) == {torch.float32}
+    _assert_same_bits(dev_model, off_model, dev, off)
+
+
+def test_plan_tiles_cut_chunks_on_align(gen):
+    """Tiles cover each chunk piece once, in order, contiguous in the slot, at most tile_elems each; a cut inside
+    a tensor lands on a multiple of ALIGN from the tensor's start (not from the piece's or the chunk's)."""
+    sizes = [(f"t{i}", int(n)) for i, n in enumerate(torch.randint(1, 700, (40,), generator=gen))] + [("big", 5000)]
+    T = 192
+    for chunk in plan_chunks(sizes, 640):
+        tiles = plan_tiles(chunk, T)
+        flat = [pc for t in tiles for pc in t]
+        assert all(sum(b - a for _, a, b, _ in t) <= T for t in tiles)
+        assert [o for *_, o in flat] == [chunk[0][3]] + list(itertools.accumulate(b - a for _, a, b, _ in flat))[:-1]
+        for name, a, b, off in chunk:
+            spans = [(x, y) for n, x, y, _ in flat if n == name]
+            assert spans[0][0] == a and spans[-1][1] == b and all(p[1] == q[0] for p, q in zip(spans, spans[1:]))
+            assert all(y % ALIGN == 0 for _, y in spans[:-1]), name
+    with pytest.raises(ValueError, match="tile_elems=100 must be a positive multiple of ALIGN"):
+        AdamW(_toy().named_parameters(), offload=True, tile_elems=100)
+    with pytest.raises(ValueError, match="grad_cast='gpu'"):
+        AdamW(_toy().named_parameters(), offload=True, grad_cast="gpu")
 
 
 def test_plan_chunks_cover_every_element_once(gen):
@@ -236,9 +286,11 @@ def test_plan_chunks_cover_every_element_once(gen):
         plan_chunks(sizes, 100)
 
 
-def test_offload_threads_set_for_the_step_and_staging_bounded(monkeypatch, gen):
+@pytest.mark.parametrize("grad_cast,down_bytes", [("host", 2), ("device", 4)])
+def test_offload_threads_set_for_the_step_and_staging_bounded(grad_cast, down_bytes, monkeypatch, gen):
     model = _toy(torch.bfloat16)
-    opt = AdamW(model.named_parameters(), offload=True, chunk_elems=128, host_threads=3)
+    opt = AdamW(model.named_parameters(), offload=True, chunk_elems=128, tile_elems=64, host_threads=3,
+                grad_cast=grad_cast)
     seen = []
     real = optim_mod.fused_adamw_
     monkeypatch.setattr(optim_mod, "fused_adamw_", lambda *a, **k: (seen.append(torch.get_num_threads()),
@@ -247,13 +299,17 @@ def test_offload_threads_set_for_the_step_and_staging_bounded(monkeypatch, gen):
     _seeded_grads(list(model.parameters()), gen)
     opt.step()
     assert seen and set(seen) == {3} and torch.get_num_threads() == before
-    # pinned staging: 2 slots x 128 elements fp32 down + 2 x 128 bf16 up, whatever the model size
+    assert len(seen) >= sum(len(ch) for ch in opt.chunks) > len(opt.chunks)  # one call (or two) per tile
+    # pinned staging: 2 slots x 128 elements down (bf16 or fp32) + 2 x 128 bf16 up, whatever the model size
     assert opt.host_bytes() == {"state": 3 * 4 * sum(p.numel() for p in model.parameters()),
-                                "pinned": 2 * 128 * 4 + 2 * 128 * 2}
+                                "pinned": 2 * 128 * down_bytes + 2 * 128 * 2}
+    phases = {"issue_s", "kernel_s", "grad_cast_s", "weight_cast_s", "tail_s"}
+    assert phases <= set(opt.last_breakdown) and sum(opt.last_breakdown.values()) <= opt.last_step_s
 
 
 @pytest.mark.gpu
-def test_offload_on_cuda_equals_cpu_update_bitwise(gen):
+@pytest.mark.parametrize("tile,grad_cast", [(1024, "device"), (256, "host"), (128, "device")])
+def test_offload_on_cuda_equals_cpu_update_bitwise(tile, grad_cast, gen):
     """bf16 weights on the GPU, state on the host: the host runs the CPU fused kernel on the exact fp32 image
     of the bf16 gradients, so the result is the CPU on-device update's bits."""
     cpu_model = Transformer(preset("tiny")).init_weights(0)
@@ -261,7 +317,8 @@ def test_offload_on_cuda_equals_cpu_update_bitwise(gen):
     gpu_model = copy.deepcopy(cpu_model).cuda()
     kw = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-8)
     ref = AdamW(trainable_parameters(cpu_model), **kw)
-    off = AdamW(trainable_parameters(gpu_model), offload=True, chunk_elems=1024, **kw)
+    off = AdamW(trainable_parameters(gpu_model), offload=True, chunk_elems=1024, tile_elems=tile,
+                grad_cast=grad_cast, **kw)
     for _ in range(3):
         _seeded_grads([p for _, p in trainable_parameters(cpu_model)], gen)
         for (_, p), (_, q) in zip(trainable_parameters(cpu_model), trainable_parameters(gpu_model)):
@@ -271,4 +328,5 @@ def test_offload_on_cuda_equals_cpu_update_bitwise(gen):
     for (n, p), (_, q) in zip(cpu_model.named_parameters(), gpu_model.named_parameters()):
         assert torch.equal(p, q.cpu()), n
     assert all(not v.is_pinned() for st in off.state.values() for v in st.values())
-    assert all(t.is_pinned() for t in off._staging["down"])
+    assert all(t.is_pinned() for way in ("down", "up") for ts in off._staging[way].values() for t in ts)
+    assert set(off._staging["down"]) == ({torch.float32} if grad_cast == "device" else {torch.bfloat16, torch.float32})

@@ -40,6 +40,7 @@ Tests: `pytest tests/test_parallel_optim.py -q`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 
@@ -55,6 +56,8 @@ MTP_PREFIX = "mtp."
 # body and its scalar tail, whose exp_avg_sq rounds differently (seen: 1 ulp). 64 covers AVX-512 fp32 twice.
 ALIGN = 64
 HOST_CHUNK_ELEMS = 1 << 24  # 16M elements per offload chunk: 64 MiB fp32 gradients per pinned slot
+HOST_TILE_ELEMS = 1 << 20  # PROVISIONAL host tile (to be set from the H200 sweep)
+HOST_GRAD_CAST = "host"  # PROVISIONAL
 
 
 def is_frozen(name: str, train_mtp: bool = False) -> bool:
@@ -101,11 +104,34 @@ def plan_chunks(sizes: list[tuple[str, int]], chunk_elems: int) -> list[list[tup
     return chunks
 
 
-def fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, step: float, lr: float, betas, eps: float, wd: float):
-    """torch's fused AdamW kernel over lists of same-device fp32 tensors (the step count is read, not bumped)."""
+def plan_tiles(chunk: list[tuple[str, int, int, int]], tile_elems: int) -> list[list[tuple[str, int, int, int]]]:
+    """Cut one chunk's pieces [(name, start, end, offset)] into tiles of <= tile_elems elements, in order
+    (cuts inside a tensor at multiples of ALIGN from its start) -> per tile [(name, start, end, offset)]."""
+    tiles = plan_chunks([(j, b - a) for j, (_, a, b, _) in enumerate(chunk)], tile_elems)
+    return [[(chunk[j][0], chunk[j][1] + s, chunk[j][1] + e, chunk[j][3] + s) for j, s, e, _ in t] for t in tiles]
+
+
+class _Laps:
+    """Wall time per phase: lap(key) adds the time since the previous lap (or the start) to s[key]."""
+
+    def __init__(self):
+        self.s: dict[str, float] = {}
+        self.t = time.perf_counter()
+
+    def lap(self, key: str) -> None:
+        t = time.perf_counter()
+        self.s[key] = self.s.get(key, 0.0) + t - self.t
+        self.t = t
+
+
+def fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, step, lr: float, betas, eps: float, wd: float):
+    """torch's fused AdamW kernel over lists of same-device fp32 tensors; step: a number or an fp32 scalar
+    tensor on their device (read, not bumped)."""
     if not params:
         return
-    steps = [torch.tensor(float(step), dtype=torch.float32, device=params[0].device)] * len(params)
+    if not torch.is_tensor(step):
+        step = torch.tensor(float(step), dtype=torch.float32, device=params[0].device)
+    steps = [step] * len(params)
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=betas[0], beta2=betas[1],
                         weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
 
@@ -119,7 +145,7 @@ class AdamW:
 
     def __init__(self, named_params, lr: float = 1e-6, weight_decay: float = 0.1, betas=(0.9, 0.98),
                  eps: float = 1e-8, offload: bool = False, chunk_elems: int = HOST_CHUNK_ELEMS,
-                 host_threads: int | None = None):
+                 host_threads: int | None = None, tile_elems: int = HOST_TILE_ELEMS, grad_cast: str = HOST_GRAD_CAST):
         self.lr, self.weight_decay, self.betas, self.eps, self.offload = lr, weight_decay, tuple(betas), eps, offload
         self.params = dict(named_params)
         self.step_count = 0
@@ -132,13 +158,9 @@ class AdamW:
             if offload or p.dtype != torch.float32:
                 st["master"] = p.detach().to(dev, torch.float32, copy=True)
             self.state[name] = st
-        if chunk_elems < ALIGN or chunk_elems % ALIGN:
-            raise ValueError(f"chunk_elems={chunk_elems} must be a positive multiple of ALIGN={ALIGN}")
-        sizes = [(n, p.numel()) for n, p in self.params.items()]
-        self.chunk_elems = min(chunk_elems, max(ALIGN, -(-sum(n for _, n in sizes) // ALIGN) * ALIGN))
-        self.chunks = plan_chunks(sizes, self.chunk_elems) if offload else []
-        self._staging = None  # made on the first offloaded step: [down0, down1], [up0, up1], streams, events
+        self.set_streaming(chunk_elems, tile_elems, grad_cast)
         self.last_step_s = 0.0  # wall time of the last step, weights back on their device
+        self.last_breakdown: dict[str, float] = {}  # offloaded: wall seconds per phase of the last step
 
     def zero_grad(self) -> None:
         for p in self.params.values():
@@ -183,24 +205,42 @@ class AdamW:
                 p.copy_(w)
 
     # ------------------------------------------------------------------ offloaded step
-    def _make_staging(self, cuda: bool) -> dict:
-        """Two pinned slots of chunk_elems per direction: fp32 down; up one pair per parameter dtype (bf16
-        weights, plus the few the official model keeps in fp32)."""
-        C, dtypes = self.chunk_elems, sorted({p.dtype for p in self.params.values()}, key=str)
-        return {"down": [torch.empty(C, dtype=torch.float32, pin_memory=cuda) for _ in range(2)],
-                "up": {dt: [torch.empty(C, dtype=dt, pin_memory=cuda) for _ in range(2)] for dt in dtypes},
-                "streams": (torch.cuda.Stream(), torch.cuda.Stream()) if cuda else None,
-                "events": ([torch.cuda.Event() for _ in range(2)], [torch.cuda.Event() for _ in range(2)])
-                if cuda else None}
+    def set_streaming(self, chunk_elems: int = HOST_CHUNK_ELEMS, tile_elems: int = HOST_TILE_ELEMS,
+                      grad_cast: str = HOST_GRAD_CAST) -> None:
+        """(Re)plan the offloaded stream: chunks of <= chunk_elems per pinned slot, host tiles of <= tile_elems
+        (module docstring); grad_cast "host" (gradients travel in their dtype) or "device" (cast to fp32 on
+        the GPU). The state is kept; the staging is remade on the next step."""
+        for key, v in (("chunk_elems", chunk_elems), ("tile_elems", tile_elems)):
+            if v < ALIGN or v % ALIGN:
+                raise ValueError(f"{key}={v} must be a positive multiple of ALIGN={ALIGN}")
+        if grad_cast not in ("host", "device"):
+            raise ValueError(f"grad_cast={grad_cast!r} must be 'host' or 'device'")
+        sizes = [(n, p.numel()) for n, p in self.params.items()]
+        self.chunk_elems = min(chunk_elems, max(ALIGN, -(-sum(n for _, n in sizes) // ALIGN) * ALIGN))
+        self.tile_elems, self.grad_cast = min(tile_elems, self.chunk_elems), grad_cast
+        chunks = plan_chunks(sizes, self.chunk_elems) if self.offload else []
+        self.chunks = [plan_tiles(ch, self.tile_elems) for ch in chunks]  # [chunk][tile][piece]
+        self._staging = None
+
+    def _slot(self, way: str, dtype: torch.dtype, k: int) -> torch.Tensor:
+        """Pinned slot k (of 2) of chunk_elems for `way` ("down" gradients / "up" weights) in `dtype`, made on
+        first use: one pair per dtype that travels (bf16 and the few fp32 parameters of the official model)."""
+        slots = self._staging[way].setdefault(dtype, [None, None])
+        if slots[k] is None:
+            slots[k] = torch.empty(self.chunk_elems, dtype=dtype, pin_memory=self._staging["cuda"])
+        return slots[k]
 
     def _offload_step(self) -> None:
-        """Grad chunk i+1 down || host math on chunk i || weights of chunk i-1 up (module docstring)."""
+        """Grad chunk i+1 down || host math on chunk i, tile by tile || weights of chunk i-1 up."""
         cuda = any(p.is_cuda for p in self.params.values())
         if self._staging is None:
-            self._staging = self._make_staging(cuda)
-        S, threads = self._staging, torch.get_num_threads()
-        chunks = [[pc for pc in ch if self.params[pc[0]].grad is not None] for ch in self.chunks]
-        chunks = [ch for ch in chunks if ch]
+            self._staging = {"down": {}, "up": {}, "cuda": cuda, "scratch": torch.empty(self.tile_elems),
+                             "streams": (torch.cuda.Stream(), torch.cuda.Stream()) if cuda else None,
+                             "events": ([torch.cuda.Event() for _ in range(2)], [torch.cuda.Event() for _ in range(2)])
+                             if cuda else None, "key": None}
+        S, threads, laps = self._staging, torch.get_num_threads(), _Laps()
+        chunks, ops = self._live_plan()
+        step = torch.tensor(float(self.step_count))
         if cuda:
             for s in S["streams"]:
                 s.wait_stream(torch.cuda.current_stream())  # the gradients are final
@@ -210,41 +250,89 @@ class AdamW:
             for i in range(len(chunks)):
                 if i + 1 < len(chunks):
                     self._download(chunks, i + 1)
+                laps.lap("issue_s")
                 if cuda:
                     S["events"][0][i % 2].synchronize()
-                self._host_update(chunks[i], S["down"][i % 2])
-                if cuda:
+                    laps.lap("wait_down_s")
                     S["events"][1][i % 2].synchronize()  # chunk i-2's upload has left this slot
+                    laps.lap("wait_up_s")
+                for tile_ops in ops[i]:
+                    self._host_tile(tile_ops, step, laps)
                 self._upload(chunks[i], i % 2)
+            laps.lap("issue_s")
             if cuda:
                 S["streams"][1].synchronize()  # every weight is on the GPU before the next forward
+            laps.lap("tail_s")
         finally:
             torch.set_num_threads(threads)
+        self.last_breakdown = laps.s
+
+    def _live_plan(self):
+        """The plan restricted to parameters with a gradient -> (chunks [chunk][tile][piece], per chunk the
+        tiles' prebuilt views); the views are remade only when which gradients exist (or their dtypes) changes."""
+        S = self._staging
+        key = tuple(None if p.grad is None else p.grad.dtype for p in self.params.values())
+        if S["key"] != key:
+            chunks = [[[pc for pc in t if self.params[pc[0]].grad is not None] for t in ch] for ch in self.chunks]
+            chunks = [ch for ch in ([t for t in ch if t] for ch in chunks) if ch]
+            S["key"], S["chunks"] = key, chunks
+            S["ops"] = [[self._tile_ops(t, i % 2) for t in ch] for i, ch in enumerate(chunks)]
+        return S["chunks"], S["ops"]
+
+    def _down_dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if self.grad_cast == "device" else self.params[name].grad.dtype
 
     def _download(self, chunks, i: int) -> None:
         S = self._staging
-        slot = S["down"][i % 2]
         with torch.cuda.stream(S["streams"][0]) if S["streams"] else contextlib.nullcontext():
-            for name, a, b, off in chunks[i]:
+            for name, a, b, off in (pc for tile in chunks[i] for pc in tile):
+                slot = self._slot("down", self._down_dtype(name), i % 2)
                 slot[off:off + b - a].copy_(self.params[name].grad.reshape(-1)[a:b], non_blocking=True)
             if S["events"]:
                 S["events"][0][i % 2].record()
 
-    def _host_update(self, chunk, slot: torch.Tensor) -> None:
-        for wd in {self._decay(n) for n, *_ in chunk}:
-            sel = [pc for pc in chunk if self._decay(pc[0]) == wd]
-            flat = lambda k: [self.state[n][k].view(-1)[a:b] for n, a, b, _ in sel]  # noqa: E731
-            fused_adamw_(flat("master"), [slot[off:off + b - a] for _, a, b, off in sel], flat("exp_avg"),
-                         flat("exp_avg_sq"), self.step_count, self.lr, self.betas, self.eps, wd)
+    def _tile_ops(self, tile, k: int) -> tuple:
+        """One tile's work as views -> (grad casts [(dst, src)], fused groups [(wd, masters, grads, m, v)],
+        weight casts [(dst, src)]). Gradients: the down slot itself where it is fp32, else each run of
+        same-dtype pieces (contiguous in the slot) cast into the scratch tile, read by the kernel from cache."""
+        grads, gcasts, scratch, t0 = [], [], self._staging["scratch"], tile[0][3]
+        for dt, run in itertools.groupby(tile, key=lambda pc: self._down_dtype(pc[0])):
+            run = list(run)
+            o0, o1 = run[0][3], run[-1][3] + run[-1][2] - run[-1][1]  # the run's span in the slot
+            src, base = self._slot("down", dt, k), 0
+            if dt != torch.float32:
+                gcasts.append((scratch[o0 - t0:o1 - t0], src[o0:o1]))  # bf16 -> fp32 is exact: the GPU cast's bits
+                src, base = scratch, t0
+            grads += [src[off - base:off - base + b - a] for _, a, b, off in run]
+        flat = lambda j, key: self.state[tile[j][0]][key].view(-1)[tile[j][1]:tile[j][2]]  # noqa: E731
+        groups = []
+        for wd in sorted({self._decay(n) for n, *_ in tile}):
+            sel = [j for j, pc in enumerate(tile) if self._decay(pc[0]) == wd]
+            groups.append((wd, [flat(j, "master") for j in sel], [grads[j] for j in sel],
+                           [flat(j, "exp_avg") for j in sel], [flat(j, "exp_avg_sq") for j in sel]))
+        wcasts = [(self._slot("up", self.params[n].dtype, k)[off:off + b - a], flat(j, "master"))
+                  for j, (n, a, b, off) in enumerate(tile)]
+        return gcasts, groups, wcasts
+
+    def _host_tile(self, ops, step: torch.Tensor, laps) -> None:
+        """Fused AdamW on one tile, then its masters cast into the up slot while they are still in cache."""
+        gcasts, groups, wcasts = ops
+        for dst, src in gcasts:
+            dst.copy_(src)
+        laps.lap("grad_cast_s")
+        for wd, masters, grads, ms, vs in groups:
+            fused_adamw_(masters, grads, ms, vs, step, self.lr, self.betas, self.eps, wd)
+        laps.lap("kernel_s")
+        for dst, src in wcasts:  # fp32 master -> the parameter's dtype, on the host
+            dst.copy_(src)
+        laps.lap("weight_cast_s")
 
     def _upload(self, chunk, k: int) -> None:
         S = self._staging
-        for name, a, b, off in chunk:  # fp32 master -> the parameter's dtype, on the host
-            S["up"][self.params[name].dtype][k][off:off + b - a].copy_(self.state[name]["master"].view(-1)[a:b])
         with torch.cuda.stream(S["streams"][1]) if S["streams"] else contextlib.nullcontext():
-            for name, a, b, off in chunk:
+            for name, a, b, off in (pc for tile in chunk for pc in tile):
                 p = self.params[name]
-                p.view(-1)[a:b].copy_(S["up"][p.dtype][k][off:off + b - a], non_blocking=True)
+                p.view(-1)[a:b].copy_(self._slot("up", p.dtype, k)[off:off + b - a], non_blocking=True)
             if S["events"]:
                 S["events"][1][k].record()
 
@@ -252,8 +340,8 @@ class AdamW:
         """Host memory this optimizer holds: {"state": pageable fp32 state, "pinned": staging slots}."""
         state = sum(v.numel() * 4 for st in self.state.values() for v in st.values()) if self.offload else 0
         S = self._staging
-        pinned = 0 if S is None else sum(t.numel() * t.element_size()
-                                         for t in S["down"] + [t for ts in S["up"].values() for t in ts])
+        pinned = 0 if S is None else sum(t.numel() * t.element_size() for way in ("down", "up")
+                                         for ts in S[way].values() for t in ts if t is not None)
         return {"state": state, "pinned": pinned}
 
     # ------------------------------------------------------------------ checkpoint I/O (flat, by FQN)
