@@ -7,9 +7,10 @@
 #   last call:                             OUT=$OUT bash scripts/grpo_h200.sh collect
 # `go` installs the pack and the wheels, writes a random-init checkpoint of the h200 preset, starts SGLang on it
 # under setsid and, under setsid too, the pipeline: SFT warm start (bench/grpo_h200.py sft) -> wait for SGLang ->
-# parity on 2-4K-token sequences of the warm start (bench/sglang_check.py parity: the server restored from the
-# warm checkpoint, planted-bug row) -> train.py --recipe h200 --rollout.urls (its first push carries the warm
-# start, verified) -> report (summary + figures).
+# train.py --recipe h200 --rollout.urls (its first push carries the warm start, verified) -> report (summary +
+# figures) -> parity on 2-4K-token sequences of the warm start (bench/sglang_check.py parity: the server
+# restored from the warm checkpoint, planted-bug row) -> report again. SGLang runs without the overlap
+# scheduler: 2026-12-01's run died in `event_loop_overlap` (illegal memory access in a 128-request decode).
 # The CPU dry run of the same pipeline, with nanoflash's embedded server in SGLang's place and a tiny model:
 #   bash scripts/grpo_h200.sh dry
 set -uo pipefail
@@ -48,6 +49,7 @@ install() {
 serve_sglang() {
   setsid nohup python3 -m sglang.launch_server --model-path $W/init --load-format auto --tp 1 --disable-cuda-graph \
     --skip-server-warmup --skip-tokenizer-init --mem-fraction-static ${H20_MEM:-0.45} --context-length 8192 \
+    --disable-overlap-schedule \
     --port ${URL##*:} \
     > $W/server.log 2>&1 < /dev/null &
 }
@@ -63,18 +65,23 @@ start() {  # random-init checkpoint -> server -> the pipeline, both detached
   setsid nohup bash "$R/scripts/grpo_h200.sh" pipeline_$MODE > $W/pipeline.log 2>&1 < /dev/null &
   echo "started: server and pipeline ($MODE); logs in $W"
 }
-pipeline() {  # SFT -> parity of the warm start (server restored from its checkpoint) -> GRPO -> report
+pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity of the warm start -> report
   cd "$R"
   local sft="--max-seconds ${H20_SFT_S:-220}"
   [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3"
   $PY bench/grpo_h200.py sft --out $W/warm $sft $(overrides) || { echo "FAILED sft"; touch $W/DONE; exit 1; }
-  local par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2048 --prompt-len-max 3968"
-  [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 4 --prompt-len 64 --prompt-len-max 96"
-  $PY bench/sglang_check.py parity --dir $W/warm --restore 1 --synth 1 --modes bf16,qat --out $W/parity.json \
-    --wait 600 $par || echo "FAILED parity"
+  touch $W/SFT_DONE
+  # $W/HOLD: another job shares the GPU while SGLang boots (bench/gpu_round3.sh); GRPO starts once it is gone
+  local end=$((SECONDS + ${H20_HOLD_MAX:-600})); while [ -e $W/HOLD ] && [ $SECONDS -lt $end ]; do sleep 2; done
   $PY train.py --recipe h200 --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
     $(overrides) || echo "FAILED train"
   report
+  # parity last (2026-12-01's run measured it first: 4 of the budget's minutes before any GRPO step); the
+  # server is restored from the warm checkpoint, so it scores the warm start as before
+  local par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2048 --prompt-len-max 3968"
+  [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 4 --prompt-len 64 --prompt-len-max 96"
+  $PY bench/sglang_check.py parity --dir $W/warm --restore 1 --synth 1 --modes bf16,qat --out $W/parity.json \
+    --wait 600 $par && report || echo "FAILED parity"
   touch $W/DONE
 }
 report() {
@@ -101,6 +108,7 @@ snapshot() {  # everything from here on runs from its own copy: a later device c
   # reads scripts as it goes); .h20src (git archive of a tested commit, docs/h200/README.md) before the checkout
   local src=$R/.h20src; [ -d $src/nanoflash ] || src=$R
   rm -rf $W/repo && mkdir -p $W/repo && cp -r $src/nanoflash $src/bench $src/scripts $src/train.py $W/repo/ || exit 1
+  cp -r $src/tests $src/pyproject.toml $W/repo/ 2>/dev/null  # for bench/gpu_round3.sh's GPU tests, when present
 }
 case "${1:-}" in
   go) snapshot && exec bash $W/repo/scripts/grpo_h200.sh go_here ;;

@@ -88,3 +88,31 @@ def test_push_gpu_memory_within_budget(tmp_path):
     largest = max(t.numel() * t.element_size() for _, t in named)   # bf16 embed / head: a unit above the bucket
     assert info["bytes"] > 2e9 and client.bodies == 1
     assert peak <= live_budget(max(bucket, largest), 1, 0), (peak, bucket, largest)
+
+
+def test_local_push_into_a_gpu_engine_stays_on_the_gpu_and_verifies():
+    """transport=local (the `gpu` recipe): a StagePusher push from a bf16 GPU model into an embedded FP8 engine
+    of the same process hands the GPU tensors over: the push is verified by checksums, the engine's store and
+    model stay on the GPU, and the engine then serves the pushed values (its FP8 dequantized weights differ
+    from the trainer's bf16 ones by FP8 rounding only)."""
+    from nanoflash.rollout.engine import RolloutEngine
+    from nanoflash.rollout.server import serve
+    with torch.device("cuda"):
+        trainer = Transformer(preset("tiny")).init_weights(0).cast_(torch.bfloat16)
+        served = Transformer(preset("tiny")).init_weights(1)
+    httpd, url = serve(RolloutEngine(served, weights="fp8"))
+    try:
+        client = SGLangClient(url, retry_s=2.0)
+        client.wait_healthy()
+        rc = RolloutConfig(weights="fp8", transport="local", bucket_bytes=1 << 16)
+        pusher = StagePusher(ParallelDims(), client, rc, trainer.cfg)
+        named = [(n, t) for n, t in trainer.state_dict().items() if not n.startswith("mtp.")]
+        info = pusher.push(lambda: named, version=1)
+        engine = httpd.rollout.engine
+        assert info["bytes"] > 0 and client.weight_version == 1
+        assert all(t.is_cuda for t in engine.store.params.values())
+        w = engine.model.layers["0"].attn.wo_b.weight
+        ref = trainer.layers["0"].attn.wo_b.weight.float()
+        assert w.is_cuda and (w - ref).abs().max() <= 2 ** -3 * ref.abs().max()  # e4m3: 3 mantissa bits
+    finally:
+        httpd.shutdown()
