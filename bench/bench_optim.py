@@ -20,12 +20,14 @@ GPU), seconds per billion parameters of one step (median of `--iters` after one 
                  (GB/s of bytes read + written), pinned 1 GiB host->device and device->host copies
 
 With `--sweep`, every (chunk, tile, grad_cast) of `--chunks` x `--tiles` x `--casts` (or of `--configs`
-'16M:1M:host,...'; tile 0 = the whole chunk) is timed on the same optimizer (`AdamW.set_streaming`), each after a bitwise check: from the same
-initial state, one step's master must equal torch_cpu's first step bit for bit. Each row carries its rate
-ratio to torch_cpu and its breakdown (`AdamW.last_breakdown`, median per phase over the timed steps: host
-kernel, host grad / weight casts, waits on the copy events, issuing copies, the final upload).
+'16M:1M:host,...'; tile 0 = the whole chunk) is timed on the same optimizer (`AdamW.set_streaming`), each
+after a bitwise check: from the same initial state, one step's master must equal torch_cpu's first step bit
+for bit. Each row carries its rate ratio to torch_cpu and its breakdown (`AdamW.last_breakdown`, median per
+phase over the timed steps: host kernel, host grad / weight casts, waits on the copy events, issuing
+copies, the final upload).
 
-Prints JSON lines (the sweep rows as they finish, then one summary); `--out FILE` also writes them there.
+Prints JSON lines (the sweep rows as they finish, the sweep table, the summary, then the slow `extras` rows
+unless --no-extras); `--out FILE` also writes them there.
 Run on the GPU host: PYTHONPATH=. python bench/bench_optim.py --billions 1.0 --sweep
 CPU smoke test: PYTHONPATH=. python bench/bench_optim.py --billions 0.02 --sweep --iters 1
 """
@@ -235,7 +237,7 @@ def extras(ps, ref: Ref, off: AdamW, shp, n, res, per_b):
     res["legacy"] = timed(leg, 1) / (nq / 1e9)
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--billions", type=float, default=1.0)
     ap.add_argument("--iters", type=int, default=3)
@@ -246,8 +248,11 @@ def main():
     ap.add_argument("--configs", default="", help="explicit 'chunk:tile:cast,...' instead of the product")
     ap.add_argument("--no-extras", action="store_true", help="skip the slow comparison rows")
     ap.add_argument("--out", default=None, help="also write the JSON lines to this file")
-    a = ap.parse_args()
-    out = open(a.out, "w") if a.out else None
+    return ap.parse_args()
+
+
+def emitter(path):
+    out = open(path, "w") if path else None
 
     def emit(obj):
         line = json.dumps(obj, default=lambda v: str(v))
@@ -255,6 +260,12 @@ def main():
         if out:
             out.write(line + "\n")
             out.flush()
+    return emit
+
+
+def main():
+    a = parse_args()
+    emit = emitter(a.out)
     shp = shapes(a.billions)
     n = sum(math.prod(s) for s in shp)
     res = {"params": n, "tensors": len(shp), "host_threads": default_host_threads(), "cpus": os.cpu_count()}
@@ -268,23 +279,25 @@ def main():
     res["offload"] = per_b(timed(off.step, a.iters))
     res["offload_breakdown_s_per_b"] = {k: round(per_b(v), 4) for k, v in off.last_breakdown.items()}
     res["pinned_mib"] = off.host_bytes()["pinned"] / 2 ** 20
+    emit({"start": {**res, "torch_cpu_before": base[0]}})
     rows = sweep(off, ref, a, per_b, emit) if a.sweep else []
     base.append(per_b(timed(ref.opt.step, a.iters)))
-    res["torch_cpu_before_after"] = base
-    res["torch_cpu"] = statistics.mean(base)
+    res.update(torch_cpu_before_after=base, torch_cpu=statistics.mean(base))
     res["torch_cpu_host_gbs"] = HOST_KERNEL_BYTES / res["torch_cpu"]  # bytes/param / (s per 1e9 params)
+    res["offload_vs_torch_cpu"] = res["torch_cpu"] / res["offload"]  # rate ratio: > 1 is faster than the math alone
     for r in rows:
         r["vs_torch_cpu"] = round(res["torch_cpu"] / r["s_per_b"], 3)
     if rows:
         res["sweep_best"] = min(rows, key=lambda r: r["s_per_b"])
-    off.set_streaming()  # the defaults again for the one-thread row
-    if not a.no_extras:
-        extras(ps, ref, off, shp, n, res, per_b)
-        res["offload_vs_torch_cpu_offload"] = res["torch_cpu_offload"] / res["offload"]
-    res["offload_vs_torch_cpu"] = res["torch_cpu"] / res["offload"]  # rate ratio: > 1 is faster than the math alone
     emit({"sweep_table": [{k: r[k] for k in ("chunk_elems", "tile_elems", "grad_cast", "bitwise", "s_per_b",
                                              "vs_torch_cpu")} for r in rows]})
     emit({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()})
+    if not a.no_extras:
+        off.set_streaming()  # the defaults again for the one-thread row
+        more = {}
+        extras(ps, ref, off, shp, n, more, per_b)
+        more["offload_vs_torch_cpu_offload"] = more["torch_cpu_offload"] / res["offload"]
+        emit({"extras": {k: round(v, 4) for k, v in more.items()}})
 
 
 if __name__ == "__main__":

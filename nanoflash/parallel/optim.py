@@ -16,14 +16,24 @@ The offloaded step streams the parameters through the host in chunks of at most 
 (a large tensor is cut at multiples of `ALIGN` elements, where the fused CPU kernel's vector lanes fall as
 in one call, so the result is bitwise that of the unchunked update), through two pinned slots per direction:
 
-    copy stream "down":  grad chunk i+1, cast to fp32 on the GPU -> pinned slot (i+1) % 2
-    host:                fused AdamW on chunk i (master, m, v in pageable host memory)
-    copy stream "up":    master chunk i cast to the model dtype -> pinned slot i % 2 -> parameter
+    copy stream "down":  grad chunk i+1, in the gradient's dtype (bf16) -> pinned slot (i+1) % 2
+    host, tile by tile:  bf16 grad tile -> fp32 scratch; fused AdamW on the tile (master, m, v pageable);
+                         the tile's masters cast to the model dtype -> pinned up slot i % 2
+    copy stream "up":    up slot of chunk i -> parameters
 
 (the three overlap; one CUDA event per slot and direction says when a slot may be reused), so only
-2 x chunk_elems x (4 + bytes of each parameter dtype) of memory is pinned however large the model (the
-whole state pinned was ~221 GiB per rank at V4-Flash's PP4 x EP4 layout), and no full fp32 copy of the
-gradients exists.
+2 x chunk_elems x (bytes of each gradient dtype + of each parameter dtype) of memory is pinned however large
+the model (the whole state pinned was ~221 GiB per rank at V4-Flash's PP4 x EP4 layout), and no full fp32
+copy of the gradients exists.
+Why tiles: the host step is bound by DRAM bandwidth. The fused kernel alone moves 28 bytes per parameter
+(reads master, m, v, fp32 grad; writes master, m, v); casting the masters for the upload in a second pass
+over the chunk re-reads them from DRAM (+4 B), and an fp32 gradient costs 4 B of DMA writes and 4 B of host
+reads. Cutting each chunk into tiles of `tile_elems` (at ALIGN multiples) whose working set stays in the
+caches lets the bf16 cast read the masters the kernel has just written, and lets the kernel read the fp32
+gradient from a cache-resident scratch filled from the 2-byte bf16 one (bf16 -> fp32 is exact, so the
+bits are those of the GPU cast, `grad_cast="device"`, the previous way). `last_breakdown` has the wall
+seconds of each phase of the last step (kernel, casts, waits on the copy events); `bench/bench_optim.py
+--sweep` times chunk / tile / cast choices against torch's fused CPU AdamW.
 The host math runs on `host_threads` intra-op threads, set for the step and restored after: torchrun
 exports OMP_NUM_THREADS=1, which alone made the old per-parameter Python loop 5x slower (8.8 s per billion
 parameters). Default: the CPUs this process may use divided by the ranks on the host (LOCAL_WORLD_SIZE).
@@ -139,8 +149,9 @@ def fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, step, lr: float, betas, e
 class AdamW:
     """AdamW over named parameters with fp32 master weights (see module docstring for the equations).
 
-    Shapes: state tensors have their parameter's shape, fp32. Offloaded staging: 2 pinned slots per
-    direction of [chunk_elems] (fp32 down, the model dtype up).
+    Shapes: state tensors have their parameter's shape, fp32. Offloaded staging: 2 pinned slots of
+    [chunk_elems] per direction and dtype (down: each gradient dtype, or fp32 with grad_cast="device"; up:
+    each parameter dtype), one fp32 scratch [tile_elems].
     """
 
     def __init__(self, named_params, lr: float = 1e-6, weight_decay: float = 0.1, betas=(0.9, 0.98),
