@@ -12,7 +12,7 @@ from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.parallel import optim as optim_mod
-from nanoflash.parallel.optim import ALIGN, AdamW, plan_chunks, plan_tiles, trainable_parameters
+from nanoflash.parallel.optim import ALIGN, AdamW, merge_pieces, plan_chunks, plan_tiles, trainable_parameters
 from nanoflash.parallel.pipeline import split_layers
 from nanoflash.parallel.train_step import clip_gradients_, token_nll_loss, train_step
 
@@ -261,6 +261,7 @@ def test_plan_tiles_cut_chunks_on_align(gen):
             spans = [(x, y) for n, x, y, _ in flat if n == name]
             assert spans[0][0] == a and spans[-1][1] == b and all(p[1] == q[0] for p, q in zip(spans, spans[1:]))
             assert all(y % ALIGN == 0 for _, y in spans[:-1]), name
+        assert merge_pieces(flat) == chunk  # the copies see one piece per tensor span again
     with pytest.raises(ValueError, match="tile_elems=100 must be a positive multiple of ALIGN"):
         AdamW(_toy().named_parameters(), offload=True, tile_elems=100)
     with pytest.raises(ValueError, match="grad_cast='gpu'"):
