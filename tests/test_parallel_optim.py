@@ -304,7 +304,7 @@ def test_offload_threads_set_for_the_step_and_staging_bounded(grad_cast, down_by
     # pinned staging: 2 slots x 128 elements down (bf16 or fp32) + 2 x 128 bf16 up, whatever the model size
     assert opt.host_bytes() == {"state": 3 * 4 * sum(p.numel() for p in model.parameters()),
                                 "pinned": 2 * 128 * down_bytes + 2 * 128 * 2}
-    phases = {"issue_s", "kernel_s", "grad_cast_s", "weight_cast_s", "tail_s"}
+    phases = {"setup_s", "issue_down_s", "kernel_s", "grad_cast_s", "weight_cast_s", "issue_up_s", "tail_s"}
     assert phases <= set(opt.last_breakdown) and sum(opt.last_breakdown.values()) <= opt.last_step_s
 
 

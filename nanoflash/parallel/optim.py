@@ -269,11 +269,12 @@ class AdamW:
                 s.wait_stream(torch.cuda.current_stream())  # the gradients are final
         torch.set_num_threads(self.host_threads)
         try:
+            laps.lap("setup_s")
             self._download(chunks, 0)
             for i in range(len(chunks)):
                 if i + 1 < len(chunks):
                     self._download(chunks, i + 1)
-                laps.lap("issue_s")
+                laps.lap("issue_down_s")
                 if cuda:
                     S["events"][0][i % 2].synchronize()
                     laps.lap("wait_down_s")
@@ -282,7 +283,7 @@ class AdamW:
                 for tile_ops in ops[i]:
                     self._host_tile(tile_ops, step, laps)
                 self._upload(chunks[i], i % 2)
-            laps.lap("issue_s")
+                laps.lap("issue_up_s")
             if cuda:
                 S["streams"][1].synchronize()  # every weight is on the GPU before the next forward
             laps.lap("tail_s")
