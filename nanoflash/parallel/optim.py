@@ -16,24 +16,27 @@ The offloaded step streams the parameters through the host in chunks of at most 
 (a large tensor is cut at multiples of `ALIGN` elements, where the fused CPU kernel's vector lanes fall as
 in one call, so the result is bitwise that of the unchunked update), through two pinned slots per direction:
 
-    copy stream "down":  grad chunk i+1, in the gradient's dtype (bf16) -> pinned slot (i+1) % 2
-    host, tile by tile:  bf16 grad tile -> fp32 scratch; fused AdamW on the tile (master, m, v pageable);
+    copy stream "down":  grad chunk i+1 cast to fp32 on the GPU -> pinned slot (i+1) % 2
+    host, tile by tile:  fused AdamW on the tile (master, m, v pageable, the gradient from the slot);
                          the tile's masters cast to the model dtype -> pinned up slot i % 2
     copy stream "up":    up slot of chunk i -> parameters
 
 (the three overlap; one CUDA event per slot and direction says when a slot may be reused), so only
-2 x chunk_elems x (bytes of each gradient dtype + of each parameter dtype) of memory is pinned however large
+2 x chunk_elems x (4 + bytes of each parameter dtype) of memory is pinned (48 MiB by default) however large
 the model (the whole state pinned was ~221 GiB per rank at V4-Flash's PP4 x EP4 layout), and no full fp32
 copy of the gradients exists.
 Why tiles: the host step is bound by DRAM bandwidth. The fused kernel alone moves 28 bytes per parameter
 (reads master, m, v, fp32 grad; writes master, m, v); casting the masters for the upload in a second pass
-over the chunk re-reads them from DRAM (+4 B), and an fp32 gradient costs 4 B of DMA writes and 4 B of host
-reads. Cutting each chunk into tiles of `tile_elems` (at ALIGN multiples) whose working set stays in the
-caches lets the bf16 cast read the masters the kernel has just written, and lets the kernel read the fp32
-gradient from a cache-resident scratch filled from the 2-byte bf16 one (bf16 -> fp32 is exact, so the
-bits are those of the GPU cast, `grad_cast="device"`, the previous way). `last_breakdown` has the wall
-seconds of each phase of the last step (kernel, casts, waits on the copy events); `bench/bench_optim.py
---sweep` times chunk / tile / cast choices against torch's fused CPU AdamW.
+over the chunk re-reads them from DRAM (+4 B). Cutting each chunk into tiles of `tile_elems` (at ALIGN
+multiples) lets the bf16 cast of a tile read the masters the kernel has just written, from cache (each of
+the host threads gets the same slice of the tile in both calls). With `grad_cast="host"` the gradient
+travels in its own dtype (2 bytes of DMA instead of 4) and each tile's bf16 gradient is cast into a
+cache-resident fp32 scratch that the kernel reads (bf16 -> fp32 is exact: the same bits as the GPU cast).
+Measured (B11): the step still reaches 0.6-0.9x of torch's fused CPU AdamW on host-resident gradients, not
+1x: it adds the DMA's bytes and the upload cast to the kernel's 28, and issuing the copies costs the main
+thread ~0.2 ms per chunk while the other cores wait. `last_breakdown` has the wall seconds of each phase
+of the last step (kernel, casts, copy issue, waits on the copy events); `bench/bench_optim.py --sweep`
+times chunk / tile / cast choices against torch's fused CPU AdamW in the same run.
 The host math runs on `host_threads` intra-op threads, set for the step and restored after: torchrun
 exports OMP_NUM_THREADS=1, which alone made the old per-parameter Python loop 5x slower (8.8 s per billion
 parameters). Default: the CPUs this process may use divided by the ranks on the host (LOCAL_WORLD_SIZE).
@@ -65,9 +68,12 @@ MTP_PREFIX = "mtp."
 # 64-byte units and vectorises from each tensor's start; a cut elsewhere moves elements between its vector
 # body and its scalar tail, whose exp_avg_sq rounds differently (seen: 1 ulp). 64 covers AVX-512 fp32 twice.
 ALIGN = 64
-HOST_CHUNK_ELEMS = 1 << 22  # PROVISIONAL 4M elements per offload chunk (H200 sweep, run 1)
-HOST_TILE_ELEMS = 1 << 20  # PROVISIONAL 1M-element host tiles (H200 sweep, run 1)
-HOST_GRAD_CAST = "device"  # PROVISIONAL (H200 sweep, run 1)
+# Offload defaults from `bench/bench_optim.py --sweep`, two H200 hosts (docs/benchmarks.md B11, 2026-12-01):
+# fastest of 18 in run 1 (0.263 s/B = 0.90x torch fused CPU AdamW; old 16M untiled 0.343), tied of 13 in run 2
+# (0.368 vs 0.372); <= 2M chunks lose to copy-issue cost (~0.2 ms per chunk), 256K tiles to per-call cost.
+HOST_CHUNK_ELEMS = 1 << 22  # 4M elements per offload chunk: 16 MiB fp32 gradients per pinned slot
+HOST_TILE_ELEMS = 1 << 20  # 1M-element host tiles: 64K elements (256 KiB of master) per thread of 16, in L2
+HOST_GRAD_CAST = "device"  # "host" (bf16 down, cast per tile) halves the down slot but measured 0.59x vs 0.61x
 
 
 def is_frozen(name: str, train_mtp: bool = False) -> bool:
