@@ -192,7 +192,8 @@ def _check_placement(device, offload):
         for k, v in st.items():
             assert v.device == state_dev and v.dtype == torch.float32, (n, k)
             if offload and device.type == "cuda":  # pageable state; only the bounded staging slots are pinned
-                assert not v.is_pinned() and all(t.is_pinned() for t in opt._staging["down"]), (n, k)
+                slots = [t for way in ("down", "up") for ts in opt._staging[way].values() for t in ts if t is not None]
+                assert not v.is_pinned() and slots and all(t.is_pinned() for t in slots), (n, k)
     assert any(p.dtype == torch.bfloat16 for p in model.parameters())
 
 
