@@ -38,7 +38,7 @@ from nanoflash.parallel.dcp import latest_checkpoint
 from nanoflash.parallel.dims import init_distributed, print0
 from nanoflash.rl.plots import write_plots
 from nanoflash.rl.rewards import VerifierUnavailable
-from nanoflash.rollout.client import RequestRejected
+from nanoflash.rollout.client import RequestRejected, ServerGoneError
 from nanoflash.rollout.stage_push import StagePusher
 from nanoflash.startup import startup
 
@@ -136,9 +136,19 @@ def rollout_batch(at: int):
     bar = progress(gc.n_prompts, f"rollout {at}/{tc.steps}", tc.progress)
     try:
         kept, seen, new_pos, counts = rollouts.collect(pos, bar)
-    except (RequestRejected, ep.StaleServerError, VerifierUnavailable) as e:  # a failed request, a restarted
-        # server, or a reward verifier that cannot start: one line, stop
-        raise SystemExit(f"rollout for step {at} failed: {e}") from None
+    except (ServerGoneError, ep.StaleServerError) as e:  # a server died (gone, or back with other weights)
+        if restarts["n"] >= rc.max_server_restarts:
+            raise SystemExit(f"rollout for step {at} failed: {e} (rollout.max_server_restarts="
+                             f"{rc.max_server_restarts})") from None
+        restarts["n"] += 1
+        bar.close()
+        print(f"rollout for step {at}: {type(e).__name__}: {e}; waiting up to {rc.health_timeout_s:g} s for the "
+              f"servers (restart {restarts['n']} of {rc.max_server_restarts}), then re-push and redo the step",
+              flush=True)
+        ep.wait_for_servers(rollouts.client, rc.health_timeout_s)  # its supervisor brings it back
+        return None, pos, {"resync": True, "server_restarts": restarts["n"]}
+    except (RequestRejected, VerifierUnavailable) as e:  # a failed request or a reward verifier that cannot
+        raise SystemExit(f"rollout for step {at} failed: {e}") from None  # start: one line, stop
     bar.close()
     t_roll = time.time() - t0
     m = {**metrics.step_metrics(seen, gc.group_size), **counts, "rollout_s": t_roll,
@@ -161,10 +171,15 @@ if not latest:
 
 # ---------------------------------------------------------------------------------------------- loop
 streak = total_skipped = 0  # consecutive / all skipped (non-finite) steps
+restarts = {"n": 0}  # rollout servers that died and came back (rollout.max_server_restarts)
 while step < tc.steps:
     t0 = time.time()
     batch, new_pos, m = rollout_batch(step + 1) if rank0 else (None, None, {})
-    shard, head = trainer.scatter_shards(batch, dims, {"pos": new_pos})  # each first stage: its rows only
+    shard, head = trainer.scatter_shards(batch, dims, {"pos": new_pos, "resync": m.get("resync", False)})
+    if head["resync"]:  # a server restarted with other weights: every rank re-pushes, then the step is redone
+        pusher.reconnect(restarted=True)   # from the same data position, so with the same prompts and seeds
+        log.log("server_restart", step + 1, {**sync_weights(step), "server_restarts": m.get("server_restarts")})
+        continue
     pos, step = head["pos"], step + 1
     if head["rows"]:  # old log-probs -> one GRPO step (every rank; later stages get the data via the pipeline)
         t1 = time.time()

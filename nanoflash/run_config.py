@@ -123,6 +123,9 @@ class RolloutConfig:
     routing_replay: bool = False      # R3: replay the rollout engine's expert choices in the trainer forward
     max_rounds: int = 8               # over-sampling rounds per step before training on what was kept
     health_timeout_s: float = 900.0   # wait this long for every external server's /health before the first push
+    retry_s: float = 30.0             # connection retries of one request (backoff) before its server counts as gone
+    max_server_restarts: int = 0      # a server that dies mid-rollout: wait health_timeout_s for it to come back (its
+                                      # supervisor restarts it), re-push, redo the step -- this many times a run; 0 = stop
     api_key: str = ""                 # the servers' --api-key (sent as Bearer; also set on embedded ones); env:VAR reads $VAR
 
     def __post_init__(self):
@@ -135,6 +138,9 @@ class RolloutConfig:
         if self.transport == "local" and self.urls:
             raise ValueError("RolloutConfig.transport=local hands tensors to the embedded servers of this process; "
                              f"with rollout.urls {list(self.urls)} use tensor, distributed or disk")
+        if self.max_server_restarts < 0 or self.retry_s < 0:
+            raise ValueError(f"RolloutConfig: max_server_restarts={self.max_server_restarts} and retry_s="
+                             f"{self.retry_s} must be >= 0")
         if self.n_servers < 1 or self.max_new_tokens < 1 or self.max_rounds < 1:
             raise ValueError(f"RolloutConfig: n_servers={self.n_servers}, max_new_tokens={self.max_new_tokens}, "
                              f"max_rounds={self.max_rounds} must all be >= 1")

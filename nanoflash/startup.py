@@ -38,7 +38,7 @@ RESUMABLE = {"train": {"steps", "resume", "progress", "plots", "tensorboard", "w
                        "keep", "dry_run", "max_skipped_steps", "reward_timeout_s", "reward_workers"},
              "parallel": "*", "eval": {"every"},
              "rollout": {"urls", "max_workers", "transport", "sync_addr", "verify", "bucket_bytes", "health_timeout_s",
-                         "api_key"}}
+                         "api_key", "max_server_restarts", "retry_s"}}
 DATA_HELP = ("the defaults point at the project's shared data folder, ../shared/data/ seen from the directory "
              "you run in (README: Data)")
 

@@ -38,6 +38,7 @@ def test_defaults_are_the_miles_recipe():
     (["--grpo.aggregation", "median"], "median"),            # caught by GRPOConfig.__post_init__ after parsing
     (["--rollout.weights", "fp4"], "fp4"),
     (["--rollout.transport", "local", "--rollout.urls", "http://h:30000"], "transport=local"),  # in-process only
+    (["--rollout.max_server_restarts", "-1"], "max_server_restarts"),
     (["--steps"], "--steps"),
     (["stray"], "stray"),
 ])

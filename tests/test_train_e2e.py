@@ -4,7 +4,8 @@ One uninterrupted 3-step run in matched precision (fp32 trainer, fp32 engine) is
 with SIGKILL right after its step-2 checkpoint and resumed: same metrics, same weights and optimizer state,
 bit for bit. The same
 runs check that the train/rollout log-prob difference is exactly 0 in matched mode, and that the metrics
-JSONL, checkpoints, eval records and plots are written. A last run checks FP8 rollouts with routing replay.
+JSONL, checkpoints, eval records and plots are written. A run checks FP8 rollouts with routing replay, and
+one whose external server crashes mid-rollout and is replaced (`rollout.max_server_restarts`).
 
 Run: `pytest tests/test_train_e2e.py -q` (about a minute on 2 cores).
 """
@@ -26,6 +27,7 @@ from nanoflash.rl.metrics import read_jsonl
 from nanoflash.parallel.dcp import latest_checkpoint, load_checkpoint
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.rl.plots import linear_fit, moving_average
+from nanoflash.rollout.client import SGLangClient
 from nanoflash.rl import actor
 
 from conftest import free_port
@@ -249,3 +251,58 @@ def test_write_plots_reads_metrics_back(tmp_path):
     for p in paths:
         with open(p, "rb") as fh:
             assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# The first /generate a server answers on weight version 1 (step 2's rollout) kills its process: a crash
+DYING_SERVER = """
+import os, sys
+from nanoflash.rollout import engine, server
+real = engine.RolloutEngine.generate
+def generate(self, *a, **k):
+    if str(self.weight_version) == "1":
+        os._exit(1)
+    return real(self, *a, **k)
+engine.RolloutEngine.generate = generate
+server.main(sys.argv[1:])
+"""
+
+
+def test_a_server_that_dies_mid_run_is_waited_for_and_re_pushed(tmp_path):
+    """rollout.max_server_restarts: the run's one external server dies during step 2's rollout and a fresh
+    process (other weights, version 0) takes its port; the trainer's requests fail (retry_s 1: the server counts
+    as gone), it waits for /health, re-pushes (verified), redoes step 2 from the same data position and ends
+    with every step trained once, the restart logged, the new server holding the last push."""
+    cfg = parse_args(["--recipe", "smoke"])
+    ckpt, port = str(tmp_path / "init"), free_port()
+    save_hf_checkpoint(Transformer(preset("tiny", **cfg.model)).init_weights(5), ckpt, weights="fp8", experts="fp8")
+    serve = ["--checkpoint", ckpt, "--weights", "fp8", "--port", str(port), "--threads", "1"]
+    first = subprocess.Popen([sys.executable, "-c", DYING_SERVER, *serve], cwd=ROOT, stdout=subprocess.DEVNULL)
+    second = None
+    try:
+        out = str(tmp_path / "run")
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--recipe", "smoke", "--out", out,
+               "--train.progress", "false", "--train.plots", "false", "--train.steps", "2",
+               "--train.warmup_steps", "0", "--train.save_every", "-1", "--eval.every", "0",
+               "--rollout.urls", f"http://127.0.0.1:{port}", "--rollout.retry_s", "1",
+               "--rollout.max_server_restarts", "1", "--rollout.health_timeout_s", "120"]
+        trainer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 240
+        while first.poll() is None and trainer.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert first.poll() == 1, f"the server did not die as planned; trainer: {trainer.poll()}"  # crashed
+        second = subprocess.Popen([sys.executable, "-m", "nanoflash.rollout.server", *serve], cwd=ROOT,
+                                  stdout=subprocess.DEVNULL)
+        log = trainer.communicate(timeout=240)[0]
+        assert trainer.returncode == 0, log[-3000:]
+        assert "ServerGoneError" in log and "restart 1 of 1" in log
+        recs = read_jsonl(os.path.join(out, "metrics.jsonl"))
+        assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2]
+        restart = [r for r in recs if r["kind"] == "server_restart"]
+        assert len(restart) == 1 and restart[0]["step"] == 2 and restart[0]["server_restarts"] == 1
+        assert restart[0]["sync_tensors"] > 0
+        url = f"http://127.0.0.1:{port}"
+        assert SGLangClient(url).get(url, "/get_weight_version")["weight_version"] == "2"  # the last push landed
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()

@@ -196,7 +196,8 @@ class Rollouts:
     def __init__(self, cfg, task: Task, mcfg, model):
         self.cfg, self.task, self.mcfg, rc = cfg, task, mcfg, cfg.rollout
         if rc.urls:
-            self.client, self.engines, self.httpds = SGLangClient(list(rc.urls), api_key=rc.key()), [], []
+            self.client, self.engines, self.httpds = SGLangClient(list(rc.urls), api_key=rc.key(),
+                                                                  retry_s=rc.retry_s), [], []
             wait_for_servers(self.client, rc.health_timeout_s)  # a cold SGLang start outlasts the client's retries
         else:  # disk pushes land below the run directory; groups: the sync host (any, if not loopback)
             host = rc.sync_addr.rpartition(":")[0]
@@ -256,7 +257,8 @@ def check_versions(gens, expected) -> None:
         if expected is not None and g.weight_version is not None and str(g.weight_version) != str(expected):
             raise StaleServerError(f"{g.server} generated with weight version {g.weight_version}, but version "
                                    f"{expected} was pushed and verified: the server restarted or missed a push; "
-                                   f"its samples are refused (resume the run to push into it again)")
+                                   f"its samples are refused (rollout.max_server_restarts > 0 re-pushes into it and redoes the "
+                                   f"step; or resume the run)")
 
 
 def reward_counts(task: Task) -> dict:

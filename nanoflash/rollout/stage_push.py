@@ -180,8 +180,12 @@ class StagePusher:
                                                device=self.dims.device)
         self._in_turn(open_mine)
 
-    def reconnect(self):
-        """Drop and re-create every stage's group (a server restarted, or a push broke a group)."""
+    def reconnect(self, restarted: bool = False):
+        """Drop and re-create every stage's group (a server restarted, or a push broke a group). `restarted`:
+        the servers are fresh processes, so what was remembered of them goes too (the last verified push, the
+        baseline of the change-set checks; an update session left open)."""
+        if restarted:
+            self.last, self.begun = {}, set()
         if self.broadcaster is not None:
             self.broadcaster.close()
             self.broadcaster = None
