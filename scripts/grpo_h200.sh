@@ -46,16 +46,31 @@ install() {
     "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 /tmp/acc/*.whl || exit 1
 }
-serve_sglang() {
+serve_sglang() {  # $1: log suffix of a restart (".1", ...)
+  local running=""; [ -n "${H20_MAX_RUNNING:-}" ] && running="--max-running-requests $H20_MAX_RUNNING"
   setsid nohup python3 -m sglang.launch_server --model-path $W/init --load-format auto --tp 1 --disable-cuda-graph \
     --skip-server-warmup --skip-tokenizer-init --mem-fraction-static ${H20_MEM:-0.45} --context-length 8192 \
-    --disable-overlap-schedule \
+    --disable-overlap-schedule $running \
     --port ${URL##*:} \
-    > $W/server.log 2>&1 < /dev/null &
+    > $W/server${1:-}.log 2>&1 < /dev/null &
 }
-serve_embedded() {
+watchdog() {  # while GRPO runs: the server's processes gone (SGLang died twice on 2026-12-01: an illegal memory
+  # access in a decode) -> start it again; train.py (rollout.max_server_restarts) waits for /health, re-pushes and
+  # redoes the step. The pattern's [x] keeps grep from matching its own command line.
+  local n=0 pat="[s]glang.launch_server" serve=serve_sglang
+  [ "$MODE" = dry ] && pat="[n]anoflash.rollout.server" serve=serve_embedded
+  while [ ! -e $W/TRAIN_DONE ]; do
+    sleep 5
+    if ! grep -qsa "$pat" /proc/[0-9]*/cmdline; then  # no process of the server left
+      n=$((n + 1)); [ $n -gt ${H20_RESTARTS:-3} ] && { echo "$(date +%T) server gone, no restarts left"; break; }
+      echo "$(date +%T) server gone: restart $n (log server.$n.log)"; $serve ".$n"
+      sleep 30
+    fi
+  done
+}
+serve_embedded() {  # $1: log suffix of a restart
   setsid nohup $PY -m nanoflash.rollout.server --checkpoint $W/init --weights fp8 --port ${URL##*:} --disk-root $W \
-    > $W/server.log 2>&1 < /dev/null &
+    > $W/server${1:-}.log 2>&1 < /dev/null &
   echo $! > $W/server.pid
 }
 start() {  # random-init checkpoint -> server -> the pipeline, both detached
@@ -73,8 +88,10 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   touch $W/SFT_DONE
   # $W/HOLD: another job shares the GPU while SGLang boots (bench/gpu_round3.sh); GRPO starts once it is gone
   local end=$((SECONDS + ${H20_HOLD_MAX:-600})); while [ -e $W/HOLD ] && [ $SECONDS -lt $end ]; do sleep 2; done
+  watchdog >> $W/watchdog.log 2>&1 &
   $PY train.py --recipe h200 --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
     $(overrides) || echo "FAILED train"
+  touch $W/TRAIN_DONE
   report
   # parity last (2026-12-01's run measured it first: 4 of the budget's minutes before any GRPO step); the
   # server is restored from the warm checkpoint, so it scores the warm start as before
@@ -100,7 +117,8 @@ poll() {  # wait up to $1 s for the pipeline, printing progress every 30 s
 collect() {  # <= 8 files back: one tarball of the results + the logs (a run still going is reported as it is)
   local out=${OUT:-/tmp/out}; mkdir -p "$out"
   [ -e $W/DONE ] || report > $W/report.log 2>&1
-  tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl report parity.json warm/sft.json pipeline.log
+  tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl report parity.json warm/sft.json pipeline.log \
+    $(cd $W && ls watchdog.log server.*.log 2>/dev/null)
   tail -c 4000000 $W/server.log > "$out/server.log"; cp $W/pipeline.log "$out/" 2>/dev/null
   ls -la "$out"
 }
@@ -118,7 +136,7 @@ case "${1:-}" in
   poll) poll "${2:-540}" ;;
   collect) [ -d $W/repo ] && R=$W/repo; [ -d /tmp/site ] && gpu_env || dry_env; collect ;;
   dry) snapshot && exec bash $W/repo/scripts/grpo_h200.sh dry_here "${2:-1800}" ;;
-  dry_here) dry_env; rm -rf $W/DONE $W/run $W/warm $W/report; start && poll "${2:-1800}"
+  dry_here) dry_env; rm -rf $W/DONE $W/TRAIN_DONE $W/SFT_DONE $W/watchdog.log $W/run $W/warm $W/report; start && poll "${2:-1800}"
        kill "$(cat $W/server.pid)" 2>/dev/null; tail -n 30 $W/pipeline.log ;;
   *) echo "usage: $0 go|poll SECONDS|collect|dry [SECONDS]" >&2; exit 2 ;;
 esac
