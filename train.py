@@ -21,12 +21,15 @@ step per rollout (the V4 recipe), no async/partial rollouts, no reference model 
 
 Tests: `pytest tests/test_train_cli.py tests/test_train_e2e.py -q`.
 """
-import dataclasses
-import os
-import sys
 import time
 
-import torch
+T_START = time.time()  # start-up phases are timed from here (the `startup` record)
+
+import dataclasses  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
 
 from nanoflash import grpo
 from nanoflash.cli import to_dict
@@ -55,12 +58,15 @@ ckpt_dir = os.path.join(tc.out_dir, "checkpoints")
 ckpt_is_dcp = bool(tc.checkpoint) and os.path.exists(os.path.join(tc.checkpoint, "meta.json"))  # else HF layout
 
 # ---------------------------------------------------------------------------------------------- dist init
+phases = {"imports_config_s": time.time() - T_START}  # start-up: where the minutes before step 1 go
 dims = init_distributed(par.pp, par.ep, par.dp, timeout_s=par.timeout_s, wait_timeout_s=par.wait_timeout_s)
 rank0 = dims.rank == 0
 torch.manual_seed(tc.seed)
 
 # ---------------------------------------------------------------------------------------------- actor: build, place, load
+t_phase = time.time()
 actor = trainer.Actor(cfg, mcfg, dims, tc.checkpoint, ckpt_is_dcp)
+phases["actor_s"] = time.time() - t_phase  # build, place, seeded init or checkpoint load
 print0(f"actor: {dims}, stage on {actor.device}, {sum(p.numel() for p in actor.model.parameters()) / 1e6:.1f}M "
        f"parameters on this rank")
 if not tc.resume and latest_checkpoint(ckpt_dir):  # never prune or later adopt another run's checkpoints
@@ -82,8 +88,10 @@ if not latest and tc.warmup_steps:  # supervised warm-up on task.warmup (train.w
         if i % 25 == 0 or i == tc.warmup_steps - 1:
             log.log("warmup", i, {"nll": nll, "time_s": time.time() - t0})
     del sft_opt
+t_phase = time.time()
 if actor.optimizer is None:
     actor.start_optimizer()  # the fp32 master is taken from the weights as loaded / warmed up, never before
+phases["optimizer_s"] = time.time() - t_phase
 
 # ---------------------------------------------------------------------------------------------- rollouts
 # Weights reach the servers from every pipeline stage's own ranks (rollout.stage_push). Rank 0 gathers a full
@@ -92,8 +100,10 @@ full_state = trainer.gather_full_state(actor) if dims.world_size > 1 and not rc.
 shadow = actor.model if dims.world_size == 1 else (Transformer(mcfg) if full_state is not None else None)
 if shadow is not None and full_state is not None:
     shadow.load_state_dict(full_state)
-rollouts = ep.Rollouts(cfg, task, mcfg, shadow) if rank0 else None
+t_phase = time.time()
+rollouts = ep.Rollouts(cfg, task, mcfg, shadow) if rank0 else None  # embedded servers, or waits for SGLang
 pusher = StagePusher(dims, rollouts.client if rank0 else None, rc, mcfg, disk_dir=os.path.join(tc.out_dir, "sync"))
+phases["servers_s"] = time.time() - t_phase
 
 
 def sync_weights(version: int) -> dict:
@@ -160,10 +170,15 @@ def rollout_batch(at: int):
 
 
 live = None
+t_phase = time.time()
 sync_weights(step)
+phases["first_push_s"] = time.time() - t_phase
 if ec.live and rank0:  # probe after every push, FP8 floor, |dlogp| tails, warm start re-evaluated (one process)
     live = live_lib.LiveChecks(cfg, mcfg, actor, rollouts, pusher, task)
     log.log("push", step, live.after_push(step))
+phases["total_s"] = time.time() - T_START
+print0("start-up: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in phases.items()))
+log.log("startup", step, phases)
 if not latest:
     if ec.before_train:
         run_eval(0)

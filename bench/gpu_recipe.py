@@ -81,6 +81,7 @@ def run(out: str, extra: list, timeout: float) -> dict:
                       "train_tokens_per_s": r.get("train_tokens_per_s"), "gpu_peak_gib": r.get("gpu_peak_gib"),
                       "reward_mean": r.get("reward_mean"), "abs_dlogp": r.get("train_rollout_logprob_abs_diff")})
     res["steps"] = steps
+    res["startup"] = next((r for r in recs if r["kind"] == "startup"), None)  # train.py's start-up phases
     res["eval"] = {k: v for r in evals.values() for k, v in r.items() if k.startswith(("pass@", "truncation"))}
     return res
 

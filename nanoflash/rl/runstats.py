@@ -139,6 +139,8 @@ def report(run_dir: str, out_dir: str, extra: dict | None = None, draw: bool = T
     """summary.json (+ the contents of `extra` {name: json path}) and the figures, under out_dir."""
     recs = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     summary = summarize(recs)
+    summary["startup"] = [{k: v for k, v in r.items() if k != "kind"} for r in recs if r["kind"] == "startup"]
+    summary["server_restarts"] = [r["step"] for r in recs if r["kind"] == "server_restart"]
     for name, path in (extra or {}).items():
         if path and os.path.exists(path):
             with open(path) as f:
