@@ -19,6 +19,10 @@ Differs from Miles: no Ray; rank 0 drives the rollout servers over HTTP, then se
 only its data shard's tensors (the other ranks wait on a gloo side group with a long timeout); one optimizer
 step per rollout (the V4 recipe), no async/partial rollouts, no reference model (KL coef 0).
 
+Failures: a crash resumes from the last checkpoint (re-run the command); a non-finite step is skipped on every
+rank; a rollout server that dies mid-rollout is, with `rollout.max_server_restarts`, waited for, re-pushed and
+the step redone from the same data position (the `resync` header every rank reads); else one line, stop.
+
 Tests: `pytest tests/test_train_cli.py tests/test_train_e2e.py -q`.
 """
 import time
