@@ -35,10 +35,33 @@ import torch.multiprocessing as mp
 RUN_RANKS_TIMEOUT_S = 150  # one multi-rank test on the 2-core CI box takes < 30 s; 5x headroom, then kill
 
 
-def free_port() -> int:
+# Ports a test picks itself lie below Linux's ephemeral range (32768-60999), where the OS hands out port-0 binds
+# (embedded servers, gloo's pair sockets) and outgoing connections: a port the OS chose once and released can
+# be re-chosen by anyone before the test binds it, and port + k (a stage's weight-update group) was never
+# checked at all (test_weight_sync_train failed once with EADDRINUSE that way).
+FIXED_PORTS = (20000, 32000)
+_next_port = [FIXED_PORTS[0] + (os.getpid() * 97) % (FIXED_PORTS[1] - FIXED_PORTS[0])]
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(n: int = 1) -> int:
+    """A base port P with P .. P + n - 1 free now, outside the ephemeral range (so no port-0 bind or outgoing
+    connection of this or another process takes it meanwhile); successive calls move on, wrapping around."""
+    lo, hi = FIXED_PORTS
+    for _ in range(hi - lo):
+        p = _next_port[0]
+        _next_port[0] = lo + (p + n - lo) % (hi - lo - n)
+        if p + n <= hi and all(_bindable(p + k) for k in range(n)):
+            return p
+    raise RuntimeError(f"no {n} consecutive free ports in {FIXED_PORTS}")
 
 
 def _child(rank, world_size, port, outdir, fn, args):

@@ -9,7 +9,6 @@ import base64
 import http.client
 import json
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,15 +28,11 @@ from nanoflash.rollout.server import serve
 from nanoflash.rollout.weight_sync import (Broadcaster, SAFE_FORMAT, encode_tensors, iter_sglang_buckets,
                                            probe_logprobs, push_weights, send_local_payload)
 
+from conftest import free_port
+
 PROMPT = [3, 17, 42, 9, 100, 5]
 BF16_MEAN_DLOGP_BOUND = 0.01  # bf16 matmul weights vs fp32, same values: measured 1.1e-3 (fixed seeds)
 FP8_MEAN_DLOGP_BOUND = 0.05  # tiny random model, FP8 128x128 weights + bf16 rest vs fp32: measured 1.4e-2 (fixed seeds)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny(seed=0):

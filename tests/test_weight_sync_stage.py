@@ -125,7 +125,8 @@ def _single_process(weights: str, transport: str, port: int, disk: str):
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
-    per_rank = run_ranks(_push_ranks, 4, free_port(), str(tmp_path_factory.mktemp("disk")), timeout=300)
+    ports = free_port(10 * len(COMBOS))  # combo i: its stages' groups at base + 10 i + stage (+ pp per reconnect)
+    per_rank = run_ranks(_push_ranks, 4, ports, str(tmp_path_factory.mktemp("disk")), timeout=300)
     return per_rank
 
 

@@ -33,7 +33,7 @@ def test_train_pp2_ep2_distributed_push_equals_single_process_push(tmp_path, wei
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
            os.path.join(ROOT, "train.py"), "--recipe", "smoke", "--out", out, "--train.progress", "false",
            "--train.plots", "false", "--parallel.pp", "2", "--parallel.ep", "2", "--rollout.transport",
-           "distributed", "--rollout.n_servers", "2", "--rollout.sync_addr", f"127.0.0.1:{free_port()}",
+           "distributed", "--rollout.n_servers", "2", "--rollout.sync_addr", f"127.0.0.1:{free_port(8)}",
            "--rollout.bucket_bytes", str(BUCKET), "--rollout.weights", weights, "--steps", "1", "--eval.every", "0",
            "--train.warmup_steps", "2"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
