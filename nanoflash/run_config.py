@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+TRANSPORTS = ("tensor", "local", "disk", "distributed")  # weight push (rollout/weight_sync.py)
+
 @dataclass
 class GRPOConfig:
     """GRPO loss and dynamic-sampling knobs; defaults are Miles' DeepSeek-V4-Flash recipe (rl_notes §2.7).
@@ -133,8 +135,8 @@ class RolloutConfig:
         self.key()  # env:VAR must be set now, not at the first push
         if self.weights not in ("fp8", "bf16", "fp32"):
             raise ValueError(f"RolloutConfig.weights must be fp8|bf16|fp32, got {self.weights!r}")
-        if self.transport not in ("tensor", "local", "disk", "distributed"):
-            raise ValueError(f"RolloutConfig.transport must be tensor|local|disk|distributed, got {self.transport!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"RolloutConfig.transport must be {'|'.join(TRANSPORTS)}, got {self.transport!r}")
         if self.transport == "local" and self.urls:
             raise ValueError("RolloutConfig.transport=local hands tensors to the embedded servers of this process; "
                              f"with rollout.urls {list(self.urls)} use tensor, distributed or disk")

@@ -52,8 +52,8 @@ from nanoflash.names import from_sglang, name_pattern, storage_kind, to_sglang  
 # SGLang keeps these BF16/F32 even in an FP8 deployment (rl_notes §4.5): only wo_a differs from the
 # release's storage kinds (the release has it FP8; SGLang with SGLANG_OPT_FP8_WO_A_GEMM=0 builds it BF16).
 KEEP_BF16_IN_FP8 = ("attn.wo_a.weight",)
-# (first half, second half, fused name) of SGLang's atomic pairs, as HF-style suffixes
 HASH_THREADS = min(8, os.cpu_count() or 1)  # checksum threads: sha256 runs ~1-2 GB/s per core
+# (first half, second half, fused name) of SGLang's atomic pairs, as HF-style suffixes
 PAIRS = [("self_attn.wq_a.weight", "self_attn.wkv.weight", "self_attn.wqkv_a.weight"),
          ("self_attn.wq_a.weight_scale_inv", "self_attn.wkv.weight_scale_inv", "self_attn.wqkv_a.weight_scale_inv"),
          ("self_attn.compressor.wkv.weight", "self_attn.compressor.wgate.weight",

@@ -62,9 +62,8 @@ from nanoflash.names import fill_pattern, name_pattern
 from nanoflash.parallel.expert import expert_range, is_expert_param
 from nanoflash.rollout.client import SGLangClient
 from nanoflash.rollout.layout import LoaderState, compare_checksums, sglang_checksums, sglang_partials
-from nanoflash.rollout.weight_sync import (Broadcaster, FlatBucket, PushFailed, expected_names, send_local_payload,
-                                           send_tensor_payload, stream_buckets, verify_real_server,
-                                           write_disk_bucket)
+from nanoflash.rollout.weight_sync import (SENDERS, Broadcaster, FlatBucket, PushFailed, expected_names,
+                                           stream_buckets, verify_real_server, write_disk_bucket)
 
 GROUP = "nanoflash-pp{stage}"   # one weight-update group per pipeline stage (Miles: "miles-pp_{pp_rank}")
 LIVE_BUCKETS = 3                 # on the wire, being built, the verification copy
@@ -359,8 +358,8 @@ class _Sender:
         self.finish()
         if self.transport == "distributed":
             self.pending = (fb, self.p.broadcaster.send_async(fb, None))
-        elif self.transport in ("tensor", "local"):
-            errors, send = [], send_tensor_payload if self.transport == "tensor" else send_local_payload
+        elif self.transport in SENDERS:
+            errors, send = [], SENDERS[self.transport]
 
             def post():
                 try:

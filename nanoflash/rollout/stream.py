@@ -207,12 +207,17 @@ def named_of(bucket) -> list:
     return bucket.tensors() if isinstance(bucket, FlatBucket) else list(bucket)
 
 
-def encode_tensors(named: list) -> str:
-    """[(name, tensor)] -> base64 safetensors with the send order in the metadata (no pickle anywhere)."""
+def unique_names(named: list) -> list:
+    """The names of [(name, tensor)], in order; a name sent twice in one payload is an error."""
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate tensor names in one payload: {sorted({n for n in names if names.count(n) > 1})}")
-    return base64.b64encode(encode_blob(named, names)).decode()
+    return names
+
+
+def encode_tensors(named: list) -> str:
+    """[(name, tensor)] -> base64 safetensors with the send order in the metadata (no pickle anywhere)."""
+    return base64.b64encode(encode_blob(named, unique_names(named))).decode()
 
 
 def encode_blob(named: list, names: list | None = None) -> bytes:
@@ -229,9 +234,7 @@ _HANDED_LOCK = threading.Lock()
 
 def hand_over(named: list) -> str:
     """Park [(name, tensor)] for an in-process server; -> the handle its request names (used once)."""
-    names = [n for n, _ in named]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicate tensor names in one payload: {sorted({n for n in names if names.count(n) > 1})}")
+    unique_names(named)
     handle = uuid.uuid4().hex
     with _HANDED_LOCK:
         _HANDED[handle] = list(named)
@@ -249,11 +252,10 @@ def take_over(handle) -> list:
     return named
 
 
-def drop_handed(handles) -> None:
-    """Forget handles a failed push left parked (their tensors are freed with them)."""
+def drop_handed(handle: str) -> None:
+    """Forget a handle a failed request left parked (its tensors are freed with it); a taken one is a no-op."""
     with _HANDED_LOCK:
-        for h in handles:
-            _HANDED.pop(h, None)
+        _HANDED.pop(handle, None)
 
 
 def decode_tensors(payload: str) -> list:

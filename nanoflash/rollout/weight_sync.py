@@ -33,14 +33,12 @@ import torch
 import torch.distributed as dist
 
 from nanoflash.names import official_inventory, to_sglang
+from nanoflash.run_config import TRANSPORTS
 from nanoflash.rollout.layout import compare_checksums, expected_checksums, sglang_fp8
 from nanoflash.rollout.stream import (ATOMIC, FLAT_FORMAT, LOCAL_FORMAT, SAFE_FORMAT, FlatBucket, Item,  # noqa: F401
                                       Slot, convert_items, decode_blob, decode_tensors, drop_handed, encode_blob,
                                       encode_tensors, hand_over, iter_units, named_of, pack_units, stream_buckets,
                                       take_over)
-
-
-TRANSPORTS = ("tensor", "local", "distributed", "disk")
 
 
 def iter_sglang_buckets(model, dims=None, *, fp8: bool, bucket_bytes: int):
@@ -256,7 +254,11 @@ def send_local_payload(client, bucket, version):
             client.post(url, "/update_weights_from_tensor",
                         {"load_format": LOCAL_FORMAT, "handle": handle, "flush_cache": False, **_version(version)})
         finally:
-            drop_handed([handle])  # taken by the server, or left by a failed request: never kept
+            drop_handed(handle)  # taken by the server, or left by a failed request: never kept
+
+
+# the transports that post each bucket over HTTP: bytes (tensor) or an in-process handle (local)
+SENDERS = {"tensor": send_tensor_payload, "local": send_local_payload}
 
 
 def write_disk_bucket(directory: str, index: int, bucket) -> None:
@@ -292,10 +294,9 @@ def push_weights(client, buckets, *, version=None, transport: str = "tensor", br
         client.flush_cache()
         for url in client.urls:
             client.begin_update(url)
-        if transport in ("tensor", "local"):
-            send = send_tensor_payload if transport == "tensor" else send_local_payload
+        if transport in SENDERS:
             for b in buckets:
-                send(client, b, version)
+                SENDERS[transport](client, b, version)
         elif transport == "distributed":
             if broadcaster is None:
                 raise ValueError("transport='distributed' needs a Broadcaster (init the group once)")
