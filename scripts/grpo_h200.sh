@@ -47,7 +47,8 @@ install() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 /tmp/acc/*.whl || exit 1
 }
 serve_sglang() {  # $1: log suffix of a restart (".1", ...)
-  local running=""; [ -n "${H20_MAX_RUNNING:-}" ] && running="--max-running-requests $H20_MAX_RUNNING"
+  # at most 64 requests at once (0: SGLang's own limit): both of 2026-12-01's crashes came with 128 decoding
+  local running="--max-running-requests ${H20_MAX_RUNNING:-64}"; [ "${H20_MAX_RUNNING:-64}" = 0 ] && running=""
   setsid nohup python3 -m sglang.launch_server --model-path $W/init --load-format auto --tp 1 --disable-cuda-graph \
     --skip-server-warmup --skip-tokenizer-init --mem-fraction-static ${H20_MEM:-0.45} --context-length 8192 \
     --disable-overlap-schedule $running \
@@ -84,23 +85,24 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   cd "$R"
   local sft="--max-seconds ${H20_SFT_S:-220}"
   [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3"
-  $PY bench/grpo_h200.py sft --out $W/warm $sft $(overrides) || { echo "FAILED sft"; touch $W/DONE; exit 1; }
+  stamp sft; $PY bench/grpo_h200.py sft --out $W/warm $sft $(overrides) || { echo "FAILED sft"; touch $W/DONE; exit 1; }
   touch $W/SFT_DONE
   # $W/HOLD: another job shares the GPU while SGLang boots (bench/gpu_round3.sh); GRPO starts once it is gone
   local end=$((SECONDS + ${H20_HOLD_MAX:-600})); while [ -e $W/HOLD ] && [ $SECONDS -lt $end ]; do sleep 2; done
   watchdog >> $W/watchdog.log 2>&1 &
-  $PY train.py --recipe h200 --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
+  stamp train; $PY train.py --recipe h200 --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
     $(overrides) || echo "FAILED train"
-  touch $W/TRAIN_DONE
+  touch $W/TRAIN_DONE; stamp report
   report
   # parity last (2026-12-01's run measured it first: 4 of the budget's minutes before any GRPO step); the
   # server is restored from the warm checkpoint, so it scores the warm start as before
   local par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2048 --prompt-len-max 3968"
   [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 4 --prompt-len 64 --prompt-len-max 96"
-  $PY bench/sglang_check.py parity --dir $W/warm --restore 1 --synth 1 --modes bf16,qat --out $W/parity.json \
+  stamp parity; $PY bench/sglang_check.py parity --dir $W/warm --restore 1 --synth 1 --modes bf16,qat --out $W/parity.json \
     --wait 600 $par && report || echo "FAILED parity"
-  touch $W/DONE
+  touch $W/DONE; stamp done
 }
+stamp() { echo "=== $(date +%T) $1"; }  # the pipeline's phases, timed in pipeline.log
 report() {
   $PY "$R/bench/grpo_h200.py" report --run $W/run --out $W/report --sft $W/warm/sft.json --parity $W/parity.json \
     || echo "FAILED report"
