@@ -2,6 +2,7 @@
 
     python bench/grpo_h200.py sft --out /tmp/warm [train.py overrides ...]    # GPU (or --parallel.device cpu)
     python bench/grpo_h200.py report --run runs/h200 --out docs/h200          # stats + figures, no GPU
+    python bench/grpo_h200.py warmup --url http://127.0.0.1:30000             # while the SFT runs
 
 `sft` trains the model `--recipe h200` describes (same preset, dtype, optimizer, device) from its seeded init
 on reference responses of the training split (`synth.sft_pairs`: the V4 chat prompt, then the written-out
@@ -12,6 +13,11 @@ GRPO room: 10-40% held out), at --max-steps, or after --max-seconds, and writes 
 SGLang-servable checkpoint (FP8 128x128 linears, FP8 experts: what the server will hold) plus sft.json
 (the validation curve, why it stopped). The validation split is disjoint from the held-out one, so the
 stopping rule never looks at an eval problem.
+
+`warmup` sends a fresh SGLang a rollout's worth of requests (the task's prompt length, `n` samples each, as
+many at once as the server runs) as soon as its HTTP server answers: SGLang compiles its kernels (DeepGEMM,
+flashinfer, tilelang, Triton) in the first forwards -- 4.6 minutes before /health answered, then ~2 more in the
+first eval's shapes, in 2026-12-01's run 3 -- so they overlap the SFT instead of delaying GRPO.
 
 `report` reads metrics.jsonl (and parity.json, sft.json when present) and writes summary.json and the figures
 (`nanoflash.rl.runstats`).
@@ -133,6 +139,27 @@ def cmd_calibrate(a, overrides):
                    "curve": curve}, f, indent=1)
 
 
+WARMUP_PROMPT_LEN = 27   # tokens in a sum4 prompt in the V4 chat format (run 3's prompt_len_mean)
+
+
+def cmd_warmup(a):
+    """Rollout-shaped requests at a just-started server, timed (see the module docstring)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from nanoflash.rollout.client import SGLangClient
+    client, t0 = SGLangClient(a.url, timeout=a.wait, retry_s=a.wait), time.time()
+    client.server_info(a.url)                     # retried until the HTTP server answers
+    t_up, g = time.time() - t0, torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1000, 100000, (WARMUP_PROMPT_LEN,), generator=g).tolist() for _ in range(a.prompts)]
+    params = {"n": a.n, "max_new_tokens": a.new_tokens, "temperature": 1.0}
+    client.generate(prompts[0], {**params, "n": 1})  # the first forward: most of the compiles
+    t_first = time.time() - t0
+    for _ in range(a.rounds):                     # batched prefills and decodes, as in a rollout and an eval
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            list(ex.map(lambda p: client.generate(p, params), prompts))
+    print(json.dumps({"http_up_s": round(t_up, 1), "first_generate_s": round(t_first, 1),
+                      "total_s": round(time.time() - t0, 1), "requests": 1 + a.rounds * a.prompts * a.n}), flush=True)
+
+
 def _tokenizer():
     from nanoflash.rl.data import V4Tokenizer
     return V4Tokenizer()
@@ -147,7 +174,7 @@ def cmd_report(a):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("phase", choices=["sft", "calibrate", "report"])
+    ap.add_argument("phase", choices=["sft", "calibrate", "report", "warmup"])
     ap.add_argument("--out", default="/tmp/warm")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--batch", type=int, default=128)
@@ -157,9 +184,17 @@ def main(argv=None):
     ap.add_argument("--run", default="runs/h200")
     ap.add_argument("--sft", default="", help="sft.json of the warm start (report)")
     ap.add_argument("--parity", default="", help="parity.json of bench/sglang_check.py (report)")
+    ap.add_argument("--url", default="http://127.0.0.1:30000", help="the server to warm up")
+    ap.add_argument("--wait", type=float, default=900.0, help="seconds a warm-up request may take (compiles)")
+    ap.add_argument("--prompts", type=int, default=16, help="warm-up prompts at once (n samples each)")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=2)
     a, overrides = ap.parse_known_args(argv)
     if a.phase == "sft":
         cmd_sft(a, overrides)
+    elif a.phase == "warmup":
+        cmd_warmup(a)
     elif a.phase == "calibrate":
         cmd_calibrate(a, overrides)
     else:

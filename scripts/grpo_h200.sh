@@ -45,6 +45,29 @@ install() {
   cat /tmp/acc/sgl0516_lean.tar.xz.part* | python3 -c \
     "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 /tmp/acc/*.whl || exit 1
+  jit_restore
+}
+# SGLang's kernels compile in its first forwards (DeepGEMM, flashinfer, tilelang, Triton: 2026-12-01's run 3 waited
+# 4.6 min for /health, then ~2 min in the first eval) into caches under $HOME; `collect` brings them back (<= 45 MiB)
+# and a later hold carries them in (docs/h200/README.md), so a bare machine skips the compiles
+JIT_DIRS=".cache .triton .deep_gemm .tilelang .nv .flashinfer"
+jit_restore() {
+  ls /tmp/acc/jit_cache.tgz.* > /dev/null 2>&1 || { echo "no compile cache carried"; return 0; }
+  cat /tmp/acc/jit_cache.tgz.* | tar -xzf - -C "$HOME" && echo "compile cache restored into $HOME"
+}
+jit_save() {  # $1: a folder under $OUT; the caches as parts of 15 MiB, replaced whole (a call may end mid-save);
+  # over 45 MiB together (JIT_MAX_BYTES), the largest caches are left out one by one
+  local dirs size; dirs=$(cd "$HOME" && du -s $JIT_DIRS 2> /dev/null | sort -n | awk '{print $2}')  # smallest first
+  [ -n "$dirs" ] || { echo "no compile caches under $HOME"; return 0; }
+  dirs=$(echo $dirs); (cd "$HOME" && du -s --block-size=1K .cache/* $dirs 2> /dev/null | tr '\n' ' '); echo "(KiB)"
+  while [ -n "$dirs" ]; do
+    tar -czf $W/jit.tgz -C "$HOME" $dirs || return 0
+    size=$(stat -c %s $W/jit.tgz); [ $size -le ${JIT_MAX_BYTES:-47185920} ] && break
+    echo "compile caches $dirs: $size bytes, over 45 MiB: leaving out the largest"; dirs=$(echo $dirs | awk '{$NF=""; print}')
+  done
+  [ -n "$dirs" ] || return 0
+  rm -rf "$1.new" && mkdir -p "$1.new" && split -b 15M -d $W/jit.tgz "$1.new/jit_cache.tgz." && rm -rf "$1" \
+    && mv "$1.new" "$1" && echo "compile caches saved ($dirs): $size bytes in $(ls "$1" | wc -l) parts"
 }
 serve_sglang() {  # $1: log suffix of a restart (".1", ...)
   # at most 64 requests at once (0: SGLang's own limit): both of 2026-12-01's crashes came with 128 decoding
@@ -74,10 +97,16 @@ serve_embedded() {  # $1: log suffix of a restart
     > $W/server${1:-}.log 2>&1 < /dev/null &
   echo $! > $W/server.pid
 }
+warmup() {  # rollout-shaped requests as soon as the server answers: its compiles overlap the SFT
+  local sizes=""; [ "$MODE" = dry ] && sizes="--prompts 2 --n 2 --new-tokens 4 --rounds 1"
+  rm -f $W/WARMUP_DONE; setsid nohup bash -c "$PY '$R/bench/grpo_h200.py' warmup --url $URL $sizes; touch $W/WARMUP_DONE" \
+    > $W/warmup.log 2>&1 < /dev/null
+}
 start() {  # random-init checkpoint -> server -> the pipeline, both detached
   if (exec 3<>/dev/tcp/127.0.0.1/${URL##*:}) 2>/dev/null; then echo "port ${URL##*:} is taken: $URL" >&2; exit 1; fi
   $PY "$R/bench/sglang_check.py" ckpt --dir $W/init > $W/ckpt.log 2>&1 || { cat $W/ckpt.log; exit 1; }
   if [ "$MODE" = gpu ]; then serve_sglang; else serve_embedded; fi
+  warmup &
   setsid nohup bash "$R/scripts/grpo_h200.sh" pipeline_$MODE > $W/pipeline.log 2>&1 < /dev/null &
   echo "started: server and pipeline ($MODE); logs in $W"
 }
@@ -89,6 +118,8 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   touch $W/SFT_DONE
   # $W/HOLD: another job shares the GPU while SGLang boots (bench/gpu_round3.sh); GRPO starts once it is gone
   local end=$((SECONDS + ${H20_HOLD_MAX:-600})); while [ -e $W/HOLD ] && [ $SECONDS -lt $end ]; do sleep 2; done
+  end=$((SECONDS + ${H20_WARMUP_MAX:-900})); while [ ! -e $W/WARMUP_DONE ] && [ $SECONDS -lt $end ]; do sleep 2; done
+  stamp "warm-up done: $(tail -n 1 $W/warmup.log)"
   watchdog >> $W/watchdog.log 2>&1 &
   stamp train; $PY train.py --recipe h200 --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
     $(overrides) || echo "FAILED train"
@@ -122,7 +153,8 @@ collect() {  # <= 8 files back: one tarball of the results + the logs (a run sti
   tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl report parity.json warm/sft.json pipeline.log \
     $(cd $W && ls watchdog.log server.*.log 2>/dev/null)
   tail -c 4000000 $W/server.log > "$out/server.log"; cp $W/pipeline.log "$out/" 2>/dev/null
-  ls -la "$out"
+  [ "$MODE" = gpu ] && jit_save "$out/jit"
+  ls -la "$out" "$out/jit" 2> /dev/null
 }
 snapshot() {  # everything from here on runs from its own copy: a later device call re-syncs the checkout (and bash
   # reads scripts as it goes); .h20src (git archive of a tested commit, docs/h200/README.md) before the checkout
@@ -130,15 +162,26 @@ snapshot() {  # everything from here on runs from its own copy: a later device c
   rm -rf $W/repo && mkdir -p $W/repo && cp -r $src/nanoflash $src/bench $src/scripts $src/train.py $W/repo/ || exit 1
   cp -r $src/tests $src/pyproject.toml $W/repo/ 2>/dev/null  # for bench/gpu_round3.sh's GPU tests, when present
 }
+jit_only() {  # $1: seconds; a hold that only fills the compile caches (no SFT, no GRPO): random init, SGLang, the
+  # warm-up, the caches saved into $OUT/jit every 40 s and at the end (what a call cut at its limit still returns)
+  install || exit 1
+  $PY "$R/bench/sglang_check.py" ckpt --dir $W/init > $W/ckpt.log 2>&1 || { cat $W/ckpt.log; exit 1; }
+  serve_sglang
+  local end=$(( $(date +%s) + $1 ))
+  ( while [ $(date +%s) -lt $end ]; do sleep 40; jit_save "$OUT/jit" >> $W/jit_save.log 2>&1; done ) &
+  timeout $1 $PY "$R/bench/grpo_h200.py" warmup --url $URL --prompts 32 --rounds 3
+  jit_save "$OUT/jit"; grep -a "fired up\|Prefill batch" $W/server.log | head -n 3 | cut -c1-160
+}
 case "${1:-}" in
   go) snapshot && exec bash $W/repo/scripts/grpo_h200.sh go_here ;;
   go_here) gpu_env; install && start ;;
   pipeline_gpu) gpu_env; pipeline ;;
   pipeline_dry) dry_env; pipeline ;;
   poll) poll "${2:-540}" ;;
+  jit_only) gpu_env; jit_only "${2:-300}" ;;
   collect) [ -d $W/repo ] && R=$W/repo; [ -d /tmp/site ] && gpu_env || dry_env; collect ;;
   dry) snapshot && exec bash $W/repo/scripts/grpo_h200.sh dry_here "${2:-1800}" ;;
   dry_here) dry_env; rm -rf $W/DONE $W/TRAIN_DONE $W/SFT_DONE $W/watchdog.log $W/run $W/warm $W/report; start && poll "${2:-1800}"
        kill "$(cat $W/server.pid)" 2>/dev/null; tail -n 30 $W/pipeline.log ;;
-  *) echo "usage: $0 go|poll SECONDS|collect|dry [SECONDS]" >&2; exit 2 ;;
+  *) echo "usage: $0 go|poll SECONDS|collect|dry [SECONDS]|jit_only SECONDS" >&2; exit 2 ;;
 esac
