@@ -32,7 +32,7 @@ dry_env() {
 }
 # train.py / sft overrides of each mode (the recipe is h200 in both)
 overrides() {
-  if [ "$MODE" = gpu ]; then echo "--train.steps ${H20_STEPS:-50} --train.progress false"; return; fi
+  if [ "$MODE" = gpu ]; then echo "--train.steps ${H20_STEPS:-80} --train.progress false"; return; fi
   echo "--train.preset tiny --model.vocab_size 129280 --model.n_mtp_layers 0 --model.compress_ratios 0,4,8,4" \
        "--parallel.device cpu --train.dtype fp32 --train.threads 1" \
        "--train.steps ${H20_STEPS:-3} --grpo.n_prompts 2 --grpo.group_size 4 --grpo.over_sampling_batch_size 2" \
@@ -53,7 +53,23 @@ install() {
 JIT_DIRS=".cache .triton .deep_gemm .tilelang .nv .flashinfer"
 jit_restore() {
   ls /tmp/acc/jit_cache.tgz.* > /dev/null 2>&1 || { echo "no compile cache carried"; return 0; }
-  cat /tmp/acc/jit_cache.tgz.* | tar -xzf - -C "$HOME" && echo "compile cache restored into $HOME"
+  cat /tmp/acc/jit_cache.tgz.* | tar -xzf - -C "$HOME" || return 0
+  # a cache saved while a compile ran: drop a tvm-ffi build without its .so, or with a cut ELF file, to be rebuilt
+  python3 - "$HOME/.cache/tvm-ffi" << 'PY'
+import os, shutil, struct, sys
+def complete(p):  # an ELF file whose section headers (at its end) lie inside it
+    with open(p, "rb") as f:
+        h = f.read(64)
+    shoff, (shentsize, shnum) = struct.unpack_from("<Q", h, 0x28)[0], struct.unpack_from("<HH", h, 0x3A)
+    return h[:4] == b"\x7fELF" and shoff + shentsize * shnum <= os.path.getsize(p)
+root, dropped = sys.argv[1], []
+for d in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+    files = [os.path.join(root, d, f) for f in os.listdir(os.path.join(root, d))]
+    bins = [f for f in files if f.endswith((".so", ".o"))]
+    if not any(f.endswith(".so") for f in bins) or not all(complete(f) for f in bins):
+        shutil.rmtree(os.path.join(root, d)); dropped.append(d[:60])
+print(f"compile cache restored; tvm-ffi builds dropped (incomplete): {dropped or 'none'}")
+PY
 }
 jit_save() {  # $1: a folder under $OUT; the caches as parts of 15 MiB, replaced whole (a call may end mid-save);
   # over 45 MiB together (JIT_MAX_BYTES), the largest caches are left out one by one
