@@ -109,7 +109,8 @@ def memory(plt, recs, out_dir, summary) -> str:
         if s:
             ax.plot(s, v, "o-", ms=3, label=label)
     ax.set(xlabel="GRPO step", ylabel="GiB", title="GPU memory")
-    ax.legend(fontsize=8)
+    if ax.lines:  # a CPU run logs no GPU memory: an empty figure, no empty legend
+        ax.legend(fontsize=8)
     return _save(plt, fig, out_dir, "memory.png")
 
 
