@@ -115,14 +115,14 @@ serve_embedded() {  # $1: log suffix of a restart
 }
 warmup() {  # rollout-shaped requests as soon as the server answers: its compiles overlap the SFT
   local sizes=""; [ "$MODE" = dry ] && sizes="--prompts 2 --n 2 --new-tokens 4 --rounds 1"
-  rm -f $W/WARMUP_DONE; setsid nohup bash -c "$PY '$R/bench/grpo_h200.py' warmup --url $URL $sizes; touch $W/WARMUP_DONE" \
+  setsid nohup bash -c "$PY '$R/bench/grpo_h200.py' warmup --url $URL $sizes; touch $W/WARMUP_DONE" \
     > $W/warmup.log 2>&1 < /dev/null
 }
 start() {  # random-init checkpoint -> server -> the pipeline, both detached
   if (exec 3<>/dev/tcp/127.0.0.1/${URL##*:}) 2>/dev/null; then echo "port ${URL##*:} is taken: $URL" >&2; exit 1; fi
   $PY "$R/bench/sglang_check.py" ckpt --dir $W/init > $W/ckpt.log 2>&1 || { cat $W/ckpt.log; exit 1; }
   if [ "$MODE" = gpu ]; then serve_sglang; else serve_embedded; fi
-  warmup &
+  rm -f $W/WARMUP_DONE; warmup &
   setsid nohup bash "$R/scripts/grpo_h200.sh" pipeline_$MODE > $W/pipeline.log 2>&1 < /dev/null &
   echo "started: server and pipeline ($MODE); logs in $W"
 }
