@@ -14,8 +14,8 @@ SGLang-servable checkpoint (FP8 128x128 linears, FP8 experts: what the server wi
 (the validation curve, why it stopped). The validation split is disjoint from the held-out one, so the
 stopping rule never looks at an eval problem.
 
-`warmup` sends a fresh SGLang a rollout's worth of requests (the task's prompt length, `n` samples each, as
-many at once as the server runs) as soon as its HTTP server answers: SGLang compiles its kernels (DeepGEMM,
+`warmup` sends a fresh SGLang a rollout's worth of requests (the task's first training prompts, `n` samples
+each, all at once) as soon as its HTTP server answers: SGLang compiles its kernels (DeepGEMM,
 flashinfer, tilelang, Triton) in the first forwards -- 4.6 minutes before /health answered, then ~2 more in the
 first eval's shapes, in 2026-12-01's run 3 -- so they overlap the SFT instead of delaying GRPO.
 
@@ -139,17 +139,16 @@ def cmd_calibrate(a, overrides):
                    "curve": curve}, f, indent=1)
 
 
-WARMUP_PROMPT_LEN = 27   # tokens in a sum4 prompt in the V4 chat format (run 3's prompt_len_mean)
-
-
 def cmd_warmup(a):
-    """Rollout-shaped requests at a just-started server, timed (see the module docstring)."""
+    """Rollout-shaped requests at a just-started server, timed (see the module docstring): the first `prompts`
+    training prompts of the task in the V4 chat format, `n` samples each."""
     from concurrent.futures import ThreadPoolExecutor
     from nanoflash.rollout.client import SGLangClient
+    tok = _tokenizer()
+    prompts = [tok.encode_chat(p) for p in synth.problems("sum4", "train")[:a.prompts]]
     client, t0 = SGLangClient(a.url, timeout=a.wait, retry_s=a.wait), time.time()
     client.server_info(a.url)                     # retried until the HTTP server answers
-    t_up, g = time.time() - t0, torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1000, 100000, (WARMUP_PROMPT_LEN,), generator=g).tolist() for _ in range(a.prompts)]
+    t_up = time.time() - t0
     params = {"n": a.n, "max_new_tokens": a.new_tokens, "temperature": 1.0}
     client.generate(prompts[0], {**params, "n": 1})  # the first forward: most of the compiles
     t_first = time.time() - t0

@@ -50,7 +50,7 @@ install() {
 # SGLang's kernels compile in its first forwards (DeepGEMM, flashinfer, tilelang, Triton: 2026-12-01's run 3 waited
 # 4.6 min for /health, then ~2 min in the first eval) into caches under $HOME; `collect` brings them back (<= 45 MiB)
 # and a later hold carries them in (docs/h200/README.md), so a bare machine skips the compiles
-JIT_DIRS=".cache .triton .deep_gemm .tilelang .nv .flashinfer"
+JIT_DIRS=".cache .triton .tilelang .nv"  # seen filled on the H200 (.cache: tvm-ffi, deep_gemm, flashinfer)
 jit_restore() {
   ls /tmp/acc/jit_cache.tgz.* > /dev/null 2>&1 || { echo "no compile cache carried"; return 0; }
   cat /tmp/acc/jit_cache.tgz.* | tar -xzf - -C "$HOME" || return 0
@@ -118,9 +118,12 @@ warmup() {  # rollout-shaped requests as soon as the server answers: its compile
   setsid nohup bash -c "$PY '$R/bench/grpo_h200.py' warmup --url $URL $sizes; touch $W/WARMUP_DONE" \
     > $W/warmup.log 2>&1 < /dev/null
 }
+init_ckpt() {  # the random-init checkpoint a server starts from
+  $PY "$R/bench/sglang_check.py" ckpt --dir $W/init > $W/ckpt.log 2>&1 || { cat $W/ckpt.log; exit 1; }
+}
 start() {  # random-init checkpoint -> server -> the pipeline, both detached
   if (exec 3<>/dev/tcp/127.0.0.1/${URL##*:}) 2>/dev/null; then echo "port ${URL##*:} is taken: $URL" >&2; exit 1; fi
-  $PY "$R/bench/sglang_check.py" ckpt --dir $W/init > $W/ckpt.log 2>&1 || { cat $W/ckpt.log; exit 1; }
+  init_ckpt
   if [ "$MODE" = gpu ]; then serve_sglang; else serve_embedded; fi
   rm -f $W/WARMUP_DONE; warmup &
   setsid nohup bash "$R/scripts/grpo_h200.sh" pipeline_$MODE > $W/pipeline.log 2>&1 < /dev/null &
@@ -180,9 +183,7 @@ snapshot() {  # everything from here on runs from its own copy: a later device c
 }
 jit_only() {  # $1: seconds; a hold that only fills the compile caches (no SFT, no GRPO): random init, SGLang, the
   # warm-up, the caches saved into $OUT/jit every 40 s and at the end (what a call cut at its limit still returns)
-  install || exit 1
-  $PY "$R/bench/sglang_check.py" ckpt --dir $W/init > $W/ckpt.log 2>&1 || { cat $W/ckpt.log; exit 1; }
-  serve_sglang
+  install && init_ckpt && serve_sglang || exit 1
   local end=$(( $(date +%s) + $1 ))
   ( while [ $(date +%s) -lt $end ]; do sleep 40; jit_save "$OUT/jit" >> $W/jit_save.log 2>&1; done ) &
   timeout $1 $PY "$R/bench/grpo_h200.py" warmup --url $URL --prompts 32 --rounds 3

@@ -4,7 +4,8 @@
 (spawn) joined into one gloo process group on a free localhost port, the CPU stand-in for a torchrun job.
 It returns the list of the ranks' return values (passed back through files, so tensors survive the child's
 exit), re-raises a child's exception with its traceback, and kills every rank after a timeout so that a
-deadlocked collective fails a test instead of hanging CI. Other helpers may append fixtures below.
+deadlocked collective fails a test instead of hanging CI. `FakeSGLang` is a canned SGLang HTTP server (the
+client, warm-up tests). Other helpers may append fixtures below.
 
 Randomness is replayable. Every test gets a seed derived from its own node id (`test_seed`), so the same
 test draws the same numbers on every run, on every machine, whatever ran before it or was deselected:
@@ -19,13 +20,16 @@ planted in a copy of the tree.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import random
 import socket
 import tempfile
+import threading
 import time
 import traceback
 import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -172,3 +176,55 @@ def pytest_runtest_makereport(item, call):
     if call.when == "call" and call.excinfo is not None:
         salt = f" (NANOFLASH_TEST_SEED_SALT={SEED_SALT!r})" if SEED_SALT else ""
         item.add_report_section("call", "seed", f"{item.nodeid} ran with seed {test_seed(item.nodeid)}{salt}")
+
+
+class FakeSGLang:
+    """A canned SGLang look-alike on `port` (0: any): `routes` (None = no /openapi.json), `version`; records
+    every call (method, path) in `calls` and every POST body in `bodies`."""
+
+    def __init__(self, routes=None, version="0.5.16", port=0):
+        self.routes, self.version, self.calls, self.bodies = routes, version, [], []
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _reply(self, status, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                fake.calls.append(("GET", self.path))
+                if self.path == "/openapi.json" and fake.routes is not None:
+                    return self._reply(200, {"paths": {p: {"post": {}} for p in fake.routes}})
+                if self.path == "/get_server_info":
+                    return self._reply(200, {"version": fake.version})
+                if self.path == "/health":
+                    return self._reply(200, {})
+                self._reply(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.calls.append(("POST", self.path))
+                fake.bodies.append(body)
+                if self.path == "/generate":
+                    if body["input_ids"] == [0]:
+                        return self._reply(400, {"error": {"message": "token 0 is not allowed"}})
+                    n = body["sampling_params"].get("n", 1)
+                    one = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2},
+                           "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]], "weight_version": "1"}}
+                    return self._reply(200, [one] * n if n > 1 else one)
+                self._reply(404, {"detail": "Not Found"})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), H)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -200,57 +200,33 @@ def test_summary_of_a_synthetic_run(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- warm-up
-def test_warmup_waits_for_the_server_then_sends_rollout_shaped_requests(capsys):
-    """bench/grpo_h200.py warmup: retried until the HTTP server answers (it comes up late here), then one
-    request, then `rounds` x `prompts` requests of WARMUP_PROMPT_LEN tokens with n samples each, all at once."""
-    import http.server
+def test_warmup_waits_for_the_server_then_sends_rollout_shaped_requests(capsys, monkeypatch):
+    """bench/grpo_h200.py warmup: retried until the HTTP server answers (it binds 0.5 s after the warm-up has
+    its tokenizer: connections are refused till then), then one request, then `rounds` x `prompts` requests of
+    the first training prompts in the V4 chat format with n samples each."""
     import json
     import sys
     import threading
-    from conftest import free_port
+    from conftest import FakeSGLang, free_port
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
     import grpo_h200
-    seen, lock, port = [], threading.Lock(), free_port()
+    port, srv = free_port(), []
 
-    class H(http.server.BaseHTTPRequestHandler):
-        def _send(self, body):
-            raw = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def do_GET(self):
-            self._send({"version": "0.5.16"})
-
-        def do_POST(self):
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            with lock:
-                seen.append(req)
-            n, k = req["sampling_params"]["n"], req["sampling_params"]["max_new_tokens"]
-            item = {"output_ids": [7] * k, "meta_info": {"output_token_logprobs": [[-0.5, 7, None]] * k}}
-            self._send([item] * n if n > 1 else item)
-
-        def log_message(self, *a):
-            pass
-
-    srv, up = [], threading.Event()
-
-    def serve():  # the server binds its port only 0.5 s after the warm-up starts: connections are refused till then
-        srv.append(http.server.ThreadingHTTPServer(("127.0.0.1", port), H))
-        up.set()
-        srv[0].serve_forever()
-    late = threading.Timer(0.5, serve)
-    late.start()
+    def serve():
+        srv.append(FakeSGLang(["/generate"], port=port))
+    late, tokenizer = threading.Timer(0.5, serve), grpo_h200._tokenizer
+    monkeypatch.setattr(grpo_h200, "_tokenizer", lambda: (tokenizer(), late.start())[0])
     try:
         grpo_h200.main(["warmup", "--url", f"http://127.0.0.1:{port}", "--wait", "30", "--prompts", "3", "--n", "2",
                         "--new-tokens", "4", "--rounds", "2"])
     finally:
-        up.wait(5)
-        srv[0].shutdown()
-        late.join()
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["requests"] == 1 + 2 * 3 * 2 and len(seen) == 1 + 2 * 3
-    assert seen[0]["sampling_params"]["n"] == 1 and all(r["sampling_params"]["n"] == 2 for r in seen[1:])
-    assert all(len(r["input_ids"]) == grpo_h200.WARMUP_PROMPT_LEN for r in seen)
-    assert len({tuple(r["input_ids"]) for r in seen[1:]}) == 3 and out["http_up_s"] >= 0.4
+        late.cancel()
+        if srv:
+            srv[0].close()
+    out, sent = json.loads(capsys.readouterr().out.strip().splitlines()[-1]), srv[0].bodies
+    tok = data.V4Tokenizer()
+    want = [tok.encode_chat(p) for p in synth.problems("sum4", "train")[:3]]
+    assert out["requests"] == 1 + 2 * 3 * 2 and len(sent) == 1 + 2 * 3 and out["http_up_s"] >= 0.4
+    assert sent[0]["sampling_params"]["n"] == 1 and all(b["sampling_params"]["n"] == 2 for b in sent[1:])
+    assert sent[0]["input_ids"] == want[0] and sorted(b["input_ids"] for b in sent[1:]) == sorted(want * 2)
+    assert all(b["sampling_params"]["max_new_tokens"] == 4 for b in sent)

@@ -4,65 +4,13 @@ Run: `pytest tests/test_rollout_client.py -q`.
 """
 from __future__ import annotations
 
-import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from conftest import FakeSGLang as Fake
 from nanoflash.rollout.client import (RequestRejected, ServerGoneError, SGLangClient, parse_generation,
                                       parse_version)
-
-
-class Fake:
-    """A canned SGLang look-alike: `routes` (None = no /openapi.json), `version`, records every call."""
-
-    def __init__(self, routes=None, version="0.5.16"):
-        self.routes, self.version, self.calls = routes, version, []
-        fake = self
-
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _reply(self, status, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                fake.calls.append(("GET", self.path))
-                if self.path == "/openapi.json" and fake.routes is not None:
-                    return self._reply(200, {"paths": {p: {"post": {}} for p in fake.routes}})
-                if self.path == "/get_server_info":
-                    return self._reply(200, {"version": fake.version})
-                if self.path == "/health":
-                    return self._reply(200, {})
-                self._reply(404, {"detail": "Not Found"})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.calls.append(("POST", self.path))
-                if self.path == "/generate":
-                    if body["input_ids"] == [0]:
-                        return self._reply(400, {"error": {"message": "token 0 is not allowed"}})
-                    n = body["sampling_params"].get("n", 1)
-                    one = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2},
-                           "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]], "weight_version": "1"}}
-                    return self._reply(200, [one] * n if n > 1 else one)
-                self._reply(404, {"detail": "Not Found"})
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def dead_url() -> str:
