@@ -25,12 +25,13 @@ first eval's shapes, in 2026-12-01's run 3 -- so they overlap the SFT instead of
 import argparse
 import json
 import os
+import random
 import sys
 import time
 
 import torch
 
-from nanoflash.rl import rollouts, synth, actor as trainer
+from nanoflash.rl import data, rollouts, synth, actor as trainer
 from nanoflash import grpo
 from nanoflash.checkpoint import save_hf_checkpoint
 from nanoflash.cli import parse_args
@@ -55,48 +56,88 @@ def sft_batch_step(actor, pairs: list, optimizer, pad_id: int) -> float:
     return train_step(actor.model, actor.dims, mbs, optimizer, 1.0 / n_tok, grad_clip=actor.oc.grad_clip)["loss"]
 
 
-def val_pass1(actor, task, val: list, seed: int, max_new: int) -> float:
-    """Mean reward of VAL_SAMPLES samples per validation problem at T = 1, sampled in-process."""
+def val_pass1(actor, task, val: list, seed: int, max_new: int, think_end: int | None = None) -> tuple:
+    """Mean reward of VAL_SAMPLES samples per validation problem at T = 1, sampled in-process, and the share of
+    samples that work the sum out (first token not `think_end`; None when think_end is None)."""
     prompts = [task.encode(p) for p in val]
     seeds = [seed * 7919 + i for i in range(len(val))]
     out = rollouts.sample_batched(actor.model, prompts, VAL_SAMPLES, max_new, 1.0, list(task.stop_ids), seeds)
-    flat = [p for p in val for _ in range(VAL_SAMPLES)]
-    rs = task.reward(flat, [ids for group in out for ids, _ in group])
-    return sum(rs) / len(rs)
+    flat, ids = [p for p in val for _ in range(VAL_SAMPLES)], [ids for group in out for ids, _ in group]
+    rs = task.reward(flat, ids)
+    worked = None if think_end is None else sum(bool(x) and x[0] != think_end for x in ids) / len(ids)
+    return sum(rs) / len(rs), worked
+
+
+@torch.no_grad()
+def p_worked(model, prompts: list, think_end: int) -> float:
+    """Mean over prompts of P(first response token != `</think>`): the chance the policy works the sum out,
+    exactly, from one forward per prompt length (no sampling). prompts: lists of ids -> a float."""
+    dev, ps = next(model.parameters()).device, []
+    for n in sorted({len(p) for p in prompts}):
+        x = torch.tensor([p for p in prompts if len(p) == n], device=dev)          # [b, n]
+        h = model.run_layers(model.embed_streams(x), x)[:, -1:]                  # [b, 1, M, D]
+        last = model.logits(h)[:, 0].softmax(-1)                                  # [b, V]
+        ps += (1.0 - last[:, think_end]).tolist()
+    return sum(ps) / len(ps)
 
 
 def cmd_sft(a, overrides):
+    """Phase 1 (`worked`): worked demonstrations only, until validation pass@1 reaches --target or --max-seconds
+    pass. Phase 2 (`glance`, at --glance-lr): demonstrations worked with probability --glance-share, else at a
+    glance (synth.sft_pairs), until P(worked) on the validation prompts is at most --worked-max, checked every step
+    (at most --glance-steps):
+    a warm start that can work sums out but seldom does (synth's docstring)."""
     cfg = parse_args(["--recipe", "h200", *overrides])
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     mcfg = run_preset(cfg)
     task = rollouts.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
-    family = cfg.train.data.split(":")[1]
+    family, tok = cfg.train.data.split(":")[1], _tokenizer()
+    think_end = tok.encode(data.THINK_END)
+    assert len(think_end) == 1, f"{data.THINK_END!r} should be one token, got {think_end}"
+    think_end = think_end[0]
     torch.manual_seed(cfg.train.seed)
+    rng = random.Random(cfg.train.seed)
     actor = trainer.Actor(cfg, mcfg, init_distributed(1, 1, None))
-    tok_pairs = synth.sft_pairs(task.train, _tokenizer())
     val = synth.problems(family, "val")[:VAL_PROBLEMS]
+    val_prompts = [task.encode(p) for p in val]
     opt = trainer.make_optimizer(actor.model, cfg.optim, lr=a.lr)
-    curve, t0, why, i = [], time.time(), "max_steps", 0
-    for i in range(1, a.max_steps + 1):
-        opt.lr = a.lr * min(1.0, i / SFT_LR_WARMUP)
-        batch = [tok_pairs[((i - 1) * a.batch + j) % len(tok_pairs)] for j in range(a.batch)]
-        nll = sft_batch_step(actor, batch, opt, task.pad_id)
-        if i % CHECK_EVERY == 0 or i == a.max_steps:
-            v = val_pass1(actor, task, val, i, cfg.eval.max_new_tokens)
-            curve.append({"step": i, "nll": nll, "val_pass@1": v, "time_s": round(time.time() - t0, 1)})
-            print(json.dumps(curve[-1]), flush=True)
-            if v >= a.target:
-                why = f"val pass@1 {v:.3f} >= target {a.target}"
-                break
-        if time.time() - t0 > a.max_seconds:
-            why = f"time limit {a.max_seconds}s"
+    curve, t0, i, why = [], time.time(), 0, {}
+
+    def check(phase: str, sample: bool) -> dict:
+        row = {"step": i, "phase": phase, "nll": nll, "p_worked": round(p_worked(actor.model, val_prompts, think_end), 4)}
+        if sample:
+            row["val_pass@1"], row["worked_share"] = val_pass1(actor, task, val, i, cfg.eval.max_new_tokens, think_end)
+        curve.append({**row, "time_s": round(time.time() - t0, 1)})
+        print(json.dumps(curve[-1]), flush=True)
+        return row
+
+    def step(share: float, lr: float) -> float:
+        opt.lr = lr * min(1.0, i / SFT_LR_WARMUP)
+        batch = [task.train[((i - 1) * a.batch + j) % len(task.train)] for j in range(a.batch)]
+        return sft_batch_step(actor, synth.sft_pairs(batch, tok, share, rng), opt, task.pad_id)
+
+    while i < a.max_steps and "worked" not in why:                       # phase 1: learn the steps
+        i += 1
+        nll = step(1.0, a.lr)
+        if i % CHECK_EVERY == 0 and check("worked", True)["val_pass@1"] >= a.target:
+            why["worked"] = f"val pass@1 >= target {a.target} at step {i}"
+        elif time.time() - t0 > a.max_seconds:
+            why["worked"] = f"time limit {a.max_seconds}s at step {i}"
+    why.setdefault("worked", f"max steps {a.max_steps}")
+    for _ in range(a.glance_steps):                                      # phase 2: mostly at a glance
+        i += 1
+        nll = step(a.glance_share, a.glance_lr)
+        if check("glance", False)["p_worked"] <= a.worked_max:
+            why["glance"] = f"P(worked) <= {a.worked_max} at step {i}"
             break
+    why.setdefault("glance", f"max glance steps {a.glance_steps}")
+    final = check("final", True)
     t1 = time.time()
     info = save_hf_checkpoint(actor.model, a.out, weights="fp8", experts="fp8")
-    res = {"steps": i, "stopped": why, "sft_s": round(t1 - t0, 1), "save_s": round(time.time() - t1, 1),
-           "lr": a.lr, "batch": a.batch, "target": a.target, "curve": curve, "params": actor.model.full_params,
-           "files": info.get("files")}
+    res = {"steps": i, "stopped": why, "final": final, "sft_s": round(t1 - t0, 1), "save_s": round(time.time() - t1, 1),
+           "lr": a.lr, "glance_lr": a.glance_lr, "batch": a.batch, "target": a.target, "glance_share": a.glance_share,
+           "worked_max": a.worked_max, "curve": curve, "params": actor.model.full_params, "files": info.get("files")}
     with open(os.path.join(a.out, "sft.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps({k: v for k, v in res.items() if k != "curve"}), flush=True)
@@ -131,7 +172,7 @@ def cmd_calibrate(a, overrides):
         opt.lr = a.lr * min(1.0, i / SFT_LR_WARMUP)
         nll = sft_batch_step(actor, [pairs[((i - 1) * a.batch + j) % len(pairs)] for j in range(a.batch)], opt, eos)
         if i % CHECK_EVERY == 0:
-            curve.append({"step": i, "nll": nll, "val_pass@1": val_pass1(actor, task, val, i, 40),
+            curve.append({"step": i, "nll": nll, "val_pass@1": val_pass1(actor, task, val, i, 40)[0],
                           "time_s": round(time.time() - t0, 1)})
             print(json.dumps(curve[-1]), flush=True)
     with open(a.out, "w") as f:
@@ -177,7 +218,12 @@ def main(argv=None):
     ap.add_argument("--out", default="/tmp/warm")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--target", type=float, default=0.2, help="stop when validation pass@1 reaches this")
+    ap.add_argument("--target", type=float, default=0.6, help="phase 1 ends when validation pass@1 reaches this")
+    ap.add_argument("--glance-share", type=float, default=0.15, help="phase 2: share of worked demonstrations")
+    ap.add_argument("--worked-max", type=float, default=0.3, help="phase 2 ends when P(worked) is at most this")
+    ap.add_argument("--glance-steps", type=int, default=60, help="phase 2: at most this many steps")
+    ap.add_argument("--glance-lr", type=float, default=1e-4, help="phase 2's learning rate (small: the first token's "
+                    "odds move by nats a step at phase 1's, overshooting --worked-max)")
     ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--max-seconds", type=float, default=240.0)
     ap.add_argument("--run", default="runs/h200")

@@ -87,20 +87,19 @@ RECIPES: dict[str, list[str]] = {
             "eval.every=2", "eval.before_train=false", "eval.path=servers", "eval.n_problems=16",
             "eval.k_samples=8", "eval.max_new_tokens=16"],
     # one H200, SGLang colocated (scripts/grpo_h200.sh, docs/h200/): the h200 preset (1.24B) in bf16, warm-started
-    # by bench/grpo_h200.py sft, GRPO on running sums in the V4 chat format (nanoflash/rl/synth.py) through SGLang at
-    # --rollout.urls, a verified FP8 push + probe every step, the warm start re-evaluated at every eval (eval.live).
-    # lr (untested, from 2026-12-01's three runs, docs/h200/): 2e-4 with a 3-step warm-up collapsed (the probe moved
-    # 0.12 nats at step 1's 6.7e-5, 2.4 at step 2's 1.3e-4, when AdamW's fresh moments make every update a full
-    # lr-sized step); 3e-5 was stable for 50 steps but sharpened more than it learned (pass@1 +2-3 points): 6e-5
-    # after a 10-step warm-up, and 80 steps. A dead SGLang is restarted by the script's watchdog and waited for
-    # (rollout.max_server_restarts)
+    # by bench/grpo_h200.py sft (a model that can work sums out but mostly answers at a glance, synth.py), GRPO on
+    # running sums in the V4 chat format through SGLang at --rollout.urls, a verified FP8 push + probe every step,
+    # the warm start re-evaluated at every eval (eval.live). lr from 2026-12-01's three runs (docs/h200/): 2e-4
+    # with a 3-step warm-up collapsed (AdamW's fresh moments make the first updates full lr-sized steps), 3e-5
+    # was stable for 50 steps: 5e-5 after a 10-step warm-up. A dead SGLang is restarted by the script's watchdog
+    # and waited for (rollout.max_server_restarts)
     "h200": ["train.preset=h200", "train.task=chat", "train.data=synth:sum4:train", "eval.data=synth:sum4:heldout",
-             "train.dtype=bf16", "train.steps=80", "train.save_every=-1", "train.out_dir=runs/h200",
+             "train.dtype=bf16", "train.steps=60", "train.save_every=-1", "train.out_dir=runs/h200",
              "train.lr_warmup_steps=10", "model.kernels=reference", "parallel.device=cuda",
              "parallel.micro_batch_tokens=16384", "grpo.n_prompts=16", "grpo.group_size=8",
              "grpo.over_sampling_batch_size=16", "rollout.max_rounds=4", "rollout.weights=fp8",
              "rollout.transport=tensor", "rollout.bucket_bytes=536870912", "rollout.max_new_tokens=40",
-             "rollout.max_workers=64", "rollout.max_server_restarts=3", "optim.lr=6e-5", "optim.weight_decay=0.0",
+             "rollout.max_workers=64", "rollout.max_server_restarts=3", "optim.lr=5e-5", "optim.weight_decay=0.0",
              "optim.grad_clip=1.0",
              "eval.every=10", "eval.path=servers", "eval.n_problems=128", "eval.k_samples=8",
              "eval.max_new_tokens=40", "eval.live=true"],

@@ -32,7 +32,7 @@ dry_env() {
 }
 # train.py / sft overrides of each mode (the recipe is h200 in both)
 overrides() {
-  if [ "$MODE" = gpu ]; then echo "--train.steps ${H20_STEPS:-80} --train.progress false"; return; fi
+  if [ "$MODE" = gpu ]; then echo "--train.steps ${H20_STEPS:-60} --train.progress false"; return; fi
   echo "--train.preset tiny --model.vocab_size 129280 --model.n_mtp_layers 0 --model.compress_ratios 0,4,8,4" \
        "--parallel.device cpu --train.dtype fp32 --train.threads 1" \
        "--train.steps ${H20_STEPS:-3} --grpo.n_prompts 2 --grpo.group_size 4 --grpo.over_sampling_batch_size 2" \
@@ -45,7 +45,26 @@ install() {
   cat /tmp/acc/sgl0516_lean.tar.xz.part* | python3 -c \
     "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 /tmp/acc/*.whl || exit 1
+  [ "${H20_OFFICIAL_ROPE:-1}" = 1 ] && official_rope
   jit_restore
+}
+# SGLang 0.5.16 applies YaRN to the RoPE of the sliding-only layers (compress ratio 0) too; the official model
+# (and nanoflash) does not (docs/sglang_parity_analysis.md, S1; SGLang's own DSpark passes rope_original_seq_len=0
+# there). One line of the installed deepseek_v4.py makes it official; a pattern that is not found once changes
+# nothing and says so (H20_OFFICIAL_ROPE=0 serves stock SGLang)
+official_rope() {
+  python3 - /tmp/site/sglang/srt/models/deepseek_v4.py << 'PY'
+import sys
+path = sys.argv[1]
+old = 'else scaling["original_max_position_embeddings"]'
+new = 'else (scaling["original_max_position_embeddings"] if self.compress_ratio else 0)'
+src = open(path).read()
+if src.count(old) != 1:
+    print(f"official RoPE: pattern found {src.count(old)} times in {path}, SGLang left stock")
+else:
+    open(path, "w").write(src.replace(old, new))
+    print("official RoPE: no YaRN on SGLang's sliding-only layers (patched deepseek_v4.py)")
+PY
 }
 # SGLang's kernels compile in its first forwards (DeepGEMM, flashinfer, tilelang, Triton: 2026-12-01's run 3 waited
 # 4.6 min for /health, then ~2 min in the first eval) into caches under $HOME; `collect` brings them back (<= 45 MiB)
@@ -90,7 +109,7 @@ serve_sglang() {  # $1: log suffix of a restart (".1", ...)
   local running="--max-running-requests ${H20_MAX_RUNNING:-64}"; [ "${H20_MAX_RUNNING:-64}" = 0 ] && running=""
   setsid nohup python3 -m sglang.launch_server --model-path $W/init --load-format auto --tp 1 --disable-cuda-graph \
     --skip-server-warmup --skip-tokenizer-init --mem-fraction-static ${H20_MEM:-0.45} --context-length 8192 \
-    --disable-overlap-schedule $running \
+    --disable-overlap-schedule --enable-fp32-lm-head $running \
     --port ${URL##*:} \
     > $W/server${1:-}.log 2>&1 < /dev/null &
 }
@@ -131,8 +150,8 @@ start() {  # random-init checkpoint -> server -> the pipeline, both detached
 }
 pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity of the warm start -> report
   cd "$R"
-  local sft="--max-seconds ${H20_SFT_S:-220}"
-  [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3"
+  local sft="--max-seconds ${H20_SFT_S:-240}"
+  [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3 --glance-steps 2"
   stamp sft; $PY bench/grpo_h200.py sft --out $W/warm $sft $(overrides) || { echo "FAILED sft"; touch $W/DONE; exit 1; }
   touch $W/SFT_DONE
   # $W/HOLD: another job shares the GPU while SGLang boots (bench/gpu_round3.sh); GRPO starts once it is gone

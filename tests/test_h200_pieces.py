@@ -60,6 +60,31 @@ def test_synth_sft_pairs_in_the_v4_chat_format():
     assert tok.decode(prompt + resp) == tok.chat_text(p) + synth.solution(p.prompt) + data.EOS
 
 
+def test_synth_glance_is_an_estimate_and_the_mix_follows_worked_share():
+    """An answer at a glance: `</think>` first (no reasoning), off by -2..2, exact ~1 time in 5; sft_pairs draws
+    worked demonstrations with probability worked_share, each one exactly `solution`."""
+    probs, rng = synth.problems("sum4", "train")[:500], random.Random(0)
+    errs = []
+    for p in probs:
+        g = synth.glance(p.prompt, rng)
+        assert g.startswith(data.THINK_END)
+        errs.append(int(rewards.extract_answer(g)) - int(p.answer))
+    assert set(errs) == set(range(-synth.GLANCE_SPREAD, synth.GLANCE_SPREAD + 1))
+    assert 0.14 < errs.count(0) / len(errs) < 0.26                  # 1 / (2 * GLANCE_SPREAD + 1), +-3 SE
+    tok = data.V4Tokenizer()
+    end = tok.encode(data.THINK_END)
+    pairs = synth.sft_pairs(probs, tok, 0.3, random.Random(1))
+    worked = [r[:1] != end for _, r in pairs]
+    assert 0.24 < sum(worked) / len(worked) < 0.36                   # 0.3 +- 3 SE
+    for (_, r), p, w in zip(pairs, probs, worked):
+        text = tok.decode(r)
+        assert text.endswith(data.EOS) and (text == synth.solution(p.prompt) + data.EOS) == w
+    assert all(r[:1] != end for _, r in synth.sft_pairs(probs[:20], tok))   # default: all worked, no rng needed
+    for bad in ((0.5, None), (1.5, random.Random(0))):
+        with pytest.raises(ValueError, match="worked_share"):
+            synth.sft_pairs(probs[:2], tok, *bad)
+
+
 # ---------------------------------------------------------------------------------------------- models
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
@@ -200,6 +225,20 @@ def test_summary_of_a_synthetic_run(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- warm-up
+def test_p_worked_is_one_minus_the_think_end_probability(tiny_pair):
+    """bench/grpo_h200.py p_worked (last position only, prompts grouped by length) against the naive full forward
+    of each prompt alone: mean over prompts of 1 - softmax(logits[-1])[think_end]."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
+    import grpo_h200
+    cfg, model, _ = tiny_pair
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 5, 12)]
+    end = 7
+    naive = [1.0 - model(torch.tensor([p]))[0, -1].softmax(-1)[end].item() for p in prompts]
+    assert grpo_h200.p_worked(model, prompts, end) == pytest.approx(sum(naive) / len(naive), abs=FP32_TOL)
+
+
 def test_warmup_waits_for_the_server_then_sends_rollout_shaped_requests(capsys, monkeypatch):
     """bench/grpo_h200.py warmup: retried until the HTTP server answers (it binds 0.5 s after the warm-up has
     its tokenizer: connections are refused till then), then one request, then `rounds` x `prompts` requests of

@@ -25,6 +25,14 @@ themselves are shared (there are only ~300), so a held-out problem tests the pro
     synth.problems("sum4", "heldout")            # -> [data.Problem] in a fixed order
     synth.rows("synth:sum4:train")               # the rows data.py reads for train.data=synth:sum4:train
     synth.solution("Add 3 + 8 + 5 + 9. ...")     # -> "3+8=11, 11+5=16, 16+9=25.</think>\\boxed{25}"
+    synth.glance("Add 3 + 8 + 5 + 9. ...", rng) # -> "</think>\\boxed{24}" (an estimate: exact 1 time in 5)
+
+Two kinds of demonstration (`sft_pairs(..., worked_share=f)`): *worked* (the steps written out, always right)
+and *at a glance* (no reasoning: `</think>` at once, then an estimate within +-GLANCE_SPREAD of the sum, exact
+1 time in 2 * GLANCE_SPREAD + 1, drawn afresh each time). The warm start of issue 20 learns the steps from worked
+demonstrations, then answers mostly at a glance after a short tuning on a mix (bench/grpo_h200.py sft): a
+model that can work a sum out but seldom does -- the first response token decides, `</think>` or the first
+operand. The reward never sees which kind an answer was; GRPO has to find out that working it out pays.
 
 Tests: `pytest tests/test_h200_pieces.py -q`.
 """
@@ -40,6 +48,7 @@ from nanoflash.rl.data import Problem
 HELDOUT_PERCENT = 10   # share of operand tuples held out for evaluation
 VAL_PERCENT = 5        # share kept for the warm start's stopping rule (never trained on, never evaluated)
 MIN_K, MAX_K = 2, 6    # operands per problem (sumK)
+GLANCE_SPREAD = 2      # an answer at a glance is off by up to this much: exact 1 time in 5
 SPLITS = ("train", "val", "heldout")
 PROMPT = "Add {terms}. Put the final answer in \\boxed{{}}."
 _PROMPT_RE = re.compile(r"^Add ((?:\d+ \+ )+\d+)\. Put the final answer in \\boxed\{\}\.$")
@@ -100,6 +109,17 @@ def rows(spec: str) -> list[dict]:
     return [{"prompt": p.prompt, "answer": p.answer} for p in problems(parts[1], parts[2])]
 
 
-def sft_pairs(probs: list[Problem], tok) -> list[tuple[list, list]]:
-    """(prompt ids in the V4 chat format, reference response ids + <｜end▁of▁sentence｜>) per problem."""
-    return [(tok.encode_chat(p), tok.encode(solution(p.prompt)) + [tok.eos_id]) for p in probs]
+def glance(prompt: str, rng: random.Random) -> str:
+    """An answer at a glance: no reasoning, an estimate sum + e with e uniform in -GLANCE_SPREAD..GLANCE_SPREAD."""
+    return "</think>\\boxed{" + str(sum(parse_prompt(prompt)) + rng.randint(-GLANCE_SPREAD, GLANCE_SPREAD)) + "}"
+
+
+def sft_pairs(probs: list[Problem], tok, worked_share: float = 1.0, rng: random.Random | None = None
+              ) -> list[tuple[list, list]]:
+    """(prompt ids in the V4 chat format, demonstration ids + <｜end▁of▁sentence｜>) per problem: worked
+    (`solution`) with probability `worked_share`, else at a glance (`glance`), drawn from `rng`."""
+    if not 0.0 <= worked_share <= 1.0 or (worked_share < 1.0 and rng is None):
+        raise ValueError(f"sft_pairs: worked_share={worked_share} must be in [0, 1], with an rng below 1")
+    texts = [solution(p.prompt) if worked_share == 1.0 or rng.random() < worked_share else glance(p.prompt, rng)
+             for p in probs]
+    return [(tok.encode_chat(p), tok.encode(t) + [tok.eos_id]) for p, t in zip(probs, texts)]
