@@ -224,6 +224,22 @@ def test_summary_of_a_synthetic_run(tmp_path):
     assert out["warm"][-1]["gain_pass@1"] == pytest.approx(0.4) and out["gap_jumps"]["over"] == 0
 
 
+def test_floor_context_separates_the_servers_excess_from_a_sharpening_policy():
+    """A floor that falls with the entropy and a gap = floor + a steady excess: the gap drifts, its excess over
+    the floor does not; gap / floor per third of the run rises as the floor shrinks. Naive: sums by hand."""
+    g = random.Random(2)
+    steps = list(range(1, 31))
+    floor = [0.004 * 0.93 ** s for s in steps]
+    gap = [f + 0.0005 + 1e-5 * g.gauss(0, 1) for f in floor]
+    assert runstats.ols(steps, gap)["ci95"][1] < 0                              # the gap's own slope: drift
+    ctx = runstats.floor_context(steps, gap, floor)
+    assert ctx["excess_drift_ci_contains_0"] and abs(ctx["excess_drift"]["slope"]) < 1e-5
+    want = [sum(gap[a:a + 10]) / sum(floor[a:a + 10]) for a in (0, 10, 20)]
+    assert ctx["gap_over_floor_thirds"] == pytest.approx(want) and want[0] < want[1] < want[2]
+    assert not runstats.floor_context(steps, [f + 1e-5 * s for f, s in zip(floor, steps)], floor)[
+        "excess_drift_ci_contains_0"]                                           # a growing excess is caught
+
+
 # ---------------------------------------------------------------------------------------------- warm-up
 def test_p_worked_is_one_minus_the_think_end_probability(tiny_pair):
     """bench/grpo_h200.py p_worked (last position only, prompts grouped by length) against the naive full forward

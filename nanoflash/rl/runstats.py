@@ -11,6 +11,8 @@ Statistics (pure functions, tested against hand-computed values):
 * `jumps(ys)`: every step after a push (here every step) against the steps before it: z_i = (y_i - m_i) /
   (s_i sqrt(1 + 1/n_i)), with m_i, s_i the mean and standard deviation of y_1..y_{i-1} (n_i >= MIN_PRIOR):
   the prediction error of a new point, in its own standard errors. *No jump*: every |z_i| <= JUMP_Z.
+* `floor_context`: the slope of gap - floor (what the server adds beyond FP8 rounding, which falls with the
+  entropy as the gap does) and gap / floor per third of the run; reported beside the bars, not as one.
 * reward slope: `ols` on the per-step reward; pass@1 gain: the paired difference against the warm start
   re-evaluated on the same seeds (`live.LiveChecks.eval_warm`: gain, SE, z).
 
@@ -87,6 +89,17 @@ def jumps(ys: list) -> dict:
             "at_index": worst + MIN_PRIOR if zs else None, "over": sum(abs(z) > JUMP_Z for z in zs)}
 
 
+def floor_context(steps: list, gap: list, floor: list) -> dict:
+    """What the gap does beyond the FP8 floor measured on the same tokens (not a bar; the context of two): the
+    slope of gap - floor per step (a policy that sharpens lowers both, so the gap's own slope mixes the server's
+    error with the entropy), and gap / floor (ratio of means) over each third of the run."""
+    excess = ols(steps, [g - f for g, f in zip(gap, floor)])
+    cuts = [round(len(gap) * i / 3) for i in range(4)]
+    thirds = [sum(gap[a:b]) / sum(floor[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a and sum(floor[a:b]) > 0]
+    return {"excess_drift": excess, "excess_drift_ci_contains_0": excess["ci95"][0] <= 0 <= excess["ci95"][1],
+            "gap_over_floor_thirds": thirds}
+
+
 def column(recs: list, key: str, kind: str | None = None) -> tuple[list, list]:
     """(steps, values) of `key` in the records (of `kind` only, if given), skipping non-numbers."""
     pts = [(r["step"], r[key]) for r in recs
@@ -109,6 +122,8 @@ def summarize(recs: list) -> dict:
         out["gap_over_floor"] = out["gap_mean"] / out["floor_mean"]
     if len(gap) >= 3:
         out["gap_drift"], out["gap_jumps"] = ols(s, gap), jumps(gap)
+    if len(gap) >= 3 and len(floor) == len(gap):
+        out["context"] = floor_context(s, gap, floor)
     if len(reward) >= 3:
         out["reward_slope"] = ols(column(train, "reward_mean")[0], reward)
     out["pushes"] = len(pushes) + sum(r.get("swap_pushes", 0) for r in warm)   # + the warm-start swaps
