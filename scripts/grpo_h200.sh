@@ -25,6 +25,9 @@ gpu_env() {
   export CUDA_HOME=$(dirname "$(dirname "$(which nvcc)")") SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
   # FP8 experts, BF16 wo_a (Miles' settings); no tilelang mHC pre kernel (removes the 450 s first-push compile)
   export SGLANG_DSV4_FP4_EXPERTS=0 SGLANG_OPT_FP8_WO_A_GEMM=0 SGLANG_OPT_USE_TILELANG_MHC_PRE=0
+  # mHC pre-norm mixes: SGLang's default is a TF32 DeepGEMM kernel on bf16 x (docs/sglang_parity_analysis.md, A5);
+  # H20_HC_PRENORM_TF32=0 takes its fp32 torch path, as the official model (not yet run on the H200)
+  export SGLANG_OPT_DEEPGEMM_HC_PRENORM=${H20_HC_PRENORM_TF32:-1}
   export NF_CHECK_PRESET=h200 NF_DEVICE=cuda PY=python3 MODE=gpu
 }
 dry_env() {

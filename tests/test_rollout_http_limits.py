@@ -141,7 +141,10 @@ def test_slow_clients_are_cut_after_the_deadline_while_others_are_served(server)
         assert answer(fifth)[0] == 503
     fourth.close()
     for _ in range(100):  # the fourth slot frees as its thread sees the close; bounded retries
-        status = call(url, "POST", "/generate", gen_body())[0]
+        try:
+            status = call(url, "POST", "/generate", gen_body())[0]
+        except (BrokenPipeError, ConnectionResetError):  # refused over the cap: the server's 503 and close
+            status = 503                                 # can beat the rest of the request (failed once, 2026-12-01)
         if status != 503:
             break
         time.sleep(0.02)

@@ -7,15 +7,16 @@ response is the reasoning, `</think>`, then the answer in `\\boxed{}`, then `<ï½
     assistant: "3+8=11, 11+5=16, 16+9=25.</think>\\boxed{25}"
 
 Every number up to 999 is one token of the DeepSeek tokenizer, so each reasoning step is one addition fact
-predicted as one token ("11+5=" -> "16") and the answer is correct only if all K - 1 steps are: pass@1 is
-the product of the per-step accuracies, which is why a partly trained model lands *between* 0 and 1 (an
-undertrained warm start at 10-40%) instead of jumping, and why reinforcing whole correct chains (GRPO) has
-room to raise it. The reward is the project's math reward (`rewards.MathReward`: the last `\\boxed{}` after
-`</think>`, integer match), nothing task-specific.
+predicted as one token ("11+5=" -> "16") and a worked answer is correct only if all K - 1 steps are. The
+reward is the project's math reward (`rewards.MathReward`: the last `\\boxed{}` after `</think>`, integer
+match), nothing task-specific.
 
 How the task was chosen (docs/h200/README.md has the measurements): the one-token last-digit task of the
-CPU demo has no reasoning and a chance floor of 10%; sums of K digits in 1..9 need K - 1 dependent steps,
-the answers (K..9K) cannot be guessed, and the `tiny` model learns the steps within minutes on a CPU.
+CPU demo has no reasoning and a chance floor of 10%; sums of K digits in 1..9 need K - 1 dependent steps and
+the answers (K..9K) cannot be guessed. A warm start that only half knows the steps left GRPO to teach the
+facts themselves, which it did slowly (issue 20's run 3: +3 points in 50 steps); a warm start that knows
+the steps but seldom works them out (below) leaves GRPO a behaviour to find that the reward pays for, as
+GRPO on a pretrained model mostly does (run 4: held-out pass@1 0.09 -> 0.94 in 60 steps).
 
 Splits are pure functions of the operands (`split_of`: sha256 of "a,b,c,d" mod 100 below HELDOUT_PERCENT:
 held out; below HELDOUT_PERCENT + VAL_PERCENT: validation, used only to stop the warm start; else train), so
