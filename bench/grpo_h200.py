@@ -86,8 +86,7 @@ def cmd_sft(a, overrides):
     """Phase 1 (`worked`): worked demonstrations only, until validation pass@1 reaches --target or --max-seconds
     pass. Phase 2 (`glance`, at --glance-lr): demonstrations worked with probability --glance-share, else at a
     glance (synth.sft_pairs), until P(worked) on the validation prompts is at most --worked-max, checked every step
-    (at most --glance-steps):
-    a warm start that can work sums out but seldom does (synth's docstring)."""
+    (at most --glance-steps): a warm start that can work sums out but seldom does (synth's docstring)."""
     cfg = parse_args(["--recipe", "h200", *overrides])
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -95,7 +94,8 @@ def cmd_sft(a, overrides):
     task = rollouts.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
     family, tok = cfg.train.data.split(":")[1], _tokenizer()
     think_end = tok.encode(data.THINK_END)
-    assert len(think_end) == 1, f"{data.THINK_END!r} should be one token, got {think_end}"
+    if len(think_end) != 1:
+        raise ValueError(f"{data.THINK_END!r} is {think_end} in this tokenizer; P(worked) needs it as one token")
     think_end = think_end[0]
     torch.manual_seed(cfg.train.seed)
     rng = random.Random(cfg.train.seed)
@@ -103,10 +103,11 @@ def cmd_sft(a, overrides):
     val = synth.problems(family, "val")[:VAL_PROBLEMS]
     val_prompts = [task.encode(p) for p in val]
     opt = trainer.make_optimizer(actor.model, cfg.optim, lr=a.lr)
-    curve, t0, i, why = [], time.time(), 0, {}
+    curve, t0, i, why, nll = [], time.time(), 0, {}, float("nan")
 
     def check(phase: str, sample: bool) -> dict:
-        row = {"step": i, "phase": phase, "nll": nll, "p_worked": round(p_worked(actor.model, val_prompts, think_end), 4)}
+        row = {"step": i, "phase": phase, "nll": nll,
+               "p_worked": round(p_worked(actor.model, val_prompts, think_end), 4)}
         if sample:
             row["val_pass@1"], row["worked_share"] = val_pass1(actor, task, val, i, cfg.eval.max_new_tokens, think_end)
         curve.append({**row, "time_s": round(time.time() - t0, 1)})
