@@ -224,6 +224,27 @@ def test_summary_of_a_synthetic_run(tmp_path):
     assert out["warm"][-1]["gain_pass@1"] == pytest.approx(0.4) and out["gap_jumps"]["over"] == 0
 
 
+def test_token_stats_against_naive_loops():
+    """live.token_stats: tails, means and the high-entropy halves, against plain Python over the same values."""
+    g = torch.Generator().manual_seed(3)
+    gap, floor = torch.randn(101, generator=g) * 0.01, torch.rand(101, generator=g) * 0.01
+    ent = torch.rand(101, generator=g)
+    out = live.token_stats(gap, floor, ent)
+    med = sorted(ent.tolist())[50]                                              # 101 values: the 51st
+    hi = [i for i in range(101) if ent[i].item() > med]
+    assert len(hi) == 50
+    mean = lambda xs: sum(xs) / len(xs)                                         # noqa: E731
+    assert out["gap_mean"] == pytest.approx(mean([abs(x) for x in gap.tolist()]), rel=FP32_TOL)
+    assert out["gap_max"] == pytest.approx(max(abs(x) for x in gap.tolist()), rel=FP32_TOL)
+    assert out["floor_mean"] == pytest.approx(mean(floor.tolist()), rel=FP32_TOL)
+    assert out["gap_high_entropy_mean"] == pytest.approx(mean([abs(gap[i].item()) for i in hi]), rel=FP32_TOL)
+    assert out["floor_high_entropy_mean"] == pytest.approx(mean([floor[i].item() for i in hi]), rel=FP32_TOL)
+    assert out["gap_over_floor_high_entropy"] == pytest.approx(
+        out["gap_high_entropy_mean"] / out["floor_high_entropy_mean"], rel=FP32_TOL)
+    one = live.token_stats(gap[:1], floor[:1], ent[:1])                        # one token: no upper half
+    assert one["gap_high_entropy_mean"] == 0.0 and one["gap_tokens"] == 1
+
+
 def test_floor_context_separates_the_servers_excess_from_a_sharpening_policy():
     """A floor that falls with the entropy and a gap = floor + a steady excess: the gap drifts, its excess over
     the floor does not; gap / floor per third of the run rises as the floor shrinks. Naive: sums by hand."""

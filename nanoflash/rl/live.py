@@ -68,6 +68,21 @@ def tail_stats(d: torch.Tensor, prefix: str) -> dict:
             f"{prefix}_max": float(d.max()), f"{prefix}_tokens": int(d.numel())}
 
 
+def token_stats(gap: torch.Tensor, floor: torch.Tensor, ent: torch.Tensor) -> dict:
+    """One step's numbers from per-token values over its response tokens (1-D, same order): gap = log p_train -
+    log p_rollout, floor = |log p_sim - log p_train|, ent = the trainer's entropy. Tails of |gap| and floor, the
+    entropy's mean and p99, gap / floor, and both means over the tokens above the median entropy (where FP8
+    noise is measurable: a near-deterministic token has almost none, so there the ratio shows what else differs)."""
+    hi = ent > ent.median() if len(ent) > 1 else torch.zeros_like(ent, dtype=torch.bool)
+    out = {**tail_stats(gap.abs(), "gap"), **tail_stats(floor, "floor"), "entropy_mean": float(ent.mean()),
+           "entropy_p99": float(ent.double().quantile(0.99)),
+           "gap_high_entropy_mean": float(gap.abs()[hi].mean()) if hi.any() else 0.0,
+           "floor_high_entropy_mean": float(floor[hi].mean()) if hi.any() else 0.0}
+    out["gap_over_floor"] = out["gap_mean"] / max(out["floor_mean"], 1e-12)
+    out["gap_over_floor_high_entropy"] = out["gap_high_entropy_mean"] / max(out["floor_high_entropy_mean"], 1e-12)
+    return out
+
+
 def verify_counts(summary: dict) -> dict:
     """The push summary's per-server verification -> flat numbers (embedded: checksums compared in full)."""
     out = {"verify_servers": 0, "verify_exact": 0, "verify_change_sets": 0, "verify_unchecked": 0,
@@ -109,11 +124,8 @@ class LiveChecks:
         self.sim.load_state_dict(self.actor.model.state_dict())
         fp8_roundtrip_(self.sim, self.mcfg)
         sim = self.sim.token_logprobs(ids, tgt, temperature=T).float().cpu()      # [B,S]
-        out = {**tail_stats(gap.abs(), "gap"), **tail_stats((sim - old)[on].abs(), "floor"),
-               "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs)[on].abs().mean()),
-               "entropy_mean": float(ent.mean()), "entropy_p99": float(ent.double().quantile(0.99)),
-               "gap_high_entropy_mean": float(gap.abs()[ent > ent.median()].mean()) if len(ent) > 1 else 0.0}
-        out["gap_over_floor"] = out["gap_mean"] / max(out["floor_mean"], 1e-12)
+        out = {**token_stats(gap, (sim - old)[on].abs(), ent),
+               "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs)[on].abs().mean())}
         if dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
             out["gpu_used_total_gib"] = (total - free) / 2 ** 30   # trainer + server (colocated) + everything else

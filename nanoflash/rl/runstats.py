@@ -12,7 +12,8 @@ Statistics (pure functions, tested against hand-computed values):
   (s_i sqrt(1 + 1/n_i)), with m_i, s_i the mean and standard deviation of y_1..y_{i-1} (n_i >= MIN_PRIOR):
   the prediction error of a new point, in its own standard errors. *No jump*: every |z_i| <= JUMP_Z.
 * `floor_context`: the slope of gap - floor (what the server adds beyond FP8 rounding, which falls with the
-  entropy as the gap does) and gap / floor per third of the run; reported beside the bars, not as one.
+  entropy as the gap does) and gap / floor per third of the run, and over the run on the tokens above each
+  step's median entropy (`live.token_stats`); reported beside the bars, not as one.
 * reward slope: `ols` on the per-step reward; pass@1 gain: the paired difference against the warm start
   re-evaluated on the same seeds (`live.LiveChecks.eval_warm`: gain, SE, z).
 
@@ -124,6 +125,10 @@ def summarize(recs: list) -> dict:
         out["gap_drift"], out["gap_jumps"] = ols(s, gap), jumps(gap)
     if len(gap) >= 3 and len(floor) == len(gap):
         out["context"] = floor_context(s, gap, floor)
+        _, gap_hi = column(train, "gap_high_entropy_mean")
+        _, floor_hi = column(train, "floor_high_entropy_mean")
+        if floor_hi and len(gap_hi) == len(floor_hi) and sum(floor_hi) > 0:   # runs from 2026-12-01 22:30 on
+            out["context"]["gap_over_floor_high_entropy"] = sum(gap_hi) / sum(floor_hi)
     if len(reward) >= 3:
         out["reward_slope"] = ols(column(train, "reward_mean")[0], reward)
     out["pushes"] = len(pushes) + sum(r.get("swap_pushes", 0) for r in warm)   # + the warm-start swaps
