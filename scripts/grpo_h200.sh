@@ -199,7 +199,8 @@ collect() {  # <= 8 files back: one tarball of the results + the logs (a run sti
 }
 snapshot() {  # everything from here on runs from its own copy: a later device call re-syncs the checkout (and bash
   # reads scripts as it goes); .h20src (git archive of a tested commit, docs/h200/README.md) before the checkout
-  local src=$R/.h20src; [ -d $src/nanoflash ] || src=$R
+  # (the dry run copies the checkout itself: it tests the code as it is)
+  local src=$R/.h20src; [ -d $src/nanoflash ] && [ "${1:-}" != checkout ] || src=$R
   rm -rf $W/repo && mkdir -p $W/repo && cp -r $src/nanoflash $src/bench $src/scripts $src/train.py $W/repo/ || exit 1
   cp -r $src/tests $src/pyproject.toml $W/repo/ 2>/dev/null  # for bench/gpu_round3.sh's GPU tests, when present
 }
@@ -219,7 +220,7 @@ case "${1:-}" in
   poll) poll "${2:-540}" ;;
   jit_only) gpu_env; jit_only "${2:-300}" ;;
   collect) [ -d $W/repo ] && R=$W/repo; [ -d /tmp/site ] && gpu_env || dry_env; collect ;;
-  dry) snapshot && exec bash $W/repo/scripts/grpo_h200.sh dry_here "${2:-1800}" ;;
+  dry) snapshot checkout && exec bash $W/repo/scripts/grpo_h200.sh dry_here "${2:-1800}" ;;
   dry_here) dry_env; rm -rf $W/DONE $W/TRAIN_DONE $W/SFT_DONE $W/watchdog.log $W/run $W/warm $W/report; start && poll "${2:-1800}"
        kill "$(cat $W/server.pid)" 2>/dev/null; tail -n 30 $W/pipeline.log ;;
   *) echo "usage: $0 go|poll SECONDS|collect|dry [SECONDS]|jit_only SECONDS" >&2; exit 2 ;;
