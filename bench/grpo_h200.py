@@ -57,16 +57,14 @@ def sft_batch_step(actor, pairs: list, optimizer, pad_id: int) -> float:
     return train_step(actor.model, actor.dims, mbs, optimizer, 1.0 / n_tok, grad_clip=actor.oc.grad_clip)["loss"]
 
 
-def val_pass1(actor, task, val: list, seed: int, max_new: int, think_end: int | None = None) -> tuple:
-    """Mean reward of VAL_SAMPLES samples per validation problem at T = 1, sampled in-process, and the share of
-    samples that work the sum out (first token not `think_end`; None when think_end is None)."""
+def val_pass1(actor, task, val: list, seed: int, max_new: int) -> float:
+    """Mean reward of VAL_SAMPLES samples per validation problem at T = 1, sampled in-process."""
     prompts = [task.encode(p) for p in val]
     seeds = [seed * 7919 + i for i in range(len(val))]
     out = rollouts.sample_batched(actor.model, prompts, VAL_SAMPLES, max_new, 1.0, list(task.stop_ids), seeds)
-    flat, ids = [p for p in val for _ in range(VAL_SAMPLES)], [ids for group in out for ids, _ in group]
-    rs = task.reward(flat, ids)
-    worked = None if think_end is None else sum(bool(x) and x[0] != think_end for x in ids) / len(ids)
-    return sum(rs) / len(rs), worked
+    flat = [p for p in val for _ in range(VAL_SAMPLES)]
+    rs = task.reward(flat, [ids for group in out for ids, _ in group])
+    return sum(rs) / len(rs)
 
 
 @torch.no_grad()
@@ -109,7 +107,7 @@ def cmd_sft(a, overrides):
         row = {"step": i, "phase": phase, "nll": nll,
                "p_worked": round(p_worked(actor.model, val_prompts, think_end), 4)}
         if sample:
-            row["val_pass@1"], row["worked_share"] = val_pass1(actor, task, val, i, cfg.eval.max_new_tokens, think_end)
+            row["val_pass@1"] = val_pass1(actor, task, val, i, cfg.eval.max_new_tokens)
         curve.append({**row, "time_s": round(time.time() - t0, 1)})
         print(json.dumps(curve[-1]), flush=True)
         return row
@@ -174,7 +172,7 @@ def cmd_calibrate(a, overrides):
         opt.lr = a.lr * min(1.0, i / SFT_LR_WARMUP)
         nll = sft_batch_step(actor, [pairs[((i - 1) * a.batch + j) % len(pairs)] for j in range(a.batch)], opt, eos)
         if i % CHECK_EVERY == 0:
-            curve.append({"step": i, "nll": nll, "val_pass@1": val_pass1(actor, task, val, i, 40)[0],
+            curve.append({"step": i, "nll": nll, "val_pass@1": val_pass1(actor, task, val, i, 40),
                           "time_s": round(time.time() - t0, 1)})
             print(json.dumps(curve[-1]), flush=True)
     with open(a.out, "w") as f:

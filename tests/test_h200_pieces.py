@@ -239,8 +239,6 @@ def test_token_stats_against_naive_loops():
     assert out["floor_mean"] == pytest.approx(mean(floor.tolist()), rel=FP32_TOL)
     assert out["gap_high_entropy_mean"] == pytest.approx(mean([abs(gap[i].item()) for i in hi]), rel=FP32_TOL)
     assert out["floor_high_entropy_mean"] == pytest.approx(mean([floor[i].item() for i in hi]), rel=FP32_TOL)
-    assert out["gap_over_floor_high_entropy"] == pytest.approx(
-        out["gap_high_entropy_mean"] / out["floor_high_entropy_mean"], rel=FP32_TOL)
     one = live.token_stats(gap[:1], floor[:1], ent[:1])                        # one token: no upper half
     assert one["gap_high_entropy_mean"] == 0.0 and one["gap_tokens"] == 1
 
@@ -257,6 +255,9 @@ def test_floor_context_separates_the_servers_excess_from_a_sharpening_policy():
     assert ctx["excess_drift_ci_contains_0"] and abs(ctx["excess_drift"]["slope"]) < 1e-5
     want = [sum(gap[a:a + 10]) / sum(floor[a:a + 10]) for a in (0, 10, 20)]
     assert ctx["gap_over_floor_thirds"] == pytest.approx(want) and want[0] < want[1] < want[2]
+    assert "gap_over_floor_high_entropy" not in ctx                             # steps that did not log it
+    hi = runstats.floor_context(steps, gap, floor, [2 * x for x in gap], floor)
+    assert hi["gap_over_floor_high_entropy"] == pytest.approx(2 * sum(gap) / sum(floor))
     assert not runstats.floor_context(steps, [f + 1e-5 * s for f, s in zip(floor, steps)], floor)[
         "excess_drift_ci_contains_0"]                                           # a growing excess is caught
 

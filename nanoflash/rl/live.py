@@ -72,14 +72,14 @@ def token_stats(gap: torch.Tensor, floor: torch.Tensor, ent: torch.Tensor) -> di
     """One step's numbers from per-token values over its response tokens (1-D, same order): gap = log p_train -
     log p_rollout, floor = |log p_sim - log p_train|, ent = the trainer's entropy. Tails of |gap| and floor, the
     entropy's mean and p99, gap / floor, and both means over the tokens above the median entropy (where FP8
-    noise is measurable: a near-deterministic token has almost none, so there the ratio shows what else differs)."""
+    noise is measurable: a near-deterministic token has almost none, so there the ratio shows what else differs;
+    0 with a single token)."""
     hi = ent > ent.median() if len(ent) > 1 else torch.zeros_like(ent, dtype=torch.bool)
+    upper_mean = lambda x: float(x[hi].mean()) if hi.any() else 0.0                          # noqa: E731
     out = {**tail_stats(gap.abs(), "gap"), **tail_stats(floor, "floor"), "entropy_mean": float(ent.mean()),
            "entropy_p99": float(ent.double().quantile(0.99)),
-           "gap_high_entropy_mean": float(gap.abs()[hi].mean()) if hi.any() else 0.0,
-           "floor_high_entropy_mean": float(floor[hi].mean()) if hi.any() else 0.0}
+           "gap_high_entropy_mean": upper_mean(gap.abs()), "floor_high_entropy_mean": upper_mean(floor)}
     out["gap_over_floor"] = out["gap_mean"] / max(out["floor_mean"], 1e-12)
-    out["gap_over_floor_high_entropy"] = out["gap_high_entropy_mean"] / max(out["floor_high_entropy_mean"], 1e-12)
     return out
 
 
