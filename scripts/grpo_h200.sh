@@ -26,8 +26,8 @@ gpu_env() {
   # FP8 experts, BF16 wo_a (Miles' settings); no tilelang mHC pre kernel (removes the 450 s first-push compile)
   export SGLANG_DSV4_FP4_EXPERTS=0 SGLANG_OPT_FP8_WO_A_GEMM=0 SGLANG_OPT_USE_TILELANG_MHC_PRE=0
   # mHC pre-norm mixes: SGLang's default is a TF32 DeepGEMM kernel on bf16 x (docs/sglang_parity_analysis.md, A5);
-  # H20_HC_PRENORM_TF32=0 takes its fp32 torch path, as the official model (not yet run on the H200)
-  export SGLANG_OPT_DEEPGEMM_HC_PRENORM=${H20_HC_PRENORM_TF32:-1}
+  # we serve its fp32 torch path, as the official model computes them (run 5 on); H20_HC_PRENORM_TF32=1: stock
+  export SGLANG_OPT_DEEPGEMM_HC_PRENORM=${H20_HC_PRENORM_TF32:-0}
   export NF_CHECK_PRESET=h200 NF_DEVICE=cuda PY=python3 MODE=gpu
 }
 dry_env() {

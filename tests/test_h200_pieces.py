@@ -5,6 +5,7 @@ head is slow on two cores); these tests keep each piece honest in seconds, again
 """
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -60,9 +61,46 @@ def test_synth_sft_pairs_in_the_v4_chat_format():
     assert tok.decode(prompt + resp) == tok.chat_text(p) + synth.solution(p.prompt) + data.EOS
 
 
+def _worked_steps(text: str, ops: tuple) -> tuple[list, list]:
+    """Naive reader of a worked response: (the steps as (a, b, c), the separators between them); asserts each
+    step adds the next operand to the running sum in either order and the box holds the total."""
+    chain, boxed = text.split(".</think>")
+    pieces = [s for s in re.split(r"(\d+\+\d+=\d+)", chain)]
+    seps, steps, acc = pieces[2:-1:2], [tuple(map(int, re.split("[+=]", s))) for s in pieces[1::2]], ops[0]
+    assert pieces[0] == pieces[-1] == "" and len(steps) == len(ops) - 1
+    for x, (a, b, c) in zip(ops[1:], steps):
+        assert {a, b} == {acc, x} and c == acc + x
+        acc += x
+    assert boxed == f"\\boxed{{{acc}}}"
+    return steps, seps
+
+
+def test_synth_worked_phrasing_is_drawn_and_always_right():
+    """solution(prompt, rng): every step right in either order, the separators from SEPARATORS, each choice
+    near its share over many draws; without rng the canonical text."""
+    probs, rng = synth.problems("sum4", "train")[:600], random.Random(0)
+    swapped, seps = [], []
+    for p in probs:
+        ops = synth.parse_prompt(p.prompt)
+        text = synth.solution(p.prompt, rng)
+        steps, sp = _worked_steps(text, ops)
+        assert rewards.integer_match(rewards.extract_answer(text), p.answer)
+        acc = ops[0]
+        for x, (a, b, _) in zip(ops[1:], steps):
+            if a != b:
+                swapped.append(a == x)
+            acc += x
+        seps += sp
+        assert _worked_steps(synth.solution(p.prompt), ops)[1] == [synth.SEPARATORS[0]] * (len(ops) - 2)
+    assert set(seps) == set(synth.SEPARATORS)
+    assert 0.45 < sum(swapped) / len(swapped) < 0.55                 # 1/2 +- 3 SE (n ~ 1700)
+    for sep in synth.SEPARATORS:
+        assert 0.13 < seps.count(sep) / len(seps) < 0.21             # 1/6 +- 3 SE (n = 1200)
+
+
 def test_synth_glance_is_an_estimate_and_the_mix_follows_worked_share():
     """An answer at a glance: `</think>` first (no reasoning), off by -2..2, exact ~1 time in 5; sft_pairs draws
-    worked demonstrations with probability worked_share, each one exactly `solution`."""
+    worked demonstrations with probability worked_share, each a right chain in a drawn phrasing."""
     probs, rng = synth.problems("sum4", "train")[:500], random.Random(0)
     errs = []
     for p in probs:
@@ -78,7 +116,11 @@ def test_synth_glance_is_an_estimate_and_the_mix_follows_worked_share():
     assert 0.24 < sum(worked) / len(worked) < 0.36                   # 0.3 +- 3 SE
     for (_, r), p, w in zip(pairs, probs, worked):
         text = tok.decode(r)
-        assert text.endswith(data.EOS) and (text == synth.solution(p.prompt) + data.EOS) == w
+        assert text.endswith(data.EOS)
+        if w:
+            _worked_steps(text[:-len(data.EOS)], synth.parse_prompt(p.prompt))
+    drawn = [tok.decode(r) != synth.solution(p.prompt) + data.EOS for (_, r), p, w in zip(pairs, probs, worked) if w]
+    assert sum(drawn) > 0.9 * len(drawn)                        # canonical by chance: <= 1/8 x 1/36 of the time
     assert all(r[:1] != end for _, r in synth.sft_pairs(probs[:20], tok))   # default: all worked, no rng needed
     for bad in ((0.5, None), (1.5, random.Random(0))):
         with pytest.raises(ValueError, match="worked_share"):

@@ -18,6 +18,14 @@ facts themselves, which it did slowly (issue 20's run 3: +3 points in 50 steps);
 the steps but seldom works them out (below) leaves GRPO a behaviour to find that the reward pays for, as
 GRPO on a pretrained model mostly does (run 4: held-out pass@1 0.09 -> 0.94 in 60 steps).
 
+Worked demonstrations vary their phrasing (`solution(prompt, rng)`): each step acc+x or x+acc, the steps joined
+by one of SEPARATORS ("8+3=11; 11+2=13, then 5+13=18."), as written reasoning varies. The reward never sees it,
+so a warm start that learned it keeps ~5.7 nats per sum4 response that GRPO has no reason to remove -- where the
+FP8 noise between SGLang and the trainer is measurable. Run 4 wrote every chain one way: once the policy had
+switched to working sums out, its only entropy was the rare wrong step, and the train-rollout |dlogp| fell with it
+(0.0043 -> 0.0011 per token over 60 steps): the drift bar read that as a trend, and SGLang's small non-FP8
+residual came to set the gap / floor ratio (docs/h200/README.md).
+
 Splits are pure functions of the operands (`split_of`: sha256 of "a,b,c,d" mod 100 below HELDOUT_PERCENT:
 held out; below HELDOUT_PERCENT + VAL_PERCENT: validation, used only to stop the warm start; else train), so
 no seed can leak a held-out problem into training. Only the operand tuples are held out: the addition facts
@@ -26,6 +34,7 @@ themselves are shared (there are only ~300), so a held-out problem tests the pro
     synth.problems("sum4", "heldout")            # -> [data.Problem] in a fixed order
     synth.rows("synth:sum4:train")               # the rows data.py reads for train.data=synth:sum4:train
     synth.solution("Add 3 + 8 + 5 + 9. ...")     # -> "3+8=11, 11+5=16, 16+9=25.</think>\\boxed{25}"
+    synth.solution("Add 3 + 8 + 5 + 9. ...", rng)  # -> e.g. "8+3=11\\n5+11=16, then 16+9=25.</think>\\boxed{25}"
     synth.glance("Add 3 + 8 + 5 + 9. ...", rng) # -> "</think>\\boxed{24}" (an estimate: exact 1 time in 5)
 
 Two kinds of demonstration (`sft_pairs(..., worked_share=f)`): *worked* (the steps written out, always right)
@@ -50,6 +59,7 @@ HELDOUT_PERCENT = 10   # share of operand tuples held out for evaluation
 VAL_PERCENT = 5        # share kept for the warm start's stopping rule (never trained on, never evaluated)
 MIN_K, MAX_K = 2, 6    # operands per problem (sumK)
 GLANCE_SPREAD = 2      # an answer at a glance is off by up to this much: exact 1 time in 5
+SEPARATORS = (", ", "; ", "\n", ", then ", ", and ", " then ")   # between worked steps, drawn uniformly (ln 6 nats)
 SPLITS = ("train", "val", "heldout")
 PROMPT = "Add {terms}. Put the final answer in \\boxed{{}}."
 _PROMPT_RE = re.compile(r"^Add ((?:\d+ \+ )+\d+)\. Put the final answer in \\boxed\{\}\.$")
@@ -81,14 +91,19 @@ def parse_prompt(prompt: str) -> tuple:
     return tuple(int(x) for x in m.group(1).split(" + "))
 
 
-def solution(prompt: str) -> str:
-    """The reference response: every partial sum written as one step, then the answer in \\boxed{}."""
+def solution(prompt: str, rng: random.Random | None = None) -> str:
+    """The reference response: every partial sum written as one step, then the answer in \\boxed{}. Without
+    `rng` the one canonical phrasing (acc+x, ", " between steps); with it the phrasing is drawn, as a writer would
+    vary it: each step acc+x or x+acc (1/2 each), each separator uniform over SEPARATORS -- choices the reward
+    never sees, so a worked response keeps ~(K-1) ln 2 + (K-2) ln 6 nats of entropy (module docstring)."""
     ops = parse_prompt(prompt)
-    steps, acc = [], ops[0]
-    for x in ops[1:]:
-        steps.append(f"{acc}+{x}={acc + x}")
+    text, acc = "", ops[0]
+    for i, x in enumerate(ops[1:]):
+        a, b = (x, acc) if rng is not None and rng.random() < 0.5 else (acc, x)
+        sep = "" if i == 0 else SEPARATORS[0] if rng is None else rng.choice(SEPARATORS)
+        text += f"{sep}{a}+{b}={acc + x}"
         acc += x
-    return ", ".join(steps) + ".</think>\\boxed{" + str(acc) + "}"
+    return text + ".</think>\\boxed{" + str(acc) + "}"
 
 
 def problems(family: str, split: str, seed: int = 0) -> list[Problem]:
@@ -118,9 +133,10 @@ def glance(prompt: str, rng: random.Random) -> str:
 def sft_pairs(probs: list[Problem], tok, worked_share: float = 1.0, rng: random.Random | None = None
               ) -> list[tuple[list, list]]:
     """(prompt ids in the V4 chat format, demonstration ids + <｜end▁of▁sentence｜>) per problem: worked
-    (`solution`) with probability `worked_share`, else at a glance (`glance`), drawn from `rng`."""
+    (`solution`, its phrasing drawn from `rng` when given, else canonical) with probability `worked_share`, else
+    at a glance (`glance`), drawn from `rng`."""
     if not 0.0 <= worked_share <= 1.0 or (worked_share < 1.0 and rng is None):
         raise ValueError(f"sft_pairs: worked_share={worked_share} must be in [0, 1], with an rng below 1")
-    texts = [solution(p.prompt) if worked_share == 1.0 or rng.random() < worked_share else glance(p.prompt, rng)
+    texts = [solution(p.prompt, rng) if worked_share == 1.0 or rng.random() < worked_share else glance(p.prompt, rng)
              for p in probs]
     return [(tok.encode_chat(p), tok.encode(t) + [tok.eos_id]) for p, t in zip(probs, texts)]
