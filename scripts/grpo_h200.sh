@@ -155,6 +155,7 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   cd "$R"
   local sft="--max-seconds ${H20_SFT_S:-240}"
   [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3 --glance-steps 2"
+  stamp "knobs: SGLANG_OPT_DEEPGEMM_HC_PRENORM=${SGLANG_OPT_DEEPGEMM_HC_PRENORM:-} H20_OFFICIAL_ROPE=${H20_OFFICIAL_ROPE:-1}"
   stamp sft; $PY bench/grpo_h200.py sft --out $W/warm $sft $(overrides) || { echo "FAILED sft"; touch $W/DONE; exit 1; }
   touch $W/SFT_DONE
   # $W/HOLD: another job shares the GPU while SGLang boots (bench/gpu_round3.sh); GRPO starts once it is gone
