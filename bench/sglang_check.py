@@ -9,7 +9,9 @@ Phases (run in order on the GPU machine; `scripts/sglang_h200.sh` gives the exac
 `parity` samples completions from SGLang (temperature 1, return_logprob) and scores exactly those tokens with
 nanoflash's own forward on the same GPU, in BF16 and in QAT-simulation mode (FP8 activation quantization before
 FP8 GEMMs, FP8 kv nope dims, Hadamard + FP4 indexer), and once more with a planted bug (mHC comb applied
-untransposed) to show the threshold discriminates. It reports mean / p99 / max |dlogp| per token.
+untransposed) to show the threshold discriminates. It reports mean / p99 / max |dlogp| per token, and, when both
+modes ran, the FP8 floor on the same tokens (`floor_qat_vs_bf16`: QAT against BF16 nanoflash, no server involved):
+a BF16 row near that floor says the server adds little beyond FP8 rounding.
 
 `push` perturbs the trainer's weights, pushes them through nanoflash's weight stream (`iter_sglang_buckets`, FP8
 with Miles' fp32 `weight_scale_inv`) with SGLang's own FlattenedTensorBucket payload (colocated CUDA IPC), in the
@@ -104,14 +106,23 @@ def sample(client, n_prompts, n, prompt_len, new_tokens, seed=0, prompt_len_max=
 
 
 @torch.no_grad()
-def score(model, samples):
-    d = []
-    for prompt, ids, lps in samples:
+def our_logprobs(model, samples) -> torch.Tensor:
+    """nanoflash's log-probs of every sampled token, concatenated in sample order: [tokens] fp32 on the CPU."""
+    out = []
+    for prompt, ids, _ in samples:
         full = torch.tensor(prompt + ids, device=DEVICE)
-        ours = model.token_logprobs(full[None, :-1], full[None, 1:])[0, len(prompt) - 1:]
-        d.append((ours.float().cpu() - torch.tensor(lps)).abs())
-    d = torch.cat(d)
+        out.append(model.token_logprobs(full[None, :-1], full[None, 1:])[0, len(prompt) - 1:].float().cpu())
+    return torch.cat(out)
+
+
+def tails(d: torch.Tensor) -> dict:
     return {"tokens": d.numel(), "mean": d.mean().item(), "p99": d.quantile(0.99).item(), "max": d.max().item()}
+
+
+def score(model, samples, ours: torch.Tensor | None = None) -> dict:
+    """|log p_nanoflash - log p_server| per sampled token -> tails (`ours`: the model's log-probs, if computed)."""
+    ours = our_logprobs(model, samples) if ours is None else ours
+    return tails((ours - torch.tensor([lp for _, _, lps in samples for lp in lps])).abs())
 
 
 def restore(client, a):
@@ -147,8 +158,12 @@ def cmd_parity(a):
            "seq_len_min": min(lens), "seq_len_max": max(lens), "synth_prompts": bool(a.synth), "dir": a.dir}
     modes = {"bf16": {}, "qat": {"qat": True}, "fp32": {"dtype": torch.float32},
              "fp32_qat": {"dtype": torch.float32, "qat": True}}
+    lps = {}
     for mode in a.modes.split(","):
-        res[mode] = score(load_model(a, **modes[mode]), samples)
+        lps[mode] = our_logprobs(load_model(a, **modes[mode]), samples)
+        res[mode] = score(None, samples, lps[mode])
+    if "bf16" in lps and "qat" in lps:   # the FP8 floor on the same tokens: what FP8 alone moves nanoflash by
+        res["floor_qat_vs_bf16"] = tails((lps["qat"] - lps["bf16"]).abs())
     if a.planted:
         orig = M.hc_post
         M.hc_post = lambda x, res_, post, comb: orig(x, res_, post, comb.transpose(-1, -2))
