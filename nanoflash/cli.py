@@ -91,7 +91,7 @@ RECIPES: dict[str, list[str]] = {
     # running sums in the V4 chat format through SGLang at --rollout.urls, a verified FP8 push + probe every step,
     # the warm start re-evaluated at every eval (eval.live). lr (docs/h200/): 2e-4 with a 3-step warm-up collapsed
     # (AdamW's fresh moments make the first updates full lr-sized steps), 3e-5 was stable but slow; 5e-5 after a
-    # 10-step warm-up took held-out pass@1 0.094 -> 0.939 in 60 steps (run 4). A dead SGLang is restarted by the
+    # 10-step warm-up took held-out pass@1 0.094 -> 0.939 in 60 steps (run 4; run 5 0.088 -> 0.923). A dead SGLang is restarted by the
     # script's watchdog and waited for (rollout.max_server_restarts)
     "h200": ["train.preset=h200", "train.task=chat", "train.data=synth:sum4:train", "eval.data=synth:sum4:heldout",
              "train.dtype=bf16", "train.steps=60", "train.save_every=-1", "train.out_dir=runs/h200",
