@@ -65,7 +65,7 @@ def _worked_steps(text: str, ops: tuple) -> tuple[list, list]:
     """Naive reader of a worked response: (the steps as (a, b, c), the separators between them); asserts each
     step adds the next operand to the running sum in either order and the box holds the total."""
     chain, boxed = text.split(".</think>")
-    pieces = [s for s in re.split(r"(\d+\+\d+=\d+)", chain)]
+    pieces = re.split(r"(\d+\+\d+=\d+)", chain)                               # "", step, sep, step, ..., ""
     seps, steps, acc = pieces[2:-1:2], [tuple(map(int, re.split("[+=]", s))) for s in pieces[1::2]], ops[0]
     assert pieces[0] == pieces[-1] == "" and len(steps) == len(ops) - 1
     for x, (a, b, c) in zip(ops[1:], steps):
@@ -85,17 +85,13 @@ def test_synth_worked_phrasing_is_drawn_and_always_right():
         text = synth.solution(p.prompt, rng)
         steps, sp = _worked_steps(text, ops)
         assert rewards.integer_match(rewards.extract_answer(text), p.answer)
-        acc = ops[0]
-        for x, (a, b, _) in zip(ops[1:], steps):
-            if a != b:
-                swapped.append(a == x)
-            acc += x
+        swapped += [a == x for x, (a, b, _) in zip(ops[1:], steps) if a != b]   # x+acc (a tie tells nothing)
         seps += sp
         assert _worked_steps(synth.solution(p.prompt), ops)[1] == [synth.SEPARATORS[0]] * (len(ops) - 2)
     assert set(seps) == set(synth.SEPARATORS)
-    assert 0.45 < sum(swapped) / len(swapped) < 0.55                 # 1/2 +- 3 SE (n ~ 1700)
+    assert 0.45 < sum(swapped) / len(swapped) < 0.55                 # 1/2 +- 4 SE (n ~ 1700)
     for sep in synth.SEPARATORS:
-        assert 0.13 < seps.count(sep) / len(seps) < 0.21             # 1/6 +- 3 SE (n = 1200)
+        assert 0.13 < seps.count(sep) / len(seps) < 0.21             # 1/6 +- 3.4-4 SE (n = 1200)
 
 
 def test_synth_glance_is_an_estimate_and_the_mix_follows_worked_share():
