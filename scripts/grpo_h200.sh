@@ -147,7 +147,8 @@ start() {  # random-init checkpoint -> server -> the pipeline, both detached
   if (exec 3<>/dev/tcp/127.0.0.1/${URL##*:}) 2>/dev/null; then echo "port ${URL##*:} is taken: $URL" >&2; exit 1; fi
   init_ckpt
   if [ "$MODE" = gpu ]; then serve_sglang; else serve_embedded; fi
-  rm -f $W/WARMUP_DONE; warmup &
+  # detached from this call's stdout (the warm-up's subshell would hold it, so `go | tail` would last as long)
+  rm -f $W/WARMUP_DONE; warmup > /dev/null 2>&1 < /dev/null &
   setsid nohup bash "$R/scripts/grpo_h200.sh" pipeline_$MODE > $W/pipeline.log 2>&1 < /dev/null &
   echo "started: server and pipeline ($MODE); logs in $W"
 }
