@@ -207,7 +207,7 @@ while step < tc.steps:
         if shard is not None:
             shard.old_logprobs = old
         if live is not None:
-            m.update(live.step(batch, old))
+            m.update(live.step(batch, old, step))
         actor.optimizer.lr = oc.lr * min(1.0, step / tc.lr_warmup_steps) if tc.lr_warmup_steps else oc.lr
         m["lr"] = actor.optimizer.lr
         m.update(actor.train(shard))

@@ -207,7 +207,9 @@ def _tokenizer():
 
 def cmd_report(a):
     from nanoflash.rl import runstats
-    summary = runstats.report(a.run, a.out, extra={k: p for k, p in (("sft", a.sft), ("parity", a.parity)) if p})
+    tok = _tokenizer()
+    summary = runstats.report(a.run, a.out, extra={k: p for k, p in (("sft", a.sft), ("parity", a.parity)) if p},
+                              decode=lambda i: tok.decode([i]))
     print(json.dumps(summary["bars"], indent=1))
 
 

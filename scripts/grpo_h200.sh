@@ -193,7 +193,7 @@ poll() {  # wait up to $1 s for the pipeline, printing progress every 30 s
 collect() {  # <= 8 files back: one tarball of the results + the logs (a run still going is reported as it is)
   local out=${OUT:-/tmp/out}; mkdir -p "$out"
   [ -e $W/DONE ] || report > $W/report.log 2>&1
-  tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl report parity.json warm/sft.json pipeline.log \
+  tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl run/live_tokens report parity.json warm/sft.json pipeline.log \
     $(cd $W && ls watchdog.log server.*.log 2>/dev/null)
   tail -c 4000000 $W/server.log > "$out/server.log"; cp $W/pipeline.log "$out/" 2>/dev/null
   [ "$MODE" = gpu ] && jit_save "$out/jit"

@@ -291,6 +291,35 @@ def test_token_stats_against_naive_loops():
     assert two["floor_first_mean"] == pytest.approx(mean([floor[i].item() for i in idx]), rel=FP32_TOL)
 
 
+def test_excess_by_token_against_naive_sums(tmp_path):
+    """runstats.excess_by_token over two steps' per-token files (live.LiveChecks.step writes them): per token id
+    and first token vs the rest, against plain Python sums; a step filter reads only those steps."""
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for step in (1, 2):
+        n = 40
+        d = {"gap": torch.randn(n, generator=g) * 0.01, "floor": torch.rand(n, generator=g) * 0.005,
+             "entropy": torch.rand(n, generator=g), "token": torch.randint(0, 6, (n,), generator=g).int(),
+             "pos": torch.arange(n).remainder(8).short()}
+        d["gap"][d["token"] == 3] += 0.05                                        # token 3 carries the excess
+        torch.save(d, tmp_path / f"step_{step:04d}.pt")
+        rows += [(step, abs(a), b, int(t), int(p)) for a, b, t, p in zip(d["gap"].tolist(), d["floor"].tolist(),
+                                                                          d["token"], d["pos"])]
+    out = runstats.excess_by_token(str(tmp_path), decode=lambda i: f"<{i}>")
+    total = sum(a - b for _, a, b, _, _ in rows)
+    assert out["steps"] == 2 and out["tokens"] == 80 and out["excess_sum"] == pytest.approx(total)
+    top = out["by_token"][0]
+    assert top["token"] == 3 and top["text"] == "<3>" and top["n"] == sum(1 for r in rows if r[3] == 3)
+    assert top["gap_sum"] == pytest.approx(sum(a for _, a, _, t, _ in rows if t == 3))
+    assert top["excess_share"] == pytest.approx(sum(a - b for _, a, b, t, _ in rows if t == 3) / total)
+    firsts = [(a, b) for _, a, b, _, p in rows if p == 0]
+    assert out["first_token"]["n"] == len(firsts) == 10
+    assert out["first_token"]["gap_over_floor"] == pytest.approx(sum(a for a, _ in firsts) / sum(b for _, b in firsts))
+    assert out["first_token"]["excess_share"] + out["rest"]["excess_share"] == pytest.approx(1.0)
+    assert runstats.excess_by_token(str(tmp_path), [2])["tokens"] == 40
+    assert runstats.excess_by_token(str(tmp_path), [7]) == {"steps": 0}
+
+
 def test_floor_context_separates_the_servers_excess_from_a_sharpening_policy():
     """A floor that falls with the entropy and a gap = floor + a steady excess: the gap drifts, its excess over
     the floor does not; gap / floor per third of the run rises as the floor shrinks. Naive: sums by hand."""

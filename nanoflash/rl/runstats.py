@@ -14,6 +14,9 @@ Statistics (pure functions, tested against hand-computed values):
 * `floor_context`: the slope of gap - floor (what the server adds beyond FP8 rounding, which falls with the
   entropy as the gap does) and gap / floor per third of the run, and over the run on the tokens above each
   step's median entropy (`live.token_stats`); reported beside the bars, not as one.
+* `excess_by_token`: from the per-token files the live checks keep (`live_tokens/step_NNNN.pt`), the excess
+  sum(|gap| - floor) per token id and at each response's first token vs the rest: which tokens carry a gap the
+  FP8 floor does not explain (over all steps, and over the steps above FLOOR_BAR).
 * reward slope: `ols` on the per-step reward; pass@1 gain: the paired difference against the warm start
   re-evaluated on the same seeds (`live.LiveChecks.eval_warm`: gain, SE, z).
 
@@ -40,6 +43,7 @@ GAP_BAR = 0.09   # the reference run's bounded mean |dlogp|
 FLOOR_BAR = 1.2  # mean |dlogp| within 1.2x of the FP8 noise floor on the same tokens
 GAIN_BAR = 0.15  # held-out pass@1 up by >= 15 points ...
 GAIN_Z_BAR = 3.0  # ... by more than 3 standard errors
+EXCESS_TOP = 12  # token ids listed by excess_by_token
 
 
 def t_quantile(p: float, df: int) -> float:
@@ -108,6 +112,35 @@ def floor_context(steps: list, gap: list, floor: list, gap_hi: list = (), floor_
     return out
 
 
+def excess_by_token(dump_dir: str, steps: list | None = None, top: int = EXCESS_TOP, decode=None) -> dict:
+    """Where sum(|gap| - floor) lives, over the steps' per-token files (all, or `steps`): per token id (the `top`
+    largest excesses: count, |gap| and floor sums, share of the total excess; `decode(id)` -> its text) and at
+    the responses' first tokens (pos 0) against the rest."""
+    import torch
+    files = sorted(f for f in os.listdir(dump_dir) if f.startswith("step_"))                # step_NNNN.pt
+    keep = None if steps is None else set(steps)
+    cols = [torch.load(os.path.join(dump_dir, f)) for f in files if keep is None or int(f[5:9]) in keep]
+    if not cols:
+        return {"steps": 0}
+    cat = {k: torch.cat([c[k] for c in cols]) for k in ("gap", "floor", "token", "pos")}
+    gap, floor, tok = cat["gap"].double().abs(), cat["floor"].double(), cat["token"].long()
+    total = float((gap - floor).sum())
+    ids, inv = tok.unique(return_inverse=True)
+    sums = [torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inv, v) for v in (gap, floor)]
+    count = torch.bincount(inv, minlength=len(ids))
+    order = (sums[0] - sums[1]).argsort(descending=True)[:top]
+    rows = [{"token": int(ids[i]), "n": int(count[i]), "gap_sum": float(sums[0][i]), "floor_sum": float(sums[1][i]),
+             "excess_share": float(sums[0][i] - sums[1][i]) / total if total else 0.0} for i in order]
+    if decode is not None:
+        for r in rows:
+            r["text"] = decode(r["token"])
+    first = cat["pos"] == 0
+    part = lambda m: {"n": int(m.sum()), "gap_over_floor": float(gap[m].sum() / floor[m].sum()) if m.any() else None,
+                      "excess_share": float((gap[m] - floor[m]).sum()) / total if total else 0.0}  # noqa: E731
+    return {"steps": len(cols), "tokens": len(gap), "excess_sum": total, "by_token": rows,
+            "first_token": part(first), "rest": part(~first)}
+
+
 def column(recs: list, key: str, kind: str | None = None) -> tuple[list, list]:
     """(steps, values) of `key` in the records (of `kind` only, if given), skipping non-numbers."""
     pts = [(r["step"], r[key]) for r in recs
@@ -159,10 +192,16 @@ def summarize(recs: list) -> dict:
     return out
 
 
-def report(run_dir: str, out_dir: str, extra: dict | None = None, draw: bool = True) -> dict:
-    """summary.json (+ the contents of `extra` {name: json path}) and the figures, under out_dir."""
+def report(run_dir: str, out_dir: str, extra: dict | None = None, draw: bool = True, decode=None) -> dict:
+    """summary.json (+ the contents of `extra` {name: json path}, + `excess_by_token` when the run kept its
+    per-token files; `decode(id)` names the tokens) and the figures, under out_dir."""
     recs = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     summary = summarize(recs)
+    dump = os.path.join(run_dir, "live_tokens")
+    if os.path.isdir(dump) and os.listdir(dump):
+        over = [r["step"] for r in recs if r.get("kind") == "train" and r.get("gap_over_floor", 0) > FLOOR_BAR]
+        summary["excess_tokens"] = {"all_steps": excess_by_token(dump, decode=decode),
+                                    "steps_over_floor_bar": excess_by_token(dump, over, decode=decode)}
     summary["startup"] = [{k: v for k, v in r.items() if k != "kind"} for r in recs if r["kind"] == "startup"]
     summary["server_restarts"] = [r["step"] for r in recs if r["kind"] == "server_restart"]
     for name, path in (extra or {}).items():
