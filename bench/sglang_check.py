@@ -119,9 +119,8 @@ def tails(d: torch.Tensor) -> dict:
     return {"tokens": d.numel(), "mean": d.mean().item(), "p99": d.quantile(0.99).item(), "max": d.max().item()}
 
 
-def score(model, samples, ours: torch.Tensor | None = None) -> dict:
-    """|log p_nanoflash - log p_server| per sampled token -> tails (`ours`: the model's log-probs, if computed)."""
-    ours = our_logprobs(model, samples) if ours is None else ours
+def score(ours: torch.Tensor, samples) -> dict:
+    """|log p_nanoflash - log p_server| per sampled token -> tails (`ours`: `our_logprobs` of the samples)."""
     return tails((ours - torch.tensor([lp for _, _, lps in samples for lp in lps])).abs())
 
 
@@ -161,13 +160,13 @@ def cmd_parity(a):
     lps = {}
     for mode in a.modes.split(","):
         lps[mode] = our_logprobs(load_model(a, **modes[mode]), samples)
-        res[mode] = score(None, samples, lps[mode])
+        res[mode] = score(lps[mode], samples)
     if "bf16" in lps and "qat" in lps:   # the FP8 floor on the same tokens: what FP8 alone moves nanoflash by
         res["floor_qat_vs_bf16"] = tails((lps["qat"] - lps["bf16"]).abs())
     if a.planted:
         orig = M.hc_post
         M.hc_post = lambda x, res_, post, comb: orig(x, res_, post, comb.transpose(-1, -2))
-        res["bf16_planted_comb_bug"] = score(load_model(a), samples)
+        res["bf16_planted_comb_bug"] = score(our_logprobs(load_model(a), samples), samples)
         M.hc_post = orig
     res["goal_mean_below"] = PARITY_GOAL
     print(json.dumps(res, indent=1))
@@ -246,7 +245,8 @@ def push_once(client, model, version: str, bucket_bytes: int, transport: str) ->
 def behaviour(client, model, prompt, new_tokens=32):
     """Greedy-generate on the server; score the same tokens with the trainer's model: |dlogp| mean/max."""
     g = client.generate(prompt, {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}, url=URL)[0]
-    r = score(model, [(prompt, g.output_ids, g.logprobs)])
+    samples = [(prompt, g.output_ids, g.logprobs)]
+    r = score(our_logprobs(model, samples), samples)
     return {"mean": r["mean"], "max": r["max"], "tokens": g.output_ids[:8], "version": g.weight_version}
 
 

@@ -73,24 +73,17 @@ def tail_stats(d: torch.Tensor, prefix: str) -> dict:
             f"{prefix}_max": float(d.max()), f"{prefix}_tokens": int(d.numel())}
 
 
-def first_tokens(on: torch.Tensor) -> torch.Tensor:
-    """[B,S] bool mask of response tokens -> [B,S] bool: the first token of each run of response tokens."""
-    return on & ~torch.nn.functional.pad(on[:, :-1], (1, 0))
-
-
-def token_stats(gap: torch.Tensor, floor: torch.Tensor, ent: torch.Tensor, first: torch.Tensor | None = None) -> dict:
+def token_stats(gap: torch.Tensor, floor: torch.Tensor, ent: torch.Tensor) -> dict:
     """One step's numbers from per-token values over its response tokens (1-D, same order): gap = log p_train -
-    log p_rollout, floor = |log p_sim - log p_train|, ent = the trainer's entropy, `first` (bool) marks each
-    response's first token. Tails of |gap| and floor, the entropy's mean and p99, gap / floor, both means over the
-    tokens above the median entropy (where FP8 noise is measurable: a near-deterministic token has almost none,
-    so there the ratio shows what else differs; 0 with a single token), and both means over first tokens (the one
-    token a server scores in its prefill, all others in decode steps; 0 without `first`)."""
+    log p_rollout, floor = |log p_sim - log p_train|, ent = the trainer's entropy. Tails of |gap| and floor, the
+    entropy's mean and p99, gap / floor, and both means over the tokens above the median entropy (where FP8
+    noise is measurable: a near-deterministic token has almost none, so there the ratio shows what else differs;
+    0 with a single token). Finer splits (by token, first token vs rest) come from the per-token files."""
     hi = ent > ent.median() if len(ent) > 1 else torch.zeros_like(ent, dtype=torch.bool)
-    mean_over = lambda x, m: float(x[m].mean()) if m is not None and m.any() else 0.0       # noqa: E731
+    upper_mean = lambda x: float(x[hi].mean()) if hi.any() else 0.0                          # noqa: E731
     out = {**tail_stats(gap.abs(), "gap"), **tail_stats(floor, "floor"), "entropy_mean": float(ent.mean()),
            "entropy_p99": float(ent.double().quantile(0.99)),
-           "gap_high_entropy_mean": mean_over(gap.abs(), hi), "floor_high_entropy_mean": mean_over(floor, hi),
-           "gap_first_mean": mean_over(gap.abs(), first), "floor_first_mean": mean_over(floor, first)}
+           "gap_high_entropy_mean": upper_mean(gap.abs()), "floor_high_entropy_mean": upper_mean(floor)}
     out["gap_over_floor"] = out["gap_mean"] / max(out["floor_mean"], 1e-12)
     return out
 
@@ -132,7 +125,6 @@ class LiveChecks:
         trainer's recomputed log-probs of the weights that generated it); the per-token values to dump_dir."""
         t0, dev, T = time.time(), self.actor.device, self.cfg.rollout.temperature
         on = batch.mask > 0                                                       # [B,S]
-        first = first_tokens(on)                                                  # [B,S]
         ids, tgt = batch.input_ids.to(dev), batch.targets.to(dev)
         gap = (old - batch.rollout_logprobs)[on]
         ent = token_entropy(self.actor.model, ids, T).cpu()[on]
@@ -144,7 +136,7 @@ class LiveChecks:
         torch.save({"gap": gap.float(), "floor": floor.float(), "entropy": ent.float(),
                     "token": batch.targets[on].int(), "pos": pos[on].short()},
                    os.path.join(self.dump_dir, f"step_{step:04d}.pt"))
-        out = {**token_stats(gap, floor, ent, first[on]),
+        out = {**token_stats(gap, floor, ent),
                "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs)[on].abs().mean())}
         if dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)

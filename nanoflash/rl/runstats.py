@@ -94,21 +94,18 @@ def jumps(ys: list) -> dict:
             "at_index": worst + MIN_PRIOR if zs else None, "over": sum(abs(z) > JUMP_Z for z in zs)}
 
 
-def floor_context(steps: list, gap: list, floor: list, gap_hi: list = (), floor_hi: list = (),
-                  gap_first: list = (), floor_first: list = ()) -> dict:
+def floor_context(steps: list, gap: list, floor: list, gap_hi: list = (), floor_hi: list = ()) -> dict:
     """What the gap does beyond the FP8 floor measured on the same tokens (not a bar; the context of two): the
     slope of gap - floor per step (a policy that sharpens lowers both, so the gap's own slope mixes the server's
     error with the entropy), gap / floor (ratio of means) over each third of the run, and, when the steps logged
-    them (`live.token_stats`), gap / floor over the tokens above each step's median entropy (from run 5 on) and
-    over each response's first token (the server's prefill position; after run 5)."""
+    them (`live.token_stats`, from run 5 on), gap / floor over the tokens above each step's median entropy."""
     excess = ols(steps, [g - f for g, f in zip(gap, floor)])
     cuts = [round(len(gap) * i / 3) for i in range(4)]
     thirds = [sum(gap[a:b]) / sum(floor[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a and sum(floor[a:b]) > 0]
     out = {"excess_drift": excess, "excess_drift_ci_contains_0": excess["ci95"][0] <= 0 <= excess["ci95"][1],
            "gap_over_floor_thirds": thirds}
-    for name, g, f in (("high_entropy", gap_hi, floor_hi), ("first_token", gap_first, floor_first)):
-        if len(g) == len(gap) and len(f) == len(gap) and sum(f) > 0:
-            out[f"gap_over_floor_{name}"] = sum(g) / sum(f)
+    if len(gap_hi) == len(gap) and len(floor_hi) == len(gap) and sum(floor_hi) > 0:
+        out["gap_over_floor_high_entropy"] = sum(gap_hi) / sum(floor_hi)
     return out
 
 
@@ -164,8 +161,8 @@ def summarize(recs: list) -> dict:
     if len(gap) >= 3:
         out["gap_drift"], out["gap_jumps"] = ols(s, gap), jumps(gap)
     if len(gap) >= 3 and len(floor) == len(gap):
-        out["context"] = floor_context(s, gap, floor, *(column(train, f"{k}_mean")[1] for k in (
-            "gap_high_entropy", "floor_high_entropy", "gap_first", "floor_first")))
+        out["context"] = floor_context(s, gap, floor, column(train, "gap_high_entropy_mean")[1],
+                                       column(train, "floor_high_entropy_mean")[1])
     if len(reward) >= 3:
         out["reward_slope"] = ols(column(train, "reward_mean")[0], reward)
     out["pushes"] = len(pushes) + sum(r.get("swap_pushes", 0) for r in warm)   # + the warm-start swaps
