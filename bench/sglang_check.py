@@ -11,7 +11,9 @@ nanoflash's own forward on the same GPU, in BF16 and in QAT-simulation mode (FP8
 FP8 GEMMs, FP8 kv nope dims, Hadamard + FP4 indexer), and once more with a planted bug (mHC comb applied
 untransposed) to show the threshold discriminates. It reports mean / p99 / max |dlogp| per token, and, when both
 modes ran, the FP8 floor on the same tokens (`floor_qat_vs_bf16`: QAT against BF16 nanoflash, no server involved):
-a BF16 row near that floor says the server adds little beyond FP8 rounding.
+a BF16 row near that floor says the server adds little beyond FP8 rounding. The server also scores the same
+tokens again in one prefill per sample (`server_decode_vs_prefill`, `bf16_vs_server_prefill`): the rows split
+what its decode path (KV cache, compressor state carried token by token) adds from what its prefill shares.
 
 `push` perturbs the trainer's weights, pushes them through nanoflash's weight stream (`iter_sglang_buckets`, FP8
 with Miles' fp32 `weight_scale_inv`) with SGLang's own FlattenedTensorBucket payload (colocated CUDA IPC), in the
@@ -124,6 +126,20 @@ def score(ours: torch.Tensor, samples) -> dict:
     return tails((ours - torch.tensor([lp for _, _, lps in samples for lp in lps])).abs())
 
 
+def prefill_rows(client, samples, bf16) -> dict:
+    """The same tokens scored again by the server in one prefill per sample (`client.prefill_logprobs`): its
+    decode against its own prefill, and nanoflash BF16 against the prefill. A server error is reported, not
+    raised (a diagnostic row)."""
+    try:
+        pre = torch.cat([torch.tensor(client.prefill_logprobs([p + ids])[0][len(p) - 1:]) for p, ids, _ in samples])
+    except Exception as e:
+        return {"server_prefill_error": f"{type(e).__name__}: {str(e)[:300]}"}
+    out = {"server_decode_vs_prefill": score(pre, samples)}
+    if bf16 is not None:
+        out["bf16_vs_server_prefill"] = tails((bf16 - pre).abs())
+    return out
+
+
 def restore(client, a):
     """--dir into the server: SGLang reads the checkpoint itself (exact: the same FP8 bytes); the embedded server
     reads no F8_E8M0 file, so it gets a push (verified) of the model loaded from it instead."""
@@ -163,6 +179,7 @@ def cmd_parity(a):
         res[mode] = score(lps[mode], samples)
     if "bf16" in lps and "qat" in lps:   # the FP8 floor on the same tokens: what FP8 alone moves nanoflash by
         res["floor_qat_vs_bf16"] = tails((lps["qat"] - lps["bf16"]).abs())
+    res.update(prefill_rows(client, samples, lps.get("bf16")))
     if a.planted:
         orig = M.hc_post
         M.hc_post = lambda x, res_, post, comb: orig(x, res_, post, comb.transpose(-1, -2))

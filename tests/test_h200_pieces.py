@@ -279,6 +279,13 @@ def test_token_stats_against_naive_loops():
     assert out["floor_high_entropy_mean"] == pytest.approx(mean([floor[i].item() for i in hi]), rel=FP32_TOL)
     one = live.token_stats(gap[:1], floor[:1], ent[:1])                        # one token: no upper half
     assert one["gap_high_entropy_mean"] == 0.0 and one["gap_tokens"] == 1
+    pre = gap + torch.randn(101, generator=g) * 0.001                          # the server's prefill scores
+    ps = live.prefill_stats(pre, gap, floor)
+    assert ps["prefill_gap_mean"] == pytest.approx(mean([abs(x) for x in pre.tolist()]), rel=FP32_TOL)
+    assert ps["prefill_over_floor"] == pytest.approx(sum(abs(x) for x in pre.tolist()) / sum(floor.tolist()),
+                                                     rel=FP32_TOL)
+    assert ps["decode_vs_prefill_mean"] == pytest.approx(mean([abs(a - b) for a, b in zip(gap.tolist(),
+                                                                                         pre.tolist())]), rel=FP32_TOL)
 
 
 def test_excess_by_token_against_naive_sums(tmp_path):
@@ -292,6 +299,7 @@ def test_excess_by_token_against_naive_sums(tmp_path):
              "entropy": torch.rand(n, generator=g), "token": torch.randint(0, 6, (n,), generator=g).int(),
              "pos": torch.arange(n).remainder(8).short()}
         d["gap"][d["token"] == 3] += 0.05                                        # token 3 carries the excess
+        d["prefill_gap"] = d["floor"] * 1.1                                      # the prefill: near the floor
         torch.save(d, tmp_path / f"step_{step:04d}.pt")
         rows += [(step, abs(a), b, int(t), int(p)) for a, b, t, p in zip(d["gap"].tolist(), d["floor"].tolist(),
                                                                           d["token"], d["pos"])]
@@ -306,6 +314,8 @@ def test_excess_by_token_against_naive_sums(tmp_path):
     assert out["first_token"]["n"] == len(firsts) == 10
     assert out["first_token"]["gap_over_floor"] == pytest.approx(sum(a for a, _ in firsts) / sum(b for _, b in firsts))
     assert out["first_token"]["excess_share"] + out["rest"]["excess_share"] == pytest.approx(1.0)
+    assert out["all"]["prefill_over_floor"] == pytest.approx(1.1) and top["prefill_sum"] == pytest.approx(
+        1.1 * top["floor_sum"])                                                  # decode carries the excess
     assert runstats.excess_by_token(str(tmp_path), [2])["tokens"] == 40
     assert runstats.excess_by_token(str(tmp_path), [7]) == {"steps": 0}
 

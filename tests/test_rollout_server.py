@@ -77,6 +77,28 @@ def test_generate_logprobs_equal_trainer_exactly(stock):
         assert torch.equal(ref, got), (ref - got).abs().max()
 
 
+def test_prefill_logprobs_score_given_tokens_as_the_trainer_and_match_decode(stock):
+    """client.prefill_logprobs (SGLang's logprob_start_len=0): the trainer's log-probs of every token after the
+    first, for a batch of sequences of different lengths; on the embedded server (which scores its decode by a
+    prefill too) equal to the rollout's output_token_logprobs bit for bit."""
+    trainer, client, _ = stock
+    g = client.generate(PROMPT, {"temperature": 0.8, "max_new_tokens": 7})[0]
+    seqs = [list(PROMPT) + g.output_ids, [5, 9, 2]]
+    got = client.prefill_logprobs(seqs, temperature=0.8)
+    assert [len(x) for x in got] == [len(seqs[0]) - 1, 2]
+    for x, lp in zip(seqs, got):
+        assert torch.equal(torch.tensor(lp), trainer_logprobs(trainer, x[:1], x[1:], 0.8))
+    assert got[0][len(PROMPT) - 1:] == g.logprobs
+    one = client.post(client.urls[0], "/generate", {"input_ids": [5, 9, 2], "return_logprob": True,
+                                                     "logprob_start_len": 1,
+                                                     "sampling_params": {"max_new_tokens": 1, "temperature": 0.8}})
+    lps = one["meta_info"]["input_token_logprobs"]   # from index 1, its value None, as SGLang's
+    assert [t[1] for t in lps] == [9, 2] and lps[0][0] is None and lps[1][0] == got[1][1]
+    got, out = _raw(client.urls[0], "POST", "/generate", json.dumps(
+        {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": "0"}).encode())
+    assert got == 400 and "logprob_start_len" in out["error"]["message"]
+
+
 def test_stop_token_and_greedy_determinism(stock):
     _, client, _ = stock
     a = client.generate(PROMPT, {"temperature": 0, "max_new_tokens": 6})[0]

@@ -11,6 +11,11 @@ Four things the loop's own metrics do not show, each a call from `train.py` (ran
    (`fp8_roundtrip_`) -- and runs with the FP8 activation simulation on (`ModelConfig.qat`). floor_t =
    |log p_sim(y_t) - log p_train(y_t)| is what FP8 alone costs; gap/floor near 1 says the server adds
    nothing beyond FP8 rounding.
+   The same tokens are also scored again by the server in one prefill (`client.prefill_logprobs`, SGLang's
+   `logprob_start_len=0`, no prefix cache): prefill_t = |log p_train - log p_server_prefill|. The rollout's
+   log-probs come from the server's decode (token by token, KV cache, compressor state carried); prefill
+   recomputes everything at once, as the trainer does. prefill near floor while gap is above it puts the excess
+   in the server's decode path; both above it, in what the two paths share (weights, kernels).
 3. **A behavioural probe after every push** (`after_push`): `rollout.probe.probe` on one fixed held-out
    prompt (fixed sampling seed), scored by the trainer's new weights and by the warm start's; a probe gap above
    `probe.PROBE_MAX_MEAN` stops the run. The push's `/weights_checker` counts (exact hashes, change sets) are
@@ -20,11 +25,11 @@ Four things the loop's own metrics do not show, each a call from `train.py` (ran
    difference of per-problem accuracy gives pass@1 gain +- its standard error.
 
 Each step's per-token values are also kept, one file a step (`<train.out_dir>/live_tokens/step_NNNN.pt`: gap,
-floor, entropy, token id, position in the response; ~70 KB for 3,600 tokens), so a gap the floor does not
-explain can be traced to the tokens that carry it (`runstats.excess_by_token`).
+floor, entropy, token id, position in the response, prefill gap; ~85 KB for 3,600 tokens), so a gap the floor
+does not explain can be traced to the tokens that carry it (`runstats.excess_by_token`).
 
-Costs per step: two forward passes over the batch (entropy, sim) and one FP8 round trip of the weights on
-the GPU; per eval point two extra pushes and one extra eval.
+Costs per step: two forward passes over the batch (entropy, sim), one prefill request to the server and one FP8
+round trip of the weights on the GPU; per eval point two extra pushes and one extra eval.
 
 Tests: `pytest tests/test_h200_pieces.py -q`.
 """
@@ -43,6 +48,7 @@ from nanoflash.rollout import probe as probe_lib
 from nanoflash.rollout.layout import sglang_fp8
 
 ENTROPY_ROWS = 16  # rows per entropy forward: [16, S, 129280] fp32 logits stay under 1 GiB at S <= 128
+PREFILL_ROWS = 32  # sequences per prefill request: the server's [tokens, 129280] fp32 logits stay ~1.5 GiB
 WARM_VERSION = 1_000_000  # weight version of the warm start's re-evaluation push (+ the eval step)
 
 
@@ -88,6 +94,15 @@ def token_stats(gap: torch.Tensor, floor: torch.Tensor, ent: torch.Tensor) -> di
     return out
 
 
+def prefill_stats(prefill_gap: torch.Tensor, gap: torch.Tensor, floor: torch.Tensor) -> dict:
+    """Decode against prefill on the server, over one step's response tokens (1-D, same order): prefill_gap =
+    log p_train - log p_server_prefill, gap = log p_train - log p_rollout (the server's decode). Their
+    difference is the server's decode path against its own prefill on the same weights and tokens."""
+    return {"prefill_gap_mean": float(prefill_gap.abs().mean()),
+            "prefill_over_floor": float(prefill_gap.abs().sum() / floor.sum().clamp_min(1e-12)),
+            "decode_vs_prefill_mean": float((gap - prefill_gap).abs().mean())}
+
+
 def verify_counts(summary: dict) -> dict:
     """The push summary's per-server verification -> flat numbers (embedded: checksums compared in full)."""
     out = {"verify_servers": 0, "verify_exact": 0, "verify_change_sets": 0, "verify_unchecked": 0,
@@ -115,6 +130,7 @@ class LiveChecks:
         self.sim.cast_(next(actor.model.parameters()).dtype).eval()
         self.probe_prompt = task.encode(task.heldout[0] if task.heldout else task.train[0])
         self.probe_seed = cfg.train.seed + 7
+        self.prefill_errors, self.prefill_s = 0, 0.0
         self.dump_dir = os.path.join(cfg.train.out_dir, "live_tokens")
         os.makedirs(self.dump_dir, exist_ok=True)
 
@@ -133,16 +149,41 @@ class LiveChecks:
         sim = self.sim.token_logprobs(ids, tgt, temperature=T).float().cpu()      # [B,S]
         floor = (sim - old)[on].abs()
         pos = on.cumsum(1) - 1                                    # [B,S] index in the response (one per row)
-        torch.save({"gap": gap.float(), "floor": floor.float(), "entropy": ent.float(),
-                    "token": batch.targets[on].int(), "pos": pos[on].short()},
-                   os.path.join(self.dump_dir, f"step_{step:04d}.pt"))
+        dump = {"gap": gap.float(), "floor": floor.float(), "entropy": ent.float(),
+                "token": batch.targets[on].int(), "pos": pos[on].short()}
         out = {**token_stats(gap, floor, ent),
                "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs)[on].abs().mean())}
+        pre = self._prefill(batch)                                # [B,S] the server's prefill scores, or None
+        if pre is not None:
+            dump["prefill_gap"] = (old.cpu() - pre)[on].float()
+            out.update(prefill_stats(dump["prefill_gap"], gap, floor), prefill_s=self.prefill_s)
+        out["prefill_errors"] = self.prefill_errors
+        torch.save(dump, os.path.join(self.dump_dir, f"step_{step:04d}.pt"))
         if dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
             out["gpu_used_total_gib"] = (total - free) / 2 ** 30   # trainer + server (colocated) + everything else
         out["live_s"] = time.time() - t0
         return out
+
+    def _prefill(self, batch):
+        """The step's sequences scored again by the server in one prefill (`client.prefill_logprobs`), aligned
+        as batch.rollout_logprobs [B,S]; None (and `prefill_errors` counted) if the server refuses."""
+        t0, rows = time.time(), []
+        for b in range(len(batch)):
+            L = int(batch.prompt_lens[b] + batch.response_lens[b])
+            rows.append([int(batch.input_ids[b, 0])] + batch.targets[b, :L - 1].tolist())   # the full L tokens
+        try:
+            lps = [lp for a in range(0, len(rows), PREFILL_ROWS) for lp in
+                   self.rollouts.client.prefill_logprobs(rows[a:a + PREFILL_ROWS], self.cfg.rollout.temperature)]
+        except Exception as e:   # a diagnostic: the run goes on without it, the failure counted and named
+            self.prefill_errors += 1
+            print(f"live: prefill scoring failed ({self.prefill_errors}): {type(e).__name__}: {str(e)[:200]}")
+            return None
+        pre = torch.zeros_like(batch.rollout_logprobs)
+        for b, lp in enumerate(lps):
+            pre[b, :len(lp)] = torch.tensor(lp)
+        self.prefill_s = time.time() - t0
+        return pre
 
     # ------------------------------------------------------------------ per push
     def after_push(self, version) -> dict:

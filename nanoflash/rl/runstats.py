@@ -112,30 +112,42 @@ def floor_context(steps: list, gap: list, floor: list, gap_hi: list = (), floor_
 def excess_by_token(dump_dir: str, steps: list | None = None, top: int = EXCESS_TOP, decode=None) -> dict:
     """Where sum(|gap| - floor) lives, over the steps' per-token files (all, or `steps`): per token id (the `top`
     largest excesses: count, |gap| and floor sums, share of the total excess; `decode(id)` -> its text) and at
-    the responses' first tokens (pos 0) against the rest."""
+    the responses' first tokens (pos 0) against the rest. With the server's prefill scores in the files
+    (`prefill_gap`), each row and part also gives them: prefill_over_floor near 1 where gap_over_floor is not puts
+    the excess in the server's decode."""
     import torch
     files = sorted(f for f in os.listdir(dump_dir) if f.startswith("step_"))                # step_NNNN.pt
     keep = None if steps is None else set(steps)
     cols = [torch.load(os.path.join(dump_dir, f)) for f in files if keep is None or int(f[5:9]) in keep]
     if not cols:
         return {"steps": 0}
-    cat = {k: torch.cat([c[k] for c in cols]) for k in ("gap", "floor", "token", "pos")}
+    keys = ("gap", "floor", "token", "pos") + (("prefill_gap",) if all("prefill_gap" in c for c in cols) else ())
+    cat = {k: torch.cat([c[k] for c in cols]) for k in keys}
     gap, floor, tok = cat["gap"].double().abs(), cat["floor"].double(), cat["token"].long()
+    pre = cat["prefill_gap"].double().abs() if "prefill_gap" in cat else None   # the server's prefill vs trainer
     total = float((gap - floor).sum())
     ids, inv = tok.unique(return_inverse=True)
-    sums = [torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inv, v) for v in (gap, floor)]
+    sums = [torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inv, v)
+            for v in (gap, floor) + ((pre,) if pre is not None else ())]
     count = torch.bincount(inv, minlength=len(ids))
     order = (sums[0] - sums[1]).argsort(descending=True)[:top]
     rows = [{"token": int(ids[i]), "n": int(count[i]), "gap_sum": float(sums[0][i]), "floor_sum": float(sums[1][i]),
              "excess_share": float(sums[0][i] - sums[1][i]) / total if total else 0.0} for i in order]
-    if decode is not None:
-        for r in rows:
+    for r, i in zip(rows, order):
+        if pre is not None:
+            r["prefill_sum"] = float(sums[2][i])
+        if decode is not None:
             r["text"] = decode(r["token"])
     first = cat["pos"] == 0
-    part = lambda m: {"n": int(m.sum()), "gap_over_floor": float(gap[m].sum() / floor[m].sum()) if m.any() else None,
-                      "excess_share": float((gap[m] - floor[m]).sum()) / total if total else 0.0}  # noqa: E731
+
+    def part(m):
+        out = {"n": int(m.sum()), "gap_over_floor": float(gap[m].sum() / floor[m].sum()) if m.any() else None,
+               "excess_share": float((gap[m] - floor[m]).sum()) / total if total else 0.0}
+        if pre is not None:
+            out["prefill_over_floor"] = float(pre[m].sum() / floor[m].sum()) if m.any() else None
+        return out
     return {"steps": len(cols), "tokens": len(gap), "excess_sum": total, "by_token": rows,
-            "first_token": part(first), "rest": part(~first)}
+            "first_token": part(first), "rest": part(~first), **({"all": part(first | ~first)} if pre is not None else {})}
 
 
 def column(recs: list, key: str, kind: str | None = None) -> tuple[list, list]:

@@ -334,6 +334,14 @@ class RolloutEngine:
         idx = torch.stack([layers[k].ffn.last_indices for k in sorted(layers, key=int)], 1)  # [L-1,n_layers,K]
         return base64.b64encode(idx.to(torch.int32).cpu().contiguous().numpy().tobytes()).decode("ascii")
 
+    def input_logprobs(self, input_ids: list, start: int, temperature: float) -> list:
+        """SGLang's `input_token_logprobs` for `logprob_start_len=start`: [[log p(x_i | x_<i), x_i, None] for i
+        >= start], the value None at i = start (SGLang 0.5.16 drops it even when start > 0)."""
+        full = torch.tensor(input_ids, dtype=torch.long, device=self.device)               # [L]
+        lps = [None] + (self.score(full, 1, temperature) if len(input_ids) > 1 else [])    # L values
+        vals = [None] + lps[start + 1:]
+        return [[lp, t, None] for lp, t in zip(vals, input_ids[start:])]
+
     @torch.no_grad()
     def score(self, full: torch.Tensor, prompt_len: int, temperature: float) -> list:
         """The trainer's log-probs of full[prompt_len:], batch of one. full [L] -> list of L - prompt_len"""

@@ -156,8 +156,17 @@ class RolloutServer:
                              f"max_request_tokens={self.max_request_tokens}; split the request")
         rid = body.get("rid")
         routed = bool(body.get("return_routed_experts"))
-        out = [r for i, p in enumerate(prompts)
-               for r in self.engine.generate(p, sp, rid=f"{rid}-{i}" if rid and batch else rid, routed=routed)]
+        start = body.get("logprob_start_len", -1)
+        if type(start) is not int or start < -1:
+            raise BadRequest(f"/generate: logprob_start_len={start!r} is invalid: want an int >= -1")
+        out = []
+        for i, p in enumerate(prompts):
+            res = self.engine.generate(p, sp, rid=f"{rid}-{i}" if rid and batch else rid, routed=routed)
+            if start >= 0 and body.get("return_logprob"):   # SGLang's prefill scoring of the input itself
+                lps = self.engine.input_logprobs(p, start, sp["temperature"])
+                for r in res:
+                    r["meta_info"]["input_token_logprobs"] = lps
+            out += res
         return out if batch or sp["n"] > 1 else out[0]
 
     def r_abort_request(self, body):
