@@ -15,7 +15,9 @@ from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.rollout import probe as probe_lib
 from nanoflash.rollout.client import Generation
+from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
 from nanoflash.rollout.layout import sglang_fp8
+from nanoflash.rollout.stream import convert_items
 
 FP32_TOL = 1e-5    # the same fp32 computation done two ways (batched vs one position at a time)
 T_TOL = 2e-3       # Cornish-Fisher t quantile vs the tabulated value (3 decimals in the tables)
@@ -202,6 +204,35 @@ def test_fp8_roundtrip_touches_exactly_the_fp8_served_weights(tiny_pair):
             assert float(((p - ref[n]).abs() - ref[n].abs() / 16).max()) <= 1e-6, n
 
 
+def test_fp8_then_storage_roundtrip_hold_what_the_fp8_push_sends(tiny_pair):
+    """After fp8_roundtrip_ + storage_roundtrip_, every pushed tensor of the sim equals what the FP8 stream sends
+    for it, read back in the model's dtype: dequant(Q, S) for an FP8 item, the cast for the rest (the fp32 norms,
+    head and compressors of a trainer become bf16 values; mHC stays fp32). The storage step alone touches no
+    FP8-served weight, and both are idempotent."""
+    cfg, a, _ = tiny_pair
+    m = Transformer(cfg).init_weights(seed=0)
+    live.fp8_roundtrip_(m, cfg)
+    fp8_only = {n: t.clone() for n, t in m.state_dict().items()}
+    live.storage_roundtrip_(m, cfg)
+    live.storage_roundtrip_(m, cfg)
+    live.fp8_roundtrip_(m, cfg)
+    bf16 = set()
+    for name, t in a.state_dict().items():
+        if name.startswith("mtp.") or not t.is_floating_point():
+            continue
+        items = convert_items(name, t, cfg, fp8=True)
+        if items[0].how == "q":
+            q, s = quantize_fp8_block(t.float(), fmt="fp32")
+            want = dequantize_fp8_block(q, s, dtype=torch.float32)
+            assert torch.equal(m.state_dict()[name], fp8_only[name]), name      # storage step left it alone
+        else:
+            want = t.to(items[0].dtype).float()
+            bf16 |= {name} if items[0].dtype == torch.bfloat16 else set()
+        assert torch.equal(m.state_dict()[name].float(), want), name
+    assert {"head.weight", "norm.weight"} <= bf16 and any("compressor.wkv" in n for n in bf16)
+    assert not any(".hc_" in n or n.startswith("hc_") for n in bf16)
+
+
 def test_verify_counts():
     s = {"verified": {"u1": {"exact": 60, "change_sets": 155, "first_push_unchecked": 0, "state": None},
                       "u2": "checksums"}}
@@ -246,6 +277,7 @@ def test_summary_of_a_synthetic_run(tmp_path):
     log.log("push", 0, {"verify_servers": 1, "probe_mean": 0.05})
     for s in range(1, 21):
         log.log("train", s, {"gap_mean": 0.06 + 0.002 * g.gauss(0, 1), "gap_p99": 0.3, "floor_mean": 0.055,
+                             "floor_fp8_mean": 0.04,
                              "reward_mean": 0.2 + 0.02 * s, "verify_servers": 1, "probe_mean": 0.06,
                              "rollout_s": 1.0, "logprobs_s": 0.2, "train_s": 0.6, "sync_s": 0.3, "live_s": 0.1,
                              "gpu_mem_gib": 20.0, "gpu_peak_gib": 30.0, "gpu_used_total_gib": 80.0})
@@ -260,6 +292,8 @@ def test_summary_of_a_synthetic_run(tmp_path):
     assert bars["pass@1_gain_>=_0.15_and_>3se"] and bars["gap_mean_below_0.09"] and bars["gap_within_1.2x_floor"]
     assert (tmp_path / "report" / "summary.json").exists() and out["gap_drift"]["n"] == 20
     assert out["warm"][-1]["gain_pass@1"] == pytest.approx(0.4) and out["gap_jumps"]["over"] == 0
+    assert out["floor_fp8_mean"] == pytest.approx(0.04)
+    assert out["gap_over_floor_fp8"] == pytest.approx(out["gap_mean"] / 0.04)
 
 
 def test_token_stats_against_naive_loops():

@@ -8,9 +8,13 @@ Four things the loop's own metrics do not show, each a call from `train.py` (ran
    where the distribution is flat, so entropy is the context it needs).
 2. **The FP8 noise floor on the same tokens, in the same step**: a second copy of the model (`sim`) holds the
    trainer's weights as the server holds them -- every weight SGLang serves FP8 rounded to FP8 128x128 blocks
-   (`fp8_roundtrip_`) -- and runs with the FP8 activation simulation on (`ModelConfig.qat`). floor_t =
-   |log p_sim(y_t) - log p_train(y_t)| is what FP8 alone costs; gap/floor near 1 says the server adds
-   nothing beyond FP8 rounding.
+   (`fp8_roundtrip_`), every other weight rounded to the dtype the push sends it in (`storage_roundtrip_`:
+   the release's bf16 for the norms, head and compressors the trainer keeps fp32) -- and runs with the FP8
+   activation simulation on (`ModelConfig.qat`). floor_t = |log p_sim(y_t) - log p_train(y_t)| is what the
+   served format costs; gap/floor near 1 says the server adds nothing beyond it. `floor_fp8` is the same with
+   the FP8 rounding only (the fp32 weights kept): runs 3-6 measured that one. The two part once training moves
+   the fp32 weights off the bf16 grid they were loaded on (a warm start read from a release-format checkpoint
+   holds bf16 values there, so at first they agree).
    The same tokens are also scored again by the server in one prefill (`client.prefill_logprobs`, SGLang's
    `logprob_start_len=0`, no prefix cache): prefill_t = |log p_train - log p_server_prefill|. The rollout's
    log-probs come from the server's decode (token by token, KV cache, compressor state carried); prefill
@@ -25,11 +29,11 @@ Four things the loop's own metrics do not show, each a call from `train.py` (ran
    difference of per-problem accuracy gives pass@1 gain +- its standard error.
 
 Each step's per-token values are also kept, one file a step (`<train.out_dir>/live_tokens/step_NNNN.pt`: gap,
-floor, entropy, token id, position in the response, prefill gap; ~85 KB for 3,600 tokens), so a gap the floor
-does not explain can be traced to the tokens that carry it (`runstats.excess_by_token`).
+floor, FP8-only floor, entropy, token id, position in the response, prefill gap; ~100 KB for 3,600 tokens), so a
+gap the floor does not explain can be traced to the tokens that carry it (`runstats.excess_by_token`).
 
-Costs per step: two forward passes over the batch (entropy, sim), one prefill request to the server and one FP8
-round trip of the weights on the GPU; per eval point two extra pushes and one extra eval.
+Costs per step: three forward passes over the batch (entropy, sim twice), one prefill request to the server and
+one round trip of the weights to the served format on the GPU; per eval point two extra pushes and one extra eval.
 
 Tests: `pytest tests/test_h200_pieces.py -q`.
 """
@@ -46,6 +50,7 @@ from nanoflash.rl.evaluate import evaluate
 from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
 from nanoflash.rollout import probe as probe_lib
 from nanoflash.rollout.layout import sglang_fp8
+from nanoflash.rollout.stream import served_dtype
 
 ENTROPY_ROWS = 16  # rows per entropy forward: [16, S, 129280] fp32 logits stay under 1 GiB at S <= 128
 PREFILL_ROWS = 32  # sequences per prefill request: the server's [tokens, 129280] fp32 logits stay ~1.5 GiB
@@ -60,6 +65,16 @@ def fp8_roundtrip_(model, cfg) -> None:
         if p.is_floating_point() and sglang_fp8(name, cfg):
             q, s = quantize_fp8_block(p.float(), fmt="fp32")
             p.copy_(dequantize_fp8_block(q, s, dtype=torch.float32).to(p.dtype))
+
+
+@torch.no_grad()
+def storage_roundtrip_(model, cfg) -> None:
+    """In place: every weight the FP8 push sends unquantized is rounded to the dtype it is sent in (the
+    release's storage, `stream.served_dtype`: the trainer's fp32 norms, head and compressors become bf16 values);
+    FP8-served weights are left to `fp8_roundtrip_`. After both, the model holds what the server holds."""
+    for name, p in model.state_dict().items():
+        if p.is_floating_point() and not sglang_fp8(name, cfg):
+            p.copy_(p.to(served_dtype(name, p, cfg)).to(p.dtype))
 
 
 @torch.no_grad()
@@ -146,12 +161,15 @@ class LiveChecks:
         ent = token_entropy(self.actor.model, ids, T).cpu()[on]
         self.sim.load_state_dict(self.actor.model.state_dict())
         fp8_roundtrip_(self.sim, self.mcfg)
-        sim = self.sim.token_logprobs(ids, tgt, temperature=T).float().cpu()      # [B,S]
-        floor = (sim - old)[on].abs()
+        sim8 = self.sim.token_logprobs(ids, tgt, temperature=T).float().cpu()     # [B,S] FP8 weights only
+        storage_roundtrip_(self.sim, self.mcfg)
+        sim = self.sim.token_logprobs(ids, tgt, temperature=T).float().cpu()      # [B,S] as the server holds
+        floor, floor_fp8 = (sim - old)[on].abs(), (sim8 - old)[on].abs()
         pos = on.cumsum(1) - 1                                    # [B,S] index in the response (one per row)
-        dump = {"gap": gap.float(), "floor": floor.float(), "entropy": ent.float(),
-                "token": batch.targets[on].int(), "pos": pos[on].short()}
-        out = {**token_stats(gap, floor, ent),
+        dump = {"gap": gap.float(), "floor": floor.float(), "floor_fp8": floor_fp8.float(),
+                "entropy": ent.float(), "token": batch.targets[on].int(), "pos": pos[on].short()}
+        out = {**token_stats(gap, floor, ent), "floor_fp8_mean": float(floor_fp8.mean()),
+               "gap_over_floor_fp8": float(gap.abs().sum() / floor_fp8.sum().clamp_min(1e-12)),
                "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs)[on].abs().mean())}
         pre = self._prefill(batch)                                # [B,S] the server's prefill scores, or None
         if pre is not None:

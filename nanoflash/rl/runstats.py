@@ -170,6 +170,10 @@ def summarize(recs: list) -> dict:
            "floor_mean": sum(floor) / len(floor) if floor else None}
     if gap and floor:
         out["gap_over_floor"] = out["gap_mean"] / out["floor_mean"]
+    _, floor8 = column(train, "floor_fp8_mean")   # FP8 rounding only (runs 3-6 measured this floor)
+    if gap and len(floor8) == len(gap):
+        out["floor_fp8_mean"] = sum(floor8) / len(floor8)
+        out["gap_over_floor_fp8"] = out["gap_mean"] / out["floor_fp8_mean"]
     if len(gap) >= 3:
         out["gap_drift"], out["gap_jumps"] = ols(s, gap), jumps(gap)
     if len(gap) >= 3 and len(floor) == len(gap):

@@ -31,7 +31,10 @@ def dlogp(plt, recs, out_dir, summary) -> str:
     ax.plot(s, g, "o-", ms=3, label=f"SGLang vs trainer, mean (run mean {summary.get('gap_mean') or 0:.4f})")
     ax.plot(*column(recs, "gap_p99", "train"), ":", alpha=0.6, label="SGLang vs trainer, p99")
     ax.plot(*column(recs, "floor_mean", "train"), "s--", ms=3,
-            label=f"FP8 floor: nanoflash FP8-sim vs plain (mean {summary.get('floor_mean') or 0:.4f})")
+            label=f"FP8 floor: nanoflash as served (FP8-sim) vs plain (mean {summary.get('floor_mean') or 0:.4f})")
+    if summary.get("floor_fp8_mean") is not None:   # FP8 rounding only, the fp32 weights kept (runs 3-6)
+        ax.plot(*column(recs, "floor_fp8_mean", "train"), ":", lw=1,
+                label=f"FP8 weights only (mean {summary['floor_fp8_mean']:.4f})")
     for st in s:
         ax.axvline(st, color="0.85", lw=0.5, zorder=0)
     for st in [r["step"] for r in recs if r.get("kind") == "eval_warm" and r["step"] > 0]:

@@ -80,8 +80,13 @@ def convert_items(name: str, t: torch.Tensor, cfg, fp8: bool) -> list[Item]:
     if fp8 and sglang_fp8(name, cfg):
         return [Item(hf, t, "q", torch.float8_e4m3fn, tuple(t.shape)),
                 Item(hf + "_scale_inv", t, "s", torch.float32, scale_shape("fp8", tuple(t.shape)))]
-    dtype = _KIND_DTYPE.get(storage_kind(name, cfg), t.dtype) if fp8 else t.dtype
-    return [Item(hf, t, "cast", dtype, tuple(t.shape))]
+    return [Item(hf, t, "cast", served_dtype(name, t, cfg) if fp8 else t.dtype, tuple(t.shape))]
+
+
+def served_dtype(name: str, t: torch.Tensor, cfg) -> torch.dtype:
+    """The dtype an FP8 push sends trainer tensor `name` in when SGLang keeps it unquantized: the release's
+    storage (bf16 norms/embed/head/compressors, fp32 mHC/sinks/ape/gate bias), else the tensor's own."""
+    return _KIND_DTYPE.get(storage_kind(name, cfg), t.dtype)
 
 
 def unit_key(name: str):
