@@ -14,6 +14,9 @@ modes ran, the FP8 floor on the same tokens (`floor_qat_vs_bf16`: QAT against BF
 a BF16 row near that floor says the server adds little beyond FP8 rounding. The server also scores the same
 tokens again in one prefill per sample (`server_decode_vs_prefill`, `bf16_vs_server_prefill`): the rows split
 what its decode path (KV cache, compressor state carried token by token) adds from what its prefill shares.
+`--sweep 128,256,...` adds one prompt per length (for `by_length` only: every row's mean per prompt), so a gap
+that grows with depth shows where it starts: past the 128-token window, past `index_topk` x 4 tokens (where the
+C4 indexer starts to drop entries), or with the C128 entries.
 
 `push` perturbs the trainer's weights, pushes them through nanoflash's weight stream (`iter_sglang_buckets`, FP8
 with Miles' fp32 `weight_scale_inv`) with SGLang's own FlattenedTensorBucket payload (colocated CUDA IPC), in the
@@ -126,17 +129,28 @@ def score(ours: torch.Tensor, samples) -> dict:
     return tails((ours - torch.tensor([lp for _, _, lps in samples for lp in lps])).abs())
 
 
-def prefill_rows(client, samples, bf16) -> dict:
-    """The same tokens scored again by the server in one prefill per sample (`client.prefill_logprobs`): its
-    decode against its own prefill, and nanoflash BF16 against the prefill. A server error is reported, not
-    raised (a diagnostic row)."""
+def server_prefill(client, samples):
+    """The same tokens scored again by the server in one prefill per sample (`client.prefill_logprobs`), in
+    sample order as `our_logprobs`: [tokens] fp32, or the error as a string (a diagnostic, not raised)."""
     try:
-        pre = torch.cat([torch.tensor(client.prefill_logprobs([p + ids])[0][len(p) - 1:]) for p, ids, _ in samples])
+        return torch.cat([torch.tensor(client.prefill_logprobs([p + ids])[0][len(p) - 1:]) for p, ids, _ in samples])
     except Exception as e:
-        return {"server_prefill_error": f"{type(e).__name__}: {str(e)[:300]}"}
-    out = {"server_decode_vs_prefill": score(pre, samples)}
-    if bf16 is not None:
-        out["bf16_vs_server_prefill"] = tails((bf16 - pre).abs())
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def by_length(samples, rows: dict) -> list:
+    """Mean |dlogp| of each row per prompt (its samples together), with the prompt's length: how the gap grows
+    with depth (window 128; C4 entries past `index_topk` x 4 tokens; one C128 entry per 128). `rows`: name ->
+    per-token |dlogp| in sample order."""
+    out, at, i = [], 0, 0
+    while i < len(samples):
+        j = i
+        while j < len(samples) and samples[j][0] is samples[i][0]:   # the n samples of one prompt
+            j += 1
+        n = sum(len(ids) for _, ids, _ in samples[i:j])
+        out.append({"prompt_len": len(samples[i][0]), "tokens": n,
+                    **{k: round(float(v[at:at + n].mean()), 5) for k, v in rows.items()}})
+        at, i = at + n, j
     return out
 
 
@@ -168,23 +182,33 @@ def cmd_parity(a):
     t = time.time()
     samples = sample(client, a.prompts, a.n, a.prompt_len, a.new_tokens, prompt_len_max=a.prompt_len_max,
                      synth=bool(a.synth))
-    lens = [len(p) + len(ids) for p, ids, _ in samples]
+    head = sum(len(ids) for _, ids, _ in samples)   # the table's tokens; the sweep's follow
+    for L in [int(x) for x in a.sweep.split(",") if x]:
+        samples += sample(client, 1, a.n, L, a.new_tokens, seed=L, synth=bool(a.synth))
+    lens = [len(p) + len(ids) for p, ids, _ in samples[:a.prompts * a.n]]
     res = {"protocol": client.protocol(URL), "generate_s": round(time.time() - t, 2), "samples": len(samples),
            "seq_len_min": min(lens), "seq_len_max": max(lens), "synth_prompts": bool(a.synth), "dir": a.dir}
     modes = {"bf16": {}, "qat": {"qat": True}, "fp32": {"dtype": torch.float32},
              "fp32_qat": {"dtype": torch.float32, "qat": True}}
-    lps = {}
-    for mode in a.modes.split(","):
-        lps[mode] = our_logprobs(load_model(a, **modes[mode]), samples)
-        res[mode] = score(lps[mode], samples)
-    if "bf16" in lps and "qat" in lps:   # the FP8 floor on the same tokens: what FP8 alone moves nanoflash by
-        res["floor_qat_vs_bf16"] = tails((lps["qat"] - lps["bf16"]).abs())
-    res.update(prefill_rows(client, samples, lps.get("bf16")))
+    server = torch.tensor([lp for _, _, lps in samples for lp in lps])   # [tokens] the server's decode
+    ours = {mode: our_logprobs(load_model(a, **modes[mode]), samples) for mode in a.modes.split(",")}
+    rows = {mode: (lp - server).abs() for mode, lp in ours.items()}      # name -> per-token |dlogp|
+    if "bf16" in ours and "qat" in ours:   # the FP8 floor on the same tokens: what FP8 alone moves nanoflash by
+        rows["floor_qat_vs_bf16"] = (ours["qat"] - ours["bf16"]).abs()
+    pre = server_prefill(client, samples)
+    if isinstance(pre, str):
+        res["server_prefill_error"] = pre
+    else:   # the server's decode against its own prefill, and nanoflash against that prefill
+        rows["server_decode_vs_prefill"] = (pre - server).abs()
+        if "bf16" in ours:
+            rows["bf16_vs_server_prefill"] = (ours["bf16"] - pre).abs()
     if a.planted:
         orig = M.hc_post
         M.hc_post = lambda x, res_, post, comb: orig(x, res_, post, comb.transpose(-1, -2))
-        res["bf16_planted_comb_bug"] = score(our_logprobs(load_model(a), samples), samples)
+        rows["bf16_planted_comb_bug"] = (our_logprobs(load_model(a), samples) - server).abs()
         M.hc_post = orig
+    res.update({k: tails(v[:head]) for k, v in rows.items()})
+    res["by_length"] = by_length(samples, rows)
     res["goal_mean_below"] = PARITY_GOAL
     print(json.dumps(res, indent=1))
     with open(a.out, "w") as f:
@@ -332,6 +356,7 @@ def main():
     ap.add_argument("--prompt-len-max", type=int, default=0, help="prompt lengths spread over prompt-len..this")
     ap.add_argument("--synth", type=int, default=0, help="prompts of held-out synth problems (a trained model)")
     ap.add_argument("--restore", type=int, default=0, help="/update_weights_from_disk --dir before sampling")
+    ap.add_argument("--sweep", default="", help="more prompt lengths, one prompt each, for `by_length` only")
     a = ap.parse_args()
     {"ckpt": cmd_ckpt, "parity": cmd_parity, "push": cmd_push}[a.phase](a)
 
