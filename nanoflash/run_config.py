@@ -101,6 +101,8 @@ class OptimConfig:
     eps: float = 1e-8                 # Adam denominator eps
     grad_clip: float = 1.0            # global gradient-norm clip across all ranks (0 = off)
     train_mtp: bool = False           # also train the MTP block (frozen in the V4 RL recipe)
+    round_to_served: bool = True      # with rollout.weights=fp8: fp32 weights the push sends bf16 (norms, head,
+                                      # compressors) hold bf16 values, their fp32 master the updates (actor.py)
 
 
 @dataclass

@@ -18,7 +18,8 @@ from nanoflash.cli import parse_args
 from nanoflash.config import preset
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.parallel.microbatch import pack_microbatches
-from nanoflash.rl.actor import FIELDS, Actor, batch_samples, build_model, make_optimizer, scatter_shards
+from nanoflash.rl.actor import (FIELDS, Actor, batch_samples, build_model, make_optimizer, scatter_shards,
+                                served_storage)
 
 # Response lengths chosen so shards pack into different micro-batch counts at a 40-token budget
 # (PP2xEP2: 3 vs 2 micro-batches; DP2xEP2: 2, 1, 2, 1).
@@ -227,6 +228,27 @@ def test_nonfinite_step_is_skipped_on_every_rank():
     for r in results:
         assert r[0] == {"skipped": True, "same": True, "finite": True, "adam_step": 0}, r
         assert r[1]["skipped"] is False and not r[1]["same"] and r[1]["finite"] and r[1]["adam_step"] == 1, r
+
+
+@pytest.mark.parametrize("round_to_served", [True, False])
+def test_weights_the_fp8_push_sends_bf16_hold_bf16_values(round_to_served):
+    """rollout.weights=fp8: the fp32 parameters the push sends in bf16 (norms, head, compressors, ...:
+    `served_storage`) hold exactly the bf16 values the servers run, before and after a GRPO step whose update
+    lives in the fp32 master; with optim.round_to_served=false they keep their fp32 values (a seeded fp32
+    init is not bf16-exact)."""
+    cfg = parse_args(["--recipe", "smoke", "--rollout.weights", "fp8", "--optim.lr", "1e-3",
+                      "--optim.round_to_served", str(round_to_served).lower()])
+    actor = Actor(cfg, preset("tiny", **cfg.model), ParallelDims())
+    rounded = served_storage(actor.model, actor.model.cfg)
+    assert {"head.weight", "norm.weight"} <= set(rounded) and not any("experts" in n for n in rounded)
+    opt = actor.start_optimizer()
+    exact = lambda: [torch.equal(t, t.to(torch.bfloat16).float())  # noqa: E731
+                     for n, t in actor.model.named_parameters() if n in rounded]
+    assert all(exact()) == round_to_served and set(opt.storage) == (set(rounded) if round_to_served else set())
+    batch = global_batch(cfg)
+    batch.old_logprobs = actor.logprobs(batch)
+    actor.train(batch)
+    assert all(exact()) == round_to_served and opt.step_count == 1
 
 
 def test_nonfinite_weights_are_never_saved(tmp_path):

@@ -174,9 +174,13 @@ class AdamW:
 
     def __init__(self, named_params, lr: float = 1e-6, weight_decay: float = 0.1, betas=(0.9, 0.98),
                  eps: float = 1e-8, offload: bool = False, chunk_elems: int = HOST_CHUNK_ELEMS,
-                 host_threads: int | None = None, tile_elems: int = HOST_TILE_ELEMS, grad_cast: str = HOST_GRAD_CAST):
+                 host_threads: int | None = None, tile_elems: int = HOST_TILE_ELEMS, grad_cast: str = HOST_GRAD_CAST,
+                 storage: dict | None = None):
         self.lr, self.weight_decay, self.betas, self.eps, self.offload = lr, weight_decay, tuple(betas), eps, offload
         self.params = dict(named_params)
+        # name -> a dtype coarser than the parameter's that its values are kept in (`storage_dtypes`); the
+        # master keeps the fp32 sum of the updates, the parameter its rounding (now and after every step)
+        self.storage = {n: dt for n, dt in (storage or {}).items() if n in self.params}
         self.step_count = 0
         self.host_threads = host_threads or default_host_threads()
         self.state: dict[str, dict[str, torch.Tensor]] = {}
@@ -184,8 +188,11 @@ class AdamW:
             dev = torch.device("cpu") if offload else p.device
             st = {"exp_avg": torch.zeros(p.shape, dtype=torch.float32, device=dev),
                   "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32, device=dev)}
-            if offload or p.dtype != torch.float32:
+            if offload or p.dtype != torch.float32 or name in self.storage:
                 st["master"] = p.detach().to(dev, torch.float32, copy=True)
+            if name in self.storage:
+                with torch.no_grad():
+                    p.copy_(p.to(self.storage[name]))
             self.state[name] = st
         self.set_streaming(chunk_elems, tile_elems, grad_cast)
         self.last_step_s = 0.0  # wall time of the last step, weights back on their device
@@ -229,9 +236,9 @@ class AdamW:
         fused_adamw_(ws, [p.grad.float() for p in ps], [self.state[n]["exp_avg"] for n in names],
                      [self.state[n]["exp_avg_sq"] for n in names], self.step_count, self.lr, self.betas,
                      self.eps, wd)
-        for p, w in zip(ps, ws):
+        for n, p, w in zip(names, ps, ws):
             if w is not p:
-                p.copy_(w)
+                p.copy_(w.to(self.storage[n]) if n in self.storage else w)
 
     # ------------------------------------------------------------------ offloaded step
     def set_streaming(self, chunk_elems: int = HOST_CHUNK_ELEMS, tile_elems: int = HOST_TILE_ELEMS,
@@ -341,7 +348,7 @@ class AdamW:
             sel = [j for j, pc in enumerate(tile) if self._decay(pc[0]) == wd]
             groups.append((wd, [flat(j, "master") for j in sel], [grads[j] for j in sel],
                            [flat(j, "exp_avg") for j in sel], [flat(j, "exp_avg_sq") for j in sel]))
-        wcasts = [(self._slot("up", self.params[n].dtype, k)[off:off + b - a], flat(j, "master"))
+        wcasts = [(self._slot("up", self.params[n].dtype, k)[off:off + b - a], flat(j, "master"), self.storage.get(n))
                   for j, (n, a, b, off) in enumerate(tile)]
         return gcasts, groups, wcasts
 
@@ -354,8 +361,8 @@ class AdamW:
         for wd, masters, grads, ms, vs in groups:
             fused_adamw_(masters, grads, ms, vs, step, self.lr, self.betas, self.eps, wd)
         laps.lap("kernel_s")
-        for dst, src in wcasts:  # fp32 master -> the parameter's dtype, on the host
-            dst.copy_(src)
+        for dst, src, keep in wcasts:  # fp32 master -> the parameter's dtype (via its storage dtype), on the host
+            dst.copy_(src if keep is None else src.to(keep))
         laps.lap("weight_cast_s")
 
     def _upload(self, chunk, k: int) -> None:

@@ -7,7 +7,10 @@ its device (`cuda:LOCAL_RANK` under NCCL, the CPU under gloo). Weights come from
 layout-independent (`Transformer.init_weights` seeds every tensor by its official name) or from a checkpoint
 (HF layout or DCP), of which each rank reads only its own tensors. The optimizer is created last
 (`start_optimizer`), after the checkpoint load and any supervised warm-up, because AdamW copies its fp32
-master from the weights as they are at that moment.
+master from the weights as they are at that moment. With FP8 pushes (`rollout.weights=fp8`, and
+`optim.round_to_served`) the fp32 weights the push sends in bf16 -- norms, head, compressors, kept fp32 for
+their arithmetic as in the official model -- hold bf16 values from then on (`served_storage`): the trainer
+scores and steps the very weights the servers run, and the updates accumulate in the fp32 master.
 
 One GRPO step on this rank's data shard (`grpo.RolloutBatch` rows [d B / D, (d+1) B / D) of data rank d of
 D = DP x EP, held only by first pipeline stages; later stages receive everything through the pipeline):
@@ -45,6 +48,8 @@ from nanoflash.parallel.microbatch import equalize_count, pack_microbatches
 from nanoflash.parallel.optim import AdamW
 from nanoflash.parallel.pipeline import forward_only
 from nanoflash.parallel.train_step import global_count, parallelize, stage_logprobs, train_step
+from nanoflash.rollout.layout import sglang_fp8
+from nanoflash.rollout.stream import served_dtype
 
 LOSS_KEYS = ("pg_loss", "pg_clipfrac", "ppo_kl", "ess_ratio", "ois", "tis", "tis_clipfrac", "tis_abs",
              "train_rollout_logprob_abs_diff", "train_rollout_kl", "train_rollout_kl_k1")
@@ -84,11 +89,23 @@ def build_model(mcfg, dims, par, dtype: torch.dtype, device, seed: int | None = 
     return model
 
 
-def make_optimizer(model, oc, lr: float | None = None, offload: bool = False) -> AdamW:
-    """AdamW over the trainable parameters the rank holds; its fp32 master is copied from the weights NOW."""
+def make_optimizer(model, oc, lr: float | None = None, offload: bool = False, storage: dict | None = None) -> AdamW:
+    """AdamW over the trainable parameters the rank holds; its fp32 master is copied from the weights NOW
+    (`storage`: `served_storage`, parameters rounded to what the servers hold)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return AdamW(params, lr=oc.lr if lr is None else lr, weight_decay=oc.weight_decay, betas=(oc.beta1, oc.beta2),
-                 eps=oc.eps, offload=offload)
+                 eps=oc.eps, offload=offload, storage=storage)
+
+
+def served_storage(model, mcfg) -> dict:
+    """{name: bf16} for the trainable fp32 parameters an FP8 push sends in bf16 (the release's storage of the
+    norms, head and compressors, `stream.served_dtype`). The servers run those bf16 values; a trainer that kept
+    fp32 values would score, and step, a policy they do not serve -- and an update smaller than half a bf16 step
+    (2^-9 of a norm weight near 1: ~80 steps at lr 5e-5, thousands at 1e-6) would never reach them. With this
+    map the optimizer keeps the weights at their bf16 values and the fp32 sum of the updates in its master."""
+    return {n: torch.bfloat16 for n, p in model.named_parameters()   # (expert stacks are FP8-served)
+            if p.requires_grad and p.dtype == torch.float32 and getattr(p, "expert_ids", None) is None
+            and not sglang_fp8(n, mcfg) and served_dtype(n, p, mcfg) == torch.bfloat16}
 
 
 # ---------------------------------------------------------------------------------------------- micro-batches
@@ -138,7 +155,9 @@ class Actor:
     # ------------------------------------------------------------------ state
     def start_optimizer(self) -> AdamW:
         """Create the GRPO optimizer from the weights as they are now (after load and warm-up)."""
-        self.optimizer = make_optimizer(self.model, self.oc, offload=self.par.offload_optimizer)
+        rounded = self.oc.round_to_served and self.cfg.rollout.weights == "fp8"
+        self.optimizer = make_optimizer(self.model, self.oc, offload=self.par.offload_optimizer,
+                                        storage=served_storage(self.model, self.model.cfg) if rounded else None)
         return self.optimizer
 
     def state_iter(self):

@@ -12,9 +12,9 @@ Four things the loop's own metrics do not show, each a call from `train.py` (ran
    the release's bf16 for the norms, head and compressors the trainer keeps fp32) -- and runs with the FP8
    activation simulation on (`ModelConfig.qat`). floor_t = |log p_sim(y_t) - log p_train(y_t)| is what the
    served format costs; gap/floor near 1 says the server adds nothing beyond it. `floor_fp8` is the same with
-   the FP8 rounding only (the fp32 weights kept): runs 3-6 measured that one. The two part once training moves
-   the fp32 weights off the bf16 grid they were loaded on (a warm start read from a release-format checkpoint
-   holds bf16 values there, so at first they agree).
+   the FP8 rounding only (the fp32 weights kept): runs 3-6 measured that one. The two agree while those weights
+   hold bf16 values -- always with `optim.round_to_served` (the default: `actor.served_storage`), and at a warm
+   start read from a release-format checkpoint -- and part once training moves them off the bf16 grid.
    The same tokens are also scored again by the server in one prefill (`client.prefill_logprobs`, SGLang's
    `logprob_start_len=0`, no prefix cache): prefill_t = |log p_train - log p_server_prefill|. The rollout's
    log-probs come from the server's decode (token by token, KV cache, compressor state carried); prefill
