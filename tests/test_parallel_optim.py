@@ -79,18 +79,20 @@ def test_bf16_model_keeps_fp32_master():
     assert any(not torch.equal(st["master"].to(torch.bfloat16).float(), st["master"]) for st in opt.state.values())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("offload", [False, True])
-def test_storage_rounded_parameters_hold_bf16_values_and_keep_every_update(offload, gen):
+def test_storage_rounded_parameters_hold_bf16_values_and_keep_every_update(offload, device, gen):
     """`storage`: an fp32 parameter kept at bf16 values (as the servers hold it). Its master follows plain fp32
     AdamW exactly (the same fused call on the same numbers), the parameter is the master rounded to bf16 --
     at construction and after every step, on device and offloaded -- and updates far below half a bf16 step,
     which a bf16 weight alone would lose, accumulate in the master until the rounding moves."""
-    ours, ref = _toy(), _toy()
+    # the reference steps where the state lives (offloaded: the host's fused kernel, whose bits it matches)
+    ours, ref = _toy().to(device), _toy().to("cpu" if offload else device)
     with torch.no_grad():   # bf16 values near 1 (a norm's, as read from a release checkpoint): half a bf16
         for p in ref.parameters():   # step there is 2^-8, ~8 steps of lr 5e-4 in one direction
             p.copy_((p + 1.0).to(torch.bfloat16).float())
         for p, q in zip(ours.parameters(), ref.parameters()):
-            p.copy_(q)
+            p.copy_(q.to(device))
     kw = dict(lr=5e-4, weight_decay=0.0, betas=(0.9, 0.98), eps=1e-8)
     rounded = {"2.weight": torch.bfloat16, "2.bias": torch.bfloat16}
     opt = AdamW(ours.named_parameters(), offload=offload, host_threads=2, storage=rounded, **kw)
@@ -103,14 +105,15 @@ def test_storage_rounded_parameters_hold_bf16_values_and_keep_every_update(offlo
         _seeded_grads(list(ref.parameters()), gen)
         for p, q in zip(ours.parameters(), ref.parameters()):
             q.grad.mul_(0.1).add_(1.0)   # one sign: every step moves a weight by ~lr the same way
-            p.grad = q.grad.clone()
+            p.grad = q.grad.to(device, copy=True)
         opt.step()
         ropt.step()
         moved_early.append(any(not torch.equal(params[n], first[n]) for n in rounded))
     for (n, p), q in zip(ours.named_parameters(), ref.parameters()):
+        p, q = p.detach().cpu(), q.detach().cpu()
         if n in rounded:
-            assert p.dtype == torch.float32 and torch.equal(opt.state[n]["master"], q.detach()), n
-            assert torch.equal(p, q.detach().to(torch.bfloat16).float()), n
+            assert p.dtype == torch.float32 and torch.equal(opt.state[n]["master"].cpu(), q), n
+            assert torch.equal(p, q.to(torch.bfloat16).float()), n
         else:
             assert torch.equal(p, q), n
     assert not moved_early[0] and moved_early[-1]   # invisible at first, carried by the master until it shows
