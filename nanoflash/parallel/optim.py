@@ -9,8 +9,9 @@ gradient g (fp32), step t:
     w <- w - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     param <- w cast to the model dtype (bf16 in real runs)
 
-State per trainable parameter: master w (only when the model is not fp32, or when offloading), m, v: 12 bytes
-per parameter in fp32, on the parameter's device or, with `offload=True`, in ordinary (pageable) host memory.
+State per trainable parameter: master w (when the model is not fp32, when offloading, or when the weight is
+kept at a coarser `storage` dtype: param <- w rounded to it), m, v: 12 bytes per parameter in fp32, on the
+parameter's device or, with `offload=True`, in ordinary (pageable) host memory.
 
 The offloaded step streams the parameters through the host in chunks of at most `chunk_elems` elements
 (a large tensor is cut at multiples of `ALIGN` elements, where the fused CPU kernel's vector lanes fall as
@@ -82,13 +83,9 @@ def is_frozen(name: str, train_mtp: bool = False) -> bool:
 
 def trainable_parameters(model: nn.Module, train_mtp: bool = False) -> list[tuple[str, nn.Parameter]]:
     """Freeze (requires_grad=False) the router, indexer and, unless asked, MTP; return the rest by name."""
-    out = []
     for name, p in model.named_parameters():
-        frozen = is_frozen(name, train_mtp)
-        p.requires_grad_(not frozen)
-        if not frozen:
-            out.append((name, p))
-    return out
+        p.requires_grad_(not is_frozen(name, train_mtp))
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
 def default_host_threads() -> int:
@@ -178,11 +175,9 @@ class AdamW:
                  storage: dict | None = None):
         self.lr, self.weight_decay, self.betas, self.eps, self.offload = lr, weight_decay, tuple(betas), eps, offload
         self.params = dict(named_params)
-        # name -> a dtype coarser than the parameter's that its values are kept in (`storage_dtypes`); the
-        # master keeps the fp32 sum of the updates, the parameter its rounding (now and after every step)
+        # name -> a coarser dtype the parameter's values are kept in (its master the fp32 sum of the updates)
         self.storage = {n: dt for n, dt in (storage or {}).items() if n in self.params}
-        self.step_count = 0
-        self.host_threads = host_threads or default_host_threads()
+        self.step_count, self.host_threads = 0, host_threads or default_host_threads()
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         for name, p in self.params.items():
             dev = torch.device("cpu") if offload else p.device
@@ -190,9 +185,8 @@ class AdamW:
                   "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32, device=dev)}
             if offload or p.dtype != torch.float32 or name in self.storage:
                 st["master"] = p.detach().to(dev, torch.float32, copy=True)
-            if name in self.storage:
-                with torch.no_grad():
-                    p.copy_(p.to(self.storage[name]))
+            if name in self.storage:   # rounded from now on, and after every step
+                p.data.copy_(p.data.to(self.storage[name]))
             self.state[name] = st
         self.set_streaming(chunk_elems, tile_elems, grad_cast)
         self.last_step_s = 0.0  # wall time of the last step, weights back on their device

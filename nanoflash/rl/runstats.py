@@ -146,8 +146,11 @@ def excess_by_token(dump_dir: str, steps: list | None = None, top: int = EXCESS_
         if pre is not None:
             out["prefill_over_floor"] = float(pre[m].sum() / floor[m].sum()) if m.any() else None
         return out
-    return {"steps": len(cols), "tokens": len(gap), "excess_sum": total, "by_token": rows,
-            "first_token": part(first), "rest": part(~first), **({"all": part(first | ~first)} if pre is not None else {})}
+    res = {"steps": len(cols), "tokens": len(gap), "excess_sum": total, "by_token": rows,
+           "first_token": part(first), "rest": part(~first)}
+    if pre is not None:
+        res["all"] = part(first | ~first)
+    return res
 
 
 def column(recs: list, key: str, kind: str | None = None) -> tuple[list, list]:

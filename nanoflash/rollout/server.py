@@ -146,17 +146,14 @@ class RolloutServer:
         V = self.engine.cfg.vocab_size
         for p in prompts:
             if not isinstance(p, list) or not p or not all(type(t) is int and 0 <= t < V for t in p):
-                raise BadRequest(f"/generate: input_ids must be a non-empty list of ints in [0, {V}), "
-                                 f"got {str(p)[:80]}")
+                raise BadRequest(f"/generate: input_ids must be a non-empty list of ints in [0, {V}), got {str(p)[:80]}")
         sp = parse_sampling(body.get("sampling_params", {}), V)
         asked = len(prompts) * sp["n"] * max(1, sp["max_new_tokens"])
         if asked > self.max_request_tokens:
             raise BadRequest(f"/generate: {len(prompts)} prompt(s) x n={sp['n']} x max_new_tokens="
                              f"{sp['max_new_tokens']} = {asked} tokens exceeds this server's "
                              f"max_request_tokens={self.max_request_tokens}; split the request")
-        rid = body.get("rid")
-        routed = bool(body.get("return_routed_experts"))
-        start = body.get("logprob_start_len", -1)
+        rid, routed, start = body.get("rid"), bool(body.get("return_routed_experts")), body.get("logprob_start_len", -1)
         if type(start) is not int or start < -1:
             raise BadRequest(f"/generate: logprob_start_len={start!r} is invalid: want an int >= -1")
         out = []
