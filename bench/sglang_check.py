@@ -41,6 +41,7 @@ import torch
 from nanoflash.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from nanoflash.config import ModelConfig, preset
 from nanoflash.model import Transformer
+from nanoflash.rollout.probe import prefill_logprobs
 
 URL = os.environ.get("NF_URL", "http://127.0.0.1:30000")
 DEVICE = os.environ.get("NF_DEVICE", "cuda")
@@ -130,10 +131,10 @@ def score(ours: torch.Tensor, samples) -> dict:
 
 
 def server_prefill(client, samples):
-    """The same tokens scored again by the server in one prefill per sample (`client.prefill_logprobs`), in
+    """The same tokens scored again by the server in one prefill per sample (`probe.prefill_logprobs`), in
     sample order as `our_logprobs`: [tokens] fp32, or the error as a string (a diagnostic, not raised)."""
     try:
-        return torch.cat([torch.tensor(client.prefill_logprobs([p + ids])[0][len(p) - 1:]) for p, ids, _ in samples])
+        return torch.cat([torch.tensor(prefill_logprobs(client, [p + ids])[0][len(p) - 1:]) for p, ids, _ in samples])
     except Exception as e:
         return f"{type(e).__name__}: {str(e)[:300]}"
 

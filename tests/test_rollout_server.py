@@ -24,6 +24,7 @@ from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
 from nanoflash.rollout.client import RequestRejected, ServerGoneError, SGLangClient
 from nanoflash.rollout.engine import RolloutEngine
 from nanoflash.rollout.layout import sglang_fp8
+from nanoflash.rollout.probe import prefill_logprobs
 from nanoflash.rollout.server import serve
 from nanoflash.rollout.weight_sync import (Broadcaster, SAFE_FORMAT, encode_tensors, iter_sglang_buckets,
                                            probe_logprobs, push_weights, send_local_payload)
@@ -78,13 +79,13 @@ def test_generate_logprobs_equal_trainer_exactly(stock):
 
 
 def test_prefill_logprobs_score_given_tokens_as_the_trainer_and_match_decode(stock):
-    """client.prefill_logprobs (SGLang's logprob_start_len=0): the trainer's log-probs of every token after the
+    """probe.prefill_logprobs (SGLang's logprob_start_len=0): the trainer's log-probs of every token after the
     first, for a batch of sequences of different lengths; on the embedded server (which scores its decode by a
     prefill too) equal to the rollout's output_token_logprobs bit for bit."""
     trainer, client, _ = stock
     g = client.generate(PROMPT, {"temperature": 0.8, "max_new_tokens": 7})[0]
     seqs = [list(PROMPT) + g.output_ids, [5, 9, 2]]
-    got = client.prefill_logprobs(seqs, temperature=0.8)
+    got = prefill_logprobs(client, seqs, temperature=0.8)
     assert [len(x) for x in got] == [len(seqs[0]) - 1, 2]
     for x, lp in zip(seqs, got):
         assert torch.equal(torch.tensor(lp), trainer_logprobs(trainer, x[:1], x[1:], 0.8))

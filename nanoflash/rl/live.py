@@ -15,7 +15,7 @@ Four things the loop's own metrics do not show, each a call from `train.py` (ran
    the FP8 rounding only (the fp32 weights kept): runs 3-6 measured that one. The two agree while those weights
    hold bf16 values -- always with `optim.round_to_served` (the default: `actor.served_storage`), and at a warm
    start read from a release-format checkpoint -- and part once training moves them off the bf16 grid.
-   The same tokens are also scored again by the server in one prefill (`client.prefill_logprobs`, SGLang's
+   The same tokens are also scored again by the server in one prefill (`probe.prefill_logprobs`, SGLang's
    `logprob_start_len=0`, no prefix cache): prefill_t = |log p_train - log p_server_prefill|. The rollout's
    log-probs come from the server's decode (token by token, KV cache, compressor state carried); prefill
    recomputes everything at once, as the trainer does. prefill near floor while gap is above it puts the excess
@@ -184,7 +184,7 @@ class LiveChecks:
         return out
 
     def _prefill(self, batch):
-        """The step's sequences scored again by the server in one prefill (`client.prefill_logprobs`), aligned
+        """The step's sequences scored again by the server in one prefill (`probe.prefill_logprobs`), aligned
         as batch.rollout_logprobs [B,S]; None (and `prefill_errors` counted) if the server refuses."""
         t0, rows = time.time(), []
         for b in range(len(batch)):
@@ -192,7 +192,7 @@ class LiveChecks:
             rows.append([int(batch.input_ids[b, 0])] + batch.targets[b, :L - 1].tolist())   # the full L tokens
         try:
             lps = [lp for a in range(0, len(rows), PREFILL_ROWS) for lp in
-                   self.rollouts.client.prefill_logprobs(rows[a:a + PREFILL_ROWS], self.cfg.rollout.temperature)]
+                   probe_lib.prefill_logprobs(self.rollouts.client, rows[a:a + PREFILL_ROWS], self.cfg.rollout.temperature)]
         except Exception as e:   # a diagnostic: the run goes on without it, the failure counted and named
             self.prefill_errors += 1
             print(f"live: prefill scoring failed ({self.prefill_errors}): {type(e).__name__}: {str(e)[:200]}")

@@ -329,26 +329,6 @@ class SGLangClient:
         items = out if isinstance(out, list) else [out]
         return [parse_generation(it, input_ids, url) for it in items]
 
-    def prefill_logprobs(self, sequences: list, temperature: float = 1.0, url: str | None = None) -> list:
-        """The server's log-probs of given tokens, scored in one prefill (no sampling, no prefix cache: SGLang
-        reuses a cached prefix only up to `logprob_start_len`, here 0): one list per sequence, value i is
-        log p(x_{i+1} | x_<=i), so len(x) - 1 values. One batched /generate (max_new_tokens 1, its token unused)."""
-        url = url or self._pick()
-        body = {"input_ids": [list(x) for x in sequences], "return_logprob": True, "logprob_start_len": 0,
-                "sampling_params": {"max_new_tokens": 1, "temperature": temperature}}
-        out = self.post(url, "/generate", body)
-        items = out if isinstance(out, list) else [out]
-        if len(items) != len(sequences):
-            raise ValueError(f"{url}: prefill scoring of {len(sequences)} sequences returned {len(items)} results")
-        res = []
-        for x, it in zip(sequences, items):
-            lps = (it.get("meta_info") or {}).get("input_token_logprobs") or []
-            if [t[1] for t in lps] != list(x) or any(t[0] is None for t in lps[1:]):
-                raise ValueError(f"{url}: input_token_logprobs do not match the {len(x)} tokens sent "
-                                 f"(got {len(lps)}: {str(lps)[:120]})")
-            res.append([float(t[0]) for t in lps[1:]])
-        return res
-
     def _pick(self) -> str:
         """The server with the fewest requests in flight (the first such on a tie)."""
         with self._lock:

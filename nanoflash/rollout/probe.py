@@ -11,8 +11,11 @@ With `other` (e.g. the warm start) the same tokens are scored by it too: `other_
 `shift_mean` = |trainer - other|. Once training has moved the weights (shift well above the gap), a server
 still holding the old weights shows other_mean < mean: the probe then tells which weights the server runs.
 Sampling at T = 1 (not greedy) keeps unlikely tokens in the probe, where log-probs move most with the weights.
+`prefill_logprobs` asks the server for its log-probs of given tokens in one prefill (SGLang's
+`logprob_start_len`): against the rollout's decode log-probs it separates the server's decode path from its
+forward (`rl/live.py`).
 
-Tests: `pytest tests/test_h200_pieces.py -q`.
+Tests: `pytest tests/test_h200_pieces.py tests/test_rollout_server.py -q`.
 """
 from __future__ import annotations
 
@@ -58,3 +61,24 @@ def require_landed(p: dict, version) -> None:
     if not p["mean"] < PROBE_MAX_MEAN:
         raise SystemExit(f"probe after push v{version}: mean |dlogp| {p['mean']:.3f} on the fixed prompt is above "
                          f"{PROBE_MAX_MEAN} (max {p['max']:.3f}): the server does not compute with what was pushed")
+
+
+def prefill_logprobs(client, sequences: list, temperature: float = 1.0, url: str | None = None) -> list:
+    """The server's log-probs of given tokens, scored in one prefill (no sampling, no prefix cache: SGLang
+    reuses a cached prefix only up to `logprob_start_len`, here 0): one list per sequence, value i is
+    log p(x_{i+1} | x_<=i), so len(x) - 1 values. One batched /generate (max_new_tokens 1, its token unused)."""
+    url = url or client.urls[0]
+    body = {"input_ids": [list(x) for x in sequences], "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 1, "temperature": temperature}}
+    out = client.post(url, "/generate", body)
+    items = out if isinstance(out, list) else [out]
+    if len(items) != len(sequences):
+        raise ValueError(f"{url}: prefill scoring of {len(sequences)} sequences returned {len(items)} results")
+    res = []
+    for x, it in zip(sequences, items):
+        lps = (it.get("meta_info") or {}).get("input_token_logprobs") or []
+        if [t[1] for t in lps] != list(x) or any(t[0] is None for t in lps[1:]):
+            raise ValueError(f"{url}: input_token_logprobs do not match the {len(x)} tokens sent "
+                             f"(got {len(lps)}: {str(lps)[:120]})")
+        res.append([float(t[0]) for t in lps[1:]])
+    return res
