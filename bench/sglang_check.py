@@ -139,19 +139,16 @@ def server_prefill(client, samples):
         return f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def by_length(samples, rows: dict) -> list:
-    """Mean |dlogp| of each row per prompt (its samples together), with the prompt's length: how the gap grows
+def by_length(samples, rows: dict, n: int) -> list:
+    """Mean |dlogp| of each row per prompt (its `n` samples together), with the prompt's length: how the gap grows
     with depth (window 128; C4 entries past `index_topk` x 4 tokens; one C128 entry per 128). `rows`: name ->
     per-token |dlogp| in sample order."""
-    out, at, i = [], 0, 0
-    while i < len(samples):
-        j = i
-        while j < len(samples) and samples[j][0] is samples[i][0]:   # the n samples of one prompt
-            j += 1
-        n = sum(len(ids) for _, ids, _ in samples[i:j])
-        out.append({"prompt_len": len(samples[i][0]), "tokens": n,
-                    **{k: round(float(v[at:at + n].mean()), 5) for k, v in rows.items()}})
-        at, i = at + n, j
+    out, at = [], 0
+    for i in range(0, len(samples), n):
+        k = sum(len(ids) for _, ids, _ in samples[i:i + n])
+        out.append({"prompt_len": len(samples[i][0]), "tokens": k,
+                    **{name: round(float(v[at:at + k].mean()), 5) for name, v in rows.items()}})
+        at += k
     return out
 
 
@@ -209,7 +206,7 @@ def cmd_parity(a):
         rows["bf16_planted_comb_bug"] = (our_logprobs(load_model(a), samples) - server).abs()
         M.hc_post = orig
     res.update({k: tails(v[:head]) for k, v in rows.items()})
-    res["by_length"] = by_length(samples, rows)
+    res["by_length"] = by_length(samples, rows, a.n)
     res["goal_mean_below"] = PARITY_GOAL
     print(json.dumps(res, indent=1))
     with open(a.out, "w") as f:

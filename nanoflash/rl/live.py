@@ -145,7 +145,7 @@ class LiveChecks:
         self.sim.cast_(next(actor.model.parameters()).dtype).eval()
         self.probe_prompt = task.encode(task.heldout[0] if task.heldout else task.train[0])
         self.probe_seed = cfg.train.seed + 7
-        self.prefill_errors, self.prefill_s = 0, 0.0
+        self.prefill_errors = 0
         self.dump_dir = os.path.join(cfg.train.out_dir, "live_tokens")
         os.makedirs(self.dump_dir, exist_ok=True)
 
@@ -171,10 +171,11 @@ class LiveChecks:
         out = {**token_stats(gap, floor, ent), "floor_fp8_mean": float(floor_fp8.mean()),
                "gap_over_floor_fp8": float(gap.abs().sum() / floor_fp8.sum().clamp_min(1e-12)),
                "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs)[on].abs().mean())}
+        t1 = time.time()
         pre = self._prefill(batch)                                # [B,S] the server's prefill scores, or None
         if pre is not None:
-            dump["prefill_gap"] = (old.cpu() - pre)[on].float()
-            out.update(prefill_stats(dump["prefill_gap"], gap, floor), prefill_s=self.prefill_s)
+            dump["prefill_gap"] = (old - pre)[on].float()
+            out.update(prefill_stats(dump["prefill_gap"], gap, floor), prefill_s=time.time() - t1)
         out["prefill_errors"] = self.prefill_errors
         torch.save(dump, os.path.join(self.dump_dir, f"step_{step:04d}.pt"))
         if dev.type == "cuda":
@@ -186,7 +187,7 @@ class LiveChecks:
     def _prefill(self, batch):
         """The step's sequences scored again by the server in one prefill (`probe.prefill_logprobs`), aligned
         as batch.rollout_logprobs [B,S]; None (and `prefill_errors` counted) if the server refuses."""
-        t0, rows = time.time(), []
+        rows = []
         for b in range(len(batch)):
             L = int(batch.prompt_lens[b] + batch.response_lens[b])
             rows.append([int(batch.input_ids[b, 0])] + batch.targets[b, :L - 1].tolist())   # the full L tokens
@@ -200,7 +201,6 @@ class LiveChecks:
         pre = torch.zeros_like(batch.rollout_logprobs)
         for b, lp in enumerate(lps):
             pre[b, :len(lp)] = torch.tensor(lp)
-        self.prefill_s = time.time() - t0
         return pre
 
     # ------------------------------------------------------------------ per push
