@@ -14,9 +14,10 @@ modes ran, the FP8 floor on the same tokens (`floor_qat_vs_bf16`: QAT against BF
 a BF16 row near that floor says the server adds little beyond FP8 rounding. The server also scores the same
 tokens again in one prefill per sample (`server_decode_vs_prefill`, `bf16_vs_server_prefill`): the rows split
 what its decode path (KV cache, compressor state carried token by token) adds from what its prefill shares.
-`--sweep 128,256,...` adds one prompt per length (for `by_length` only: every row's mean per prompt), so a gap
-that grows with depth shows where it starts: past the 128-token window, past `index_topk` x 4 tokens (where the
-C4 indexer starts to drop entries), or with the C128 entries.
+`--sweep 128,256,...` adds one prompt per length (for `by_length` and `by_position` only: every row's mean per
+prompt, and per band of absolute positions), so a gap that grows with depth shows where it starts: below the
+128-token window, past it, past `index_topk` x 4 tokens (where the C4 indexer starts to drop entries), or with the
+C128 entries.
 
 `push` perturbs the trainer's weights, pushes them through nanoflash's weight stream (`iter_sglang_buckets`, FP8
 with Miles' fp32 `weight_scale_inv`) with SGLang's own FlattenedTensorBucket payload (colocated CUDA IPC), in the
@@ -152,6 +153,23 @@ def by_length(samples, rows: dict, n: int) -> list:
     return out
 
 
+POSITION_EDGES = (0, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 30)   # window 128; C128's first entry at 128
+
+
+def by_position(samples, rows: dict) -> list:
+    """Mean |dlogp| of each row over the scored tokens whose absolute position (prompt length + index in the
+    response) falls in [lo, hi) of POSITION_EDGES: a gap that starts at 128 is the window's edge or C128's
+    first entry, one already below 128 is neither. `rows`: name -> per-token |dlogp| in sample order."""
+    pos = torch.cat([torch.arange(len(p), len(p) + len(ids)) for p, ids, _ in samples])   # [tokens]
+    out = []
+    for lo, hi in zip(POSITION_EDGES, POSITION_EDGES[1:]):
+        m = (pos >= lo) & (pos < hi)
+        if m.any():
+            out.append({"pos_lo": lo, "pos_hi": hi, "tokens": int(m.sum()),
+                        **{name: round(float(v[m].mean()), 5) for name, v in rows.items()}})
+    return out
+
+
 def restore(client, a):
     """--dir into the server: SGLang reads the checkpoint itself (exact: the same FP8 bytes); the embedded server
     reads no F8_E8M0 file, so it gets a push (verified) of the model loaded from it instead."""
@@ -206,7 +224,7 @@ def cmd_parity(a):
         rows["bf16_planted_comb_bug"] = (our_logprobs(load_model(a), samples) - server).abs()
         M.hc_post = orig
     res.update({k: tails(v[:head]) for k, v in rows.items()})
-    res["by_length"] = by_length(samples, rows, a.n)
+    res["by_length"], res["by_position"] = by_length(samples, rows, a.n), by_position(samples, rows)
     res["goal_mean_below"] = PARITY_GOAL
     print(json.dumps(res, indent=1))
     with open(a.out, "w") as f:
@@ -354,7 +372,7 @@ def main():
     ap.add_argument("--prompt-len-max", type=int, default=0, help="prompt lengths spread over prompt-len..this")
     ap.add_argument("--synth", type=int, default=0, help="prompts of held-out synth problems (a trained model)")
     ap.add_argument("--restore", type=int, default=0, help="/update_weights_from_disk --dir before sampling")
-    ap.add_argument("--sweep", default="", help="more prompt lengths, one prompt each, for `by_length` only")
+    ap.add_argument("--sweep", default="", help="more prompt lengths, one prompt each, for `by_length` / `by_position` only")
     a = ap.parse_args()
     {"ckpt": cmd_ckpt, "parity": cmd_parity, "push": cmd_push}[a.phase](a)
 

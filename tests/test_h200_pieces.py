@@ -265,7 +265,7 @@ def test_jumps_finds_a_planted_jump_only():
     assert runstats.jumps(ys)["over"] == 0
     ys[25] += 0.05
     j = runstats.jumps(ys)
-    assert j["over"] >= 1 and j["at_index"] == 25 and j["max_abs_z"] > 10
+    assert j["over"] >= 1 and j["at_index"] == 25 and j["max_abs_z"] > 10 and 25 in j["over_at"]
 
 
 def test_summary_of_a_synthetic_run(tmp_path):
@@ -373,6 +373,23 @@ def test_floor_context_separates_the_servers_excess_from_a_sharpening_policy():
         "excess_drift_ci_contains_0"]                                           # a growing excess is caught
 
 
+def test_floor_context_tells_a_floor_jump_from_a_server_jump():
+    """A batch whose tokens lift the FP8 floor lifts the gap with it: a jump of the gap and of the floor at the
+    same step, none of gap - floor. A jump of the gap alone (what a broken push does) is one of gap - floor."""
+    g = random.Random(3)
+    steps = list(range(1, 41))
+    floor = [0.003 + 1e-4 * g.gauss(0, 1) for _ in steps]
+    gap = [f + 1e-4 + 2e-5 * g.gauss(0, 1) for f in floor]
+    floor[20] += 0.004
+    gap[20] += 0.004                                                            # the batch moved both
+    assert runstats.jumps(gap)["over_at"] == [20]
+    ctx = runstats.floor_context(steps, gap, floor)
+    assert ctx["floor_jumps"]["over_at"] == [20] and ctx["excess_jumps"]["over"] == 0
+    gap[30] += 0.002                                                            # the server alone
+    ctx = runstats.floor_context(steps, gap, floor)
+    assert ctx["excess_jumps"]["over_at"] == [30] and ctx["floor_jumps"]["over_at"] == [20]
+
+
 # ---------------------------------------------------------------------------------------------- warm-up
 def test_p_worked_is_one_minus_the_think_end_probability(tiny_pair):
     """bench/grpo_h200.py p_worked (last position only, prompts grouped by length) against the naive full forward
@@ -386,6 +403,38 @@ def test_p_worked_is_one_minus_the_think_end_probability(tiny_pair):
     end = 7
     naive = [1.0 - model(torch.tensor([p]))[0, -1].softmax(-1)[end].item() for p in prompts]
     assert grpo_h200.p_worked(model, prompts, end) == pytest.approx(sum(naive) / len(naive), abs=FP32_TOL)
+
+
+def test_parity_tables_by_length_and_position_against_naive_loops():
+    """bench/sglang_check.py by_length (each prompt's n samples together) and by_position (bands of absolute
+    position prompt length + i) against plain loops over the same per-token values."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
+    import sglang_check
+    g = random.Random(4)
+    samples = [([1] * L, [2] * k, [0.0] * k) for L, k in ((40, 30), (40, 50), (120, 20), (120, 30), (300, 10),
+                                                          (300, 5))]
+    vals = [g.random() for _, ids, _ in samples for _ in ids]
+    rows = {"bf16": torch.tensor(vals, dtype=torch.float64)}
+    want_len, at = [], 0
+    for i in (0, 2, 4):
+        k = len(samples[i][1]) + len(samples[i + 1][1])
+        want_len.append(sum(vals[at:at + k]) / k)
+        at += k
+    got = sglang_check.by_length(samples, rows, 2)
+    assert [r["prompt_len"] for r in got] == [40, 120, 300]
+    assert [r["bf16"] for r in got] == pytest.approx(want_len, abs=1e-5)
+    pos = [len(p) + i for p, ids, _ in samples for i in range(len(ids))]
+    edges = sglang_check.POSITION_EDGES
+    want_pos = {}
+    for q, v in zip(pos, vals):
+        lo = max(e for e in edges if e <= q)
+        want_pos.setdefault(lo, []).append(v)
+    got = sglang_check.by_position(samples, rows)
+    assert [r["pos_lo"] for r in got] == sorted(want_pos) == [0, 64, 128, 256]
+    assert [r["tokens"] for r in got] == [len(want_pos[lo]) for lo in sorted(want_pos)]
+    assert [r["bf16"] for r in got] == pytest.approx([sum(v) / len(v) for _, v in sorted(want_pos.items())],
+                                                     abs=1e-5)
 
 
 def test_warmup_waits_for_the_server_then_sends_rollout_shaped_requests(capsys, monkeypatch):

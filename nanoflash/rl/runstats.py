@@ -11,9 +11,9 @@ Statistics (pure functions, tested against hand-computed values):
 * `jumps(ys)`: every step after a push (here every step) against the steps before it: z_i = (y_i - m_i) /
   (s_i sqrt(1 + 1/n_i)), with m_i, s_i the mean and standard deviation of y_1..y_{i-1} (n_i >= MIN_PRIOR):
   the prediction error of a new point, in its own standard errors. *No jump*: every |z_i| <= JUMP_Z.
-* `floor_context`: the slope of gap - floor (what the server adds beyond FP8 rounding, which falls with the
-  entropy as the gap does) and gap / floor per third of the run, and over the run on the tokens above each
-  step's median entropy (`live.token_stats`); reported beside the bars, not as one.
+* `floor_context`: the slope and the jumps of gap - floor (what the server adds beyond FP8 rounding, which falls
+  with the entropy as the gap does), the floor's own jumps, gap / floor per third of the run and over the run on
+  the tokens above each step's median entropy (`live.token_stats`); reported beside the bars, not as one.
 * `excess_by_token`: from the per-token files the live checks keep (`live_tokens/step_NNNN.pt`), the excess
   sum(|gap| - floor) per token id and at each response's first token vs the rest: which tokens carry a gap the
   FP8 floor does not explain (over all steps, and over the steps above FLOOR_BAR).
@@ -91,19 +91,23 @@ def jumps(ys: list) -> dict:
         zs.append((ys[i] - m) / (s * math.sqrt(1 + 1 / i)) if s > 0 else 0.0)
     worst = max(range(len(zs)), key=lambda j: abs(zs[j])) if zs else None
     return {"tested": len(zs), "max_abs_z": abs(zs[worst]) if zs else 0.0,
-            "at_index": worst + MIN_PRIOR if zs else None, "over": sum(abs(z) > JUMP_Z for z in zs)}
+            "at_index": worst + MIN_PRIOR if zs else None, "over": sum(abs(z) > JUMP_Z for z in zs),
+            "over_at": [j + MIN_PRIOR for j, z in enumerate(zs) if abs(z) > JUMP_Z]}
 
 
 def floor_context(steps: list, gap: list, floor: list, gap_hi: list = (), floor_hi: list = ()) -> dict:
     """What the gap does beyond the FP8 floor measured on the same tokens (not a bar; the context of two): the
     slope of gap - floor per step (a policy that sharpens lowers both, so the gap's own slope mixes the server's
     error with the entropy), gap / floor (ratio of means) over each third of the run, and, when the steps logged
-    them (`live.token_stats`, from run 5 on), gap / floor over the tokens above each step's median entropy."""
+    them (`live.token_stats`, from run 5 on), gap / floor over the tokens above each step's median entropy.
+    Jumps likewise: `excess_jumps` tests gap - floor, `floor_jumps` the floor (a batch whose rare tokens move the
+    FP8 floor moves the gap with it; a push that breaks the server moves the gap alone)."""
     excess = ols(steps, [g - f for g, f in zip(gap, floor)])
     cuts = [round(len(gap) * i / 3) for i in range(4)]
     thirds = [sum(gap[a:b]) / sum(floor[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a and sum(floor[a:b]) > 0]
     out = {"excess_drift": excess, "excess_drift_ci_contains_0": excess["ci95"][0] <= 0 <= excess["ci95"][1],
-           "gap_over_floor_thirds": thirds}
+           "gap_over_floor_thirds": thirds, "excess_jumps": jumps([g - f for g, f in zip(gap, floor)]),
+           "floor_jumps": jumps(floor)}
     if len(gap_hi) == len(gap) and len(floor_hi) == len(gap) and sum(floor_hi) > 0:
         out["gap_over_floor_high_entropy"] = sum(gap_hi) / sum(floor_hi)
     return out
