@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 20, the one-shot run: GRPO of the h200 preset with live SGLang 0.5.16 colocated on one H200.
 #   device call 1 (carry sg/p01):          mkdir -p /tmp/acc && cp sg/p01/* /tmp/acc/
-#   device call 2 (carry sg/p02, .h20whl): cp sg/p02/* /tmp/acc/ && cp .h20whl/* /tmp/acc/
+#   device call 2 (carry sg/p02):          cp sg/p02/* /tmp/acc/
+#   device call 2b (carry .h20whl):        cp .h20whl/* /tmp/acc/     (beside p02 the call passes 64 MiB)
 #   device call 3 (carry sg/p03):          cp sg/p03/* /tmp/acc/ && bash scripts/grpo_h200.sh go
 #   later calls:                           bash scripts/grpo_h200.sh poll 540     (back to back, <= 10 min each)
 #   last call:                             OUT=$OUT bash scripts/grpo_h200.sh collect
