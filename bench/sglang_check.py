@@ -14,7 +14,9 @@ modes ran, the FP8 floor on the same tokens (`floor_qat_vs_bf16`: QAT against BF
 a BF16 row near that floor says the server adds little beyond FP8 rounding. The server also scores the same
 tokens again in one prefill per sample (`server_decode_vs_prefill`, `bf16_vs_server_prefill`): the rows split
 what its decode path (KV cache, compressor state carried token by token) adds from what its prefill shares.
-`--sweep 128,256,...` adds one prompt per length (for `by_length` and `by_position` only: every row's mean per
+`--modes ...,ref` scores nanoflash's reference attention too (bf16; `bf16` runs the GPU kernels), `--variants`
+nanoflash with one semantic changed (`bench/parity_variants.py`: SGLang's shared-expert clamp, no C128 entries,
+the window off by one), one `bf16_<variant>` row each. `--sweep 128,256,...` adds one prompt per length (for `by_length` and `by_position` only: every row's mean per
 prompt, and per band of absolute positions), so a gap that grows with depth shows where it starts: below the
 128-token window, past it, past `index_topk` x 4 tokens (where the C4 indexer starts to drop entries), or with the
 C128 entries.
@@ -205,7 +207,7 @@ def cmd_parity(a):
     res = {"protocol": client.protocol(URL), "generate_s": round(time.time() - t, 2), "samples": len(samples),
            "seq_len_min": min(lens), "seq_len_max": max(lens), "synth_prompts": bool(a.synth), "dir": a.dir}
     modes = {"bf16": {}, "qat": {"qat": True}, "fp32": {"dtype": torch.float32},
-             "fp32_qat": {"dtype": torch.float32, "qat": True}}
+             "fp32_qat": {"dtype": torch.float32, "qat": True}, "ref": {"kernels": "reference"}}
     server = torch.tensor([lp for _, _, lps in samples for lp in lps])   # [tokens] the server's decode
     ours = {mode: our_logprobs(load_model(a, **modes[mode]), samples) for mode in a.modes.split(",")}
     rows = {mode: (lp - server).abs() for mode, lp in ours.items()}      # name -> per-token |dlogp|
@@ -218,6 +220,10 @@ def cmd_parity(a):
         rows["server_decode_vs_prefill"] = (pre - server).abs()
         if "bf16" in ours:
             rows["bf16_vs_server_prefill"] = (ours["bf16"] - pre).abs()
+    if a.variants:   # nanoflash with one semantic changed (bench/parity_variants.py): which row meets the floor
+        from parity_variants import score
+        res["shared_expert_over_limit"] = score(load_model(a), samples, server, rows, a.variants.split(","),
+                                                our_logprobs, POSITION_EDGES)
     if a.planted:
         orig = M.hc_post
         M.hc_post = lambda x, res_, post, comb: orig(x, res_, post, comb.transpose(-1, -2))
@@ -372,6 +378,7 @@ def main():
     ap.add_argument("--prompt-len-max", type=int, default=0, help="prompt lengths spread over prompt-len..this")
     ap.add_argument("--synth", type=int, default=0, help="prompts of held-out synth problems (a trained model)")
     ap.add_argument("--restore", type=int, default=0, help="/update_weights_from_disk --dir before sampling")
+    ap.add_argument("--variants", default="", help="bench/parity_variants.py names, e.g. shared_expert_clamp,window_127")
     ap.add_argument("--sweep", default="", help="more prompt lengths, one prompt each, for `by_length` / `by_position` only")
     a = ap.parse_args()
     {"ckpt": cmd_ckpt, "parity": cmd_parity, "push": cmd_push}[a.phase](a)

@@ -173,7 +173,10 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   # server is restored from the warm checkpoint, so it scores the warm start as before
   local par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2048 --prompt-len-max 3968 --sweep 16,32,64,128,256,512,1024,1536,2048"
   [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 4 --prompt-len 64 --prompt-len-max 96 --sweep 16,32"
-  stamp parity; $PY bench/sglang_check.py parity --dir $W/warm --restore 1 --synth 1 --modes bf16,qat --out $W/parity.json \
+  # rows: the reference attention beside the GPU kernels (ref), nanoflash with SGLang's shared-expert clamp and
+  # with the C128 entries / the window changed (bench/parity_variants.py): which one meets the floor past 128
+  par="$par --modes bf16,qat,ref --variants shared_expert_clamp,no_c128_entries,window_127,window_129"
+  stamp parity; $PY bench/sglang_check.py parity --dir $W/warm --restore 1 --synth 1 --out $W/parity.json \
     --wait 600 $par && report || echo "FAILED parity"
   touch $W/DONE; stamp done
 }

@@ -437,6 +437,63 @@ def test_parity_tables_by_length_and_position_against_naive_loops():
                                                      abs=1e-5)
 
 
+def test_parity_variants_change_only_where_they_act_and_restore_the_model(tiny_pair):
+    """bench/parity_variants.py on `tiny` (window 8, a ratio-8 layer): the window and C128 variants leave every
+    position before their first effect as it was (to fp32 rounding) and change the ones after; the shared-expert clamp is a no-op
+    until a pre-activation passes the limit (w1 scaled x200 here); after each, the model is what it was. `score`
+    adds one row per variant and counts the positions over the limit per band, against a naive loop."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
+    import parity_variants
+    cfg, model, _ = tiny_pair
+    ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5))
+
+    def lp():
+        with torch.no_grad():
+            return model.token_logprobs(ids[:, :-1], ids[:, 1:])[0]                 # [23], position t predicts t+1
+    base = lp()
+    first = {"window_127": cfg.window_size - 1, "window_129": cfg.window_size, "no_c128_entries": 7}
+    for name, at in first.items():
+        with parity_variants.variants(model)[name]():
+            got = lp()
+        assert torch.allclose(got[:at], base[:at], atol=FP32_TOL), name          # same math, another sum order
+        assert (got[at:] - base[at:]).abs().max() > 100 * FP32_TOL, name
+        assert torch.equal(lp(), base), name                                        # restored
+    with parity_variants.variants(model)["shared_expert_clamp"]():
+        assert torch.equal(lp(), base)                                              # nothing passes 10
+    shared = [m.shared_experts for m in model.modules() if type(m).__name__ == "MoE"]
+    saved = [ex.w1.weight.detach().clone() for ex in shared]
+    with torch.no_grad():
+        for ex in shared:
+            ex.w1.weight.mul_(200.0)
+        try:
+            loud = lp()
+            with parity_variants.variants(model)["shared_expert_clamp"]():
+                assert not torch.allclose(lp(), loud)
+            samples = [(ids[0, :10].tolist(), ids[0, 10:].tolist(), None), (ids[0, :4].tolist(), ids[0, 4:9].tolist(), None)]
+            rows = {}
+            bands = parity_variants.score(model, samples, torch.zeros(19), rows, ["window_127"],
+                                          lambda m, ss: torch.cat([m.token_logprobs(torch.tensor([p + i])[:, :-1],
+                                                                   torch.tensor([p + i])[:, 1:])[0, len(p) - 1:]
+                                                                   for p, i, _ in ss]), (0, 8, 16, 64))
+            naive = {}
+            for p, i, _ in samples:
+                seen = []
+                with parity_variants.shared_expert_stats(model, seen):
+                    model(torch.tensor([p + i])[:, :-1])
+                for t in range(len(p) + len(i) - 1):
+                    over = any(r["g_max"][t] > cfg.swiglu_limit or r["u_absmax"][t] > cfg.swiglu_limit for r in seen)
+                    naive.setdefault(max(lo for lo in (0, 8, 16) if lo <= t), []).append(over)
+        finally:
+            for ex, w in zip(shared, saved):
+                ex.w1.weight.copy_(w)
+    assert list(rows) == ["bf16_window_127"] and rows["bf16_window_127"].shape == (19,)
+    assert [b["pos_lo"] for b in bands] == sorted(naive)
+    assert [b["over_share"] for b in bands] == pytest.approx([sum(v) / len(v) for _, v in sorted(naive.items())])
+    assert max(b["over_share"] for b in bands) > 0                                  # the x200 gate passed 10
+    assert torch.equal(lp(), base)
+
+
 def test_warmup_waits_for_the_server_then_sends_rollout_shaped_requests(capsys, monkeypatch):
     """bench/grpo_h200.py warmup: retried until the HTTP server answers (it binds 0.5 s after the warm-up has
     its tokenizer: connections are refused till then), then one request, then `rounds` x `prompts` requests of
