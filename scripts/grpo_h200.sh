@@ -171,7 +171,7 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   report
   # parity last (2026-12-01's run measured it first: 4 of the budget's minutes before any GRPO step); the
   # server is restored from the warm checkpoint, so it scores the warm start as before
-  local par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2048 --prompt-len-max 3968 --sweep 16,32,64,128,256,512,1024,1536,2048"
+  local par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2048 --prompt-len-max 3968 --sweep 16,32,64,128,256,512,1024"
   [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 4 --prompt-len 64 --prompt-len-max 96 --sweep 16,32"
   # rows: the reference attention beside the GPU kernels (ref), nanoflash with SGLang's shared-expert clamp and
   # with the C128 entries / the window changed (bench/parity_variants.py): which one meets the floor past 128
