@@ -77,25 +77,18 @@ def shared_expert_stats(model, out: list):
             h.remove()
 
 
-def score(model, samples, server, rows: dict, names: list, logprobs, edges) -> list:
-    """rows["bf16_<name>"] = |logprobs(model under variant name) - server| per token for each of `names`; returns,
-    per band [lo, hi) of `edges`, the share of positions whose shared-expert pre-activations pass
-    cfg.swiglu_limit in some layer (where SGLang's clamp acts). `samples`: (prompt, ids, logprobs) triples,
+def score(model, samples, server, rows: dict, names: list, logprobs) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows["bf16_<name>"] = |logprobs(model under variant name) - server| per token for each of `names`; returns
+    (pos, over) over every input position of every sample: over[i] whether a shared-expert pre-activation passes
+    cfg.swiglu_limit in some layer there (where SGLang's clamp acts). `samples`: (prompt, ids, logprobs) triples,
     `logprobs(model, samples)` -> [tokens], as `sglang_check.our_logprobs`."""
     for name in names:
         with variants(model)[name]():
             rows["bf16_" + name] = (logprobs(model, samples) - server).abs()
-    hit, pos, lim = [], [], model.cfg.swiglu_limit
+    over, lim = [], model.cfg.swiglu_limit
     for prompt, ids, _ in samples:
         stats = []
         with shared_expert_stats(model, stats):
             logprobs(model, [(prompt, ids, None)])
-        hit.append(torch.stack([(r["g_max"] > lim) | (r["u_absmax"] > lim) for r in stats]).any(0))  # [S-1]
-        pos.append(torch.arange(hit[-1].numel()))
-    hit, pos = torch.cat(hit), torch.cat(pos)
-    out = []
-    for lo, hi in zip(edges, edges[1:]):
-        m = (pos >= lo) & (pos < hi)
-        if m.any():
-            out.append({"pos_lo": lo, "pos_hi": hi, "positions": int(m.sum()), "over_share": float(hit[m].float().mean())})
-    return out
+        over.append(torch.stack([(r["g_max"] > lim) | (r["u_absmax"] > lim) for r in stats]).any(0))  # [S-1]
+    return torch.cat([torch.arange(len(o)) for o in over]), torch.cat(over)

@@ -16,10 +16,10 @@ tokens again in one prefill per sample (`server_decode_vs_prefill`, `bf16_vs_ser
 what its decode path (KV cache, compressor state carried token by token) adds from what its prefill shares.
 `--modes ...,ref` scores nanoflash's reference attention too (bf16; `bf16` runs the GPU kernels), `--variants`
 nanoflash with one semantic changed (`bench/parity_variants.py`: SGLang's shared-expert clamp, no C128 entries,
-the window off by one), one `bf16_<variant>` row each. `--sweep 128,256,...` adds one prompt per length (for `by_length` and `by_position` only: every row's mean per
-prompt, and per band of absolute positions), so a gap that grows with depth shows where it starts: below the
-128-token window, past it, past `index_topk` x 4 tokens (where the C4 indexer starts to drop entries), or with the
-C128 entries.
+the window off by one), one `bf16_<variant>` row each. `--sweep 128,256,...` adds one prompt per length (for
+`by_length` and `by_position` only: every row's mean per prompt, and per band of absolute positions), so a gap
+that grows with depth shows where it starts: below the 128-token window, past it, past `index_topk` x 4 tokens
+(where the C4 indexer starts to drop entries), or with the C128 entries.
 
 `push` perturbs the trainer's weights, pushes them through nanoflash's weight stream (`iter_sglang_buckets`, FP8
 with Miles' fp32 `weight_scale_inv`) with SGLang's own FlattenedTensorBucket payload (colocated CUDA IPC), in the
@@ -158,18 +158,23 @@ def by_length(samples, rows: dict, n: int) -> list:
 POSITION_EDGES = (0, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 30)   # window 128; C128's first entry at 128
 
 
-def by_position(samples, rows: dict) -> list:
-    """Mean |dlogp| of each row over the scored tokens whose absolute position (prompt length + index in the
-    response) falls in [lo, hi) of POSITION_EDGES: a gap that starts at 128 is the window's edge or C128's
-    first entry, one already below 128 is neither. `rows`: name -> per-token |dlogp| in sample order."""
-    pos = torch.cat([torch.arange(len(p), len(p) + len(ids)) for p, ids, _ in samples])   # [tokens]
+def bands(pos: torch.Tensor, rows: dict, count: str = "tokens") -> list:
+    """Each row's mean over the entries whose position `pos` falls in [lo, hi) of POSITION_EDGES (empty bands
+    left out). `rows`: name -> values aligned with `pos`."""
     out = []
     for lo, hi in zip(POSITION_EDGES, POSITION_EDGES[1:]):
         m = (pos >= lo) & (pos < hi)
         if m.any():
-            out.append({"pos_lo": lo, "pos_hi": hi, "tokens": int(m.sum()),
-                        **{name: round(float(v[m].mean()), 5) for name, v in rows.items()}})
+            out.append({"pos_lo": lo, "pos_hi": hi, count: int(m.sum()),
+                        **{name: round(float(v[m].double().mean()), 5) for name, v in rows.items()}})
     return out
+
+
+def by_position(samples, rows: dict) -> list:
+    """Mean |dlogp| of each row over the scored tokens by band of absolute position (prompt length + index in the
+    response): a gap that starts at 128 is the window's edge or C128's first entry, one already below 128 is
+    neither. `rows`: name -> per-token |dlogp| in sample order."""
+    return bands(torch.cat([torch.arange(len(p), len(p) + len(ids)) for p, ids, _ in samples]), rows)
 
 
 def restore(client, a):
@@ -222,8 +227,8 @@ def cmd_parity(a):
             rows["bf16_vs_server_prefill"] = (ours["bf16"] - pre).abs()
     if a.variants:   # nanoflash with one semantic changed (bench/parity_variants.py): which row meets the floor
         from parity_variants import score
-        res["shared_expert_over_limit"] = score(load_model(a), samples, server, rows, a.variants.split(","),
-                                                our_logprobs, POSITION_EDGES)
+        pos, over = score(load_model(a), samples, server, rows, a.variants.split(","), our_logprobs)
+        res["shared_expert_over_limit"] = bands(pos, {"over_share": over}, count="positions")
     if a.planted:
         orig = M.hc_post
         M.hc_post = lambda x, res_, post, comb: orig(x, res_, post, comb.transpose(-1, -2))
@@ -378,8 +383,10 @@ def main():
     ap.add_argument("--prompt-len-max", type=int, default=0, help="prompt lengths spread over prompt-len..this")
     ap.add_argument("--synth", type=int, default=0, help="prompts of held-out synth problems (a trained model)")
     ap.add_argument("--restore", type=int, default=0, help="/update_weights_from_disk --dir before sampling")
-    ap.add_argument("--variants", default="", help="bench/parity_variants.py names, e.g. shared_expert_clamp,window_127")
-    ap.add_argument("--sweep", default="", help="more prompt lengths, one prompt each, for `by_length` / `by_position` only")
+    ap.add_argument("--variants", default="",
+                    help="bench/parity_variants.py names, e.g. shared_expert_clamp,window_127")
+    ap.add_argument("--sweep", default="",
+                    help="more prompt lengths, one prompt each, for `by_length` / `by_position` only")
     a = ap.parse_args()
     {"ckpt": cmd_ckpt, "parity": cmd_parity, "push": cmd_push}[a.phase](a)
 

@@ -32,7 +32,8 @@ Each step's per-token values are also kept, one file a step (`<train.out_dir>/li
 floor, FP8-only floor, entropy, token id, position in the response, prefill gap; ~100 KB for 3,600 tokens), so a
 gap the floor does not explain can be traced to the tokens that carry it (`runstats.excess_by_token`).
 
-Costs per step: three forward passes over the batch (entropy, sim twice), one prefill request to the server and
+Costs per step: two forward passes over the batch (entropy, sim; a third when the weights the push sends bf16
+do not hold bf16 values, i.e. without `optim.round_to_served`), one prefill request to the server and
 one round trip of the weights to the served format on the GPU; per eval point two extra pushes and one extra eval.
 
 Tests: `pytest tests/test_h200_pieces.py -q`.
@@ -68,13 +69,18 @@ def fp8_roundtrip_(model, cfg) -> None:
 
 
 @torch.no_grad()
-def storage_roundtrip_(model, cfg) -> None:
+def storage_roundtrip_(model, cfg) -> bool:
     """In place: every weight the FP8 push sends unquantized is rounded to the dtype it is sent in (the
     release's storage, `stream.served_dtype`: the trainer's fp32 norms, head and compressors become bf16 values);
-    FP8-served weights are left to `fp8_roundtrip_`. After both, the model holds what the server holds."""
+    FP8-served weights are left to `fp8_roundtrip_`. After both, the model holds what the server holds.
+    Returns whether any value changed (not with `optim.round_to_served`: they hold bf16 values already)."""
+    changed = False
     for name, p in model.state_dict().items():
         if p.is_floating_point() and not sglang_fp8(name, cfg):
-            p.copy_(p.to(served_dtype(name, p, cfg)).to(p.dtype))
+            r = p.to(served_dtype(name, p, cfg)).to(p.dtype)
+            changed = changed or not torch.equal(r, p)
+            p.copy_(r)
+    return changed
 
 
 @torch.no_grad()
@@ -162,8 +168,8 @@ class LiveChecks:
         self.sim.load_state_dict(self.actor.model.state_dict())
         fp8_roundtrip_(self.sim, self.mcfg)
         sim8 = self.sim.token_logprobs(ids, tgt, temperature=T).float().cpu()     # [B,S] FP8 weights only
-        storage_roundtrip_(self.sim, self.mcfg)
-        sim = self.sim.token_logprobs(ids, tgt, temperature=T).float().cpu()      # [B,S] as the server holds
+        sim = (self.sim.token_logprobs(ids, tgt, temperature=T).float().cpu()    # [B,S] as the server holds
+               if storage_roundtrip_(self.sim, self.mcfg) else sim8)
         floor, floor_fp8 = (sim - old)[on].abs(), (sim8 - old)[on].abs()
         pos = on.cumsum(1) - 1                                    # [B,S] index in the response (one per row)
         dump = {"gap": gap.float(), "floor": floor.float(), "floor_fp8": floor_fp8.float(),
@@ -192,8 +198,9 @@ class LiveChecks:
             L = int(batch.prompt_lens[b] + batch.response_lens[b])
             rows.append([int(batch.input_ids[b, 0])] + batch.targets[b, :L - 1].tolist())   # the full L tokens
         try:
-            lps = [lp for a in range(0, len(rows), PREFILL_ROWS) for lp in
-                   probe_lib.prefill_logprobs(self.rollouts.client, rows[a:a + PREFILL_ROWS], self.cfg.rollout.temperature)]
+            T = self.cfg.rollout.temperature
+            lps = [lp for a in range(0, len(rows), PREFILL_ROWS)
+                   for lp in probe_lib.prefill_logprobs(self.rollouts.client, rows[a:a + PREFILL_ROWS], T)]
         except Exception as e:   # a diagnostic: the run goes on without it, the failure counted and named
             self.prefill_errors += 1
             print(f"live: prefill scoring failed ({self.prefill_errors}): {type(e).__name__}: {str(e)[:200]}")
