@@ -225,21 +225,28 @@ def cmd_parity(a):
         rows["server_decode_vs_prefill"] = (pre - server).abs()
         if "bf16" in ours:
             rows["bf16_vs_server_prefill"] = (ours["bf16"] - pre).abs()
-    if a.variants:   # nanoflash with one semantic changed (bench/parity_variants.py): which row meets the floor
-        from parity_variants import score
-        pos, over = score(load_model(a), samples, server, rows, a.variants.split(","), our_logprobs)
-        res["shared_expert_over_limit"] = bands(pos, {"over_share": over}, count="positions")
     if a.planted:
         orig = M.hc_post
         M.hc_post = lambda x, res_, post, comb: orig(x, res_, post, comb.transpose(-1, -2))
         rows["bf16_planted_comb_bug"] = (our_logprobs(load_model(a), samples) - server).abs()
         M.hc_post = orig
+    write_parity(a, res, rows, head, samples)   # the table first: a hold that ends in the variants keeps it
+    if a.variants:   # nanoflash with one semantic changed (bench/parity_variants.py): which row meets the floor
+        from parity_variants import score
+        pos, over = score(load_model(a), samples, server, rows, a.variants.split(","), our_logprobs)
+        res["shared_expert_over_limit"] = bands(pos, {"over_share": over}, count="positions")
+        write_parity(a, res, rows, head, samples)
+    print(json.dumps(res, indent=1))
+
+
+def write_parity(a, res, rows, head, samples):
+    """res += every row's tails over the table's tokens, by_length and by_position -> a.out (rewritten whole)."""
     res.update({k: tails(v[:head]) for k, v in rows.items()})
     res["by_length"], res["by_position"] = by_length(samples, rows, a.n), by_position(samples, rows)
     res["goal_mean_below"] = PARITY_GOAL
-    print(json.dumps(res, indent=1))
-    with open(a.out, "w") as f:
+    with open(a.out + ".tmp", "w") as f:
         json.dump(res, f, indent=1)
+    os.replace(a.out + ".tmp", a.out)
 
 
 # ---------------------------------------------------------------------------------------------- pushes

@@ -36,7 +36,7 @@ dry_env() {
 }
 # train.py / sft overrides of each mode (the recipe is h200 in both)
 overrides() {
-  if [ "$MODE" = gpu ]; then echo "--train.steps ${H20_STEPS:-60} --train.progress false"; return; fi
+  if [ "$MODE" = gpu ]; then echo "--train.steps ${H20_STEPS:-60} --eval.every ${H20_EVAL_EVERY:-10} --train.progress false"; return; fi
   echo "--train.preset tiny --model.vocab_size 129280 --model.n_mtp_layers 0 --model.compress_ratios 0,4,8,4" \
        "--parallel.device cpu --train.dtype fp32 --train.threads 1" \
        "--train.steps ${H20_STEPS:-3} --grpo.n_prompts 2 --grpo.group_size 4 --grpo.over_sampling_batch_size 2" \
