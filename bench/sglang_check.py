@@ -19,7 +19,8 @@ nanoflash with one semantic changed (`bench/parity_variants.py`: SGLang's shared
 the window off by one), one `bf16_<variant>` row each. `--sweep 128,256,...` adds one prompt per length (for
 `by_length` and `by_position` only: every row's mean per prompt, and per band of absolute positions), so a gap
 that grows with depth shows where it starts: below the 128-token window, past it, past `index_topk` x 4 tokens
-(where the C4 indexer starts to drop entries), or with the C128 entries.
+(where the C4 indexer starts to drop entries), or with the C128 entries. With `--synth`, `by_eos` splits every
+scored token at its generation's first EOS: what a rollout scores, and the `ignore_eos` text after it.
 
 `push` perturbs the trainer's weights, pushes them through nanoflash's weight stream (`iter_sglang_buckets`, FP8
 with Miles' fp32 `weight_scale_inv`) with SGLang's own FlattenedTensorBucket payload (colocated CUDA IPC), in the
@@ -90,16 +91,21 @@ def load_model(a, dtype=torch.bfloat16, **kw) -> Transformer:
 
 def synth_prompt(length: int, seed: int) -> list:
     """In-distribution text of the warm-started model (issue 20): held-out running-sum problems with their
-    reference responses in the V4 chat format, back to back, until `length` tokens; cut to exactly `length`."""
+    reference responses in the V4 chat format, back to back and cut to `length` minus the last problem's prompt,
+    then that prompt (BOS ... `<think>`): exactly `length` tokens, so a sample starts as a response -- what the
+    model was trained to write and a rollout scores (run 8 cut mid-problem: the samples continued prompt text)."""
     from nanoflash.rl import synth
     from nanoflash.rl.data import V4Tokenizer
     tok, probs = V4Tokenizer(), synth.problems("sum4", "heldout", seed=seed)
+    last = tok.encode_chat(probs[-1])
+    if length <= len(last):
+        raise ValueError(f"a synth prompt of {length} tokens: the last problem alone takes {len(last)}")
     ids, i = [], 0
-    while len(ids) < length:
-        p = probs[i % len(probs)]
+    while len(ids) < length - len(last):
+        p = probs[i % (len(probs) - 1)]
         ids += tok.encode_chat(p) + tok.encode(synth.solution(p.prompt)) + [tok.eos_id]
         i += 1
-    return ids[:length]
+    return ids[:length - len(last)] + last
 
 
 def sample(client, n_prompts, n, prompt_len, new_tokens, seed=0, prompt_len_max=0, synth=False):
@@ -177,6 +183,17 @@ def by_position(samples, rows: dict) -> list:
     return bands(torch.cat([torch.arange(len(p), len(p) + len(ids)) for p, ids, _ in samples]), rows)
 
 
+def by_eos(samples, rows: dict, eos_id: int) -> list:
+    """Each row's mean over the scored tokens up to and including the first `eos_id` of their generation
+    ("in_response": what a rollout scores) and over those after it ("past_eos": `ignore_eos` text the model was
+    never trained to continue). `rows`: name -> per-token |dlogp| in sample order."""
+    part = torch.cat([torch.tensor([ids[:i].count(eos_id) > 0 for i in range(len(ids))], dtype=torch.bool)
+                      for _, ids, _ in samples])                                      # [tokens] True past the EOS
+    return [{"part": name, "tokens": int(m.sum()),
+             **{k: round(float(v[m].double().mean()), 5) for k, v in rows.items()}}
+            for name, m in (("in_response", ~part), ("past_eos", part)) if m.any()]
+
+
 def restore(client, a):
     """--dir into the server: SGLang reads the checkpoint itself (exact: the same FP8 bytes); the embedded server
     reads no F8_E8M0 file, so it gets a push (verified) of the model loaded from it instead."""
@@ -243,6 +260,9 @@ def write_parity(a, res, rows, head, samples):
     """res += every row's tails over the table's tokens, by_length and by_position -> a.out (rewritten whole)."""
     res.update({k: tails(v[:head]) for k, v in rows.items()})
     res["by_length"], res["by_position"] = by_length(samples, rows, a.n), by_position(samples, rows)
+    if a.synth:   # the warm start's responses end at the EOS; the sampled text runs on past it (ignore_eos)
+        from nanoflash.rl.data import V4Tokenizer
+        res["by_eos"] = by_eos(samples, rows, V4Tokenizer().eos_id)
     res["goal_mean_below"] = PARITY_GOAL
     with open(a.out + ".tmp", "w") as f:
         json.dump(res, f, indent=1)

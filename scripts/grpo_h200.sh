@@ -2,7 +2,8 @@
 # Issue 20, the one-shot run: GRPO of the h200 preset with live SGLang 0.5.16 colocated on one H200.
 #   device call 1 (carry sg/p01):          mkdir -p /tmp/acc && cp sg/p01/* /tmp/acc/
 #   device call 2 (carry sg/p02):          cp sg/p02/* /tmp/acc/
-#   device call 2b (carry .h20whl):        cp .h20whl/* /tmp/acc/     (beside p02 the call passes 64 MiB)
+#   device call 2b (carry .h20whl .h20jit): cp .h20whl/* .h20jit/* /tmp/acc/   (beside p02 a call passes 64 MiB;
+#                                          .h20jit: SGLang's compile caches from an earlier hold's collect)
 #   device call 3 (carry sg/p03):          cp sg/p03/* /tmp/acc/ && bash scripts/grpo_h200.sh go
 #   later calls:                           bash scripts/grpo_h200.sh poll 540     (back to back, <= 10 min each)
 #   last call:                             OUT=$OUT bash scripts/grpo_h200.sh collect
@@ -36,7 +37,10 @@ dry_env() {
 }
 # train.py / sft overrides of each mode (the recipe is h200 in both)
 overrides() {
-  if [ "$MODE" = gpu ]; then echo "--train.steps ${H20_STEPS:-60} --eval.every ${H20_EVAL_EVERY:-10} --train.progress false"; return; fi
+  if [ "$MODE" = gpu ]; then
+    echo "--train.steps ${H20_STEPS:-60} --eval.every ${H20_EVAL_EVERY:-10} ${H20_LR:+--optim.lr $H20_LR} --train.progress false"
+    return
+  fi
   echo "--train.preset tiny --model.vocab_size 129280 --model.n_mtp_layers 0 --model.compress_ratios 0,4,8,4" \
        "--parallel.device cpu --train.dtype fp32 --train.threads 1" \
        "--train.steps ${H20_STEPS:-3} --grpo.n_prompts 2 --grpo.group_size 4 --grpo.over_sampling_batch_size 2" \
@@ -171,8 +175,8 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   report
   # parity last (2026-12-01's run measured it first: 4 of the budget's minutes before any GRPO step); the
   # server is restored from the warm checkpoint, so it scores the warm start as before
-  local par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2048 --prompt-len-max 3968 --sweep 16,32,64,128,256,512,1024"
-  [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 4 --prompt-len 64 --prompt-len-max 96 --sweep 16,32"
+  local par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2048 --prompt-len-max 3968 --sweep 32,64,128,256,512,1024"
+  [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 4 --prompt-len 64 --prompt-len-max 96 --sweep 32,48"
   # rows: the reference attention beside the GPU kernels (ref), nanoflash with SGLang's shared-expert clamp and
   # with the C128 entries / the window changed (bench/parity_variants.py): which one meets the floor past 128
   par="$par --modes bf16,qat,ref --variants shared_expert_clamp,no_c128_entries,window_127,window_129"

@@ -438,6 +438,40 @@ def test_parity_tables_by_length_and_position_against_naive_loops():
                                                      abs=1e-5)
 
 
+def test_parity_synth_prompt_is_exact_length_and_ends_where_a_response_starts():
+    """bench/sglang_check.py synth_prompt: exactly `length` tokens of the task's chat text, the last problem's
+    prompt whole at the end (BOS ... <think>), so a sample is a response; too short a length is one error."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
+    import sglang_check
+    tok = data.V4Tokenizer()
+    last = tok.encode_chat(synth.problems("sum4", "heldout", seed=3)[-1])
+    for length in (len(last) + 1, 64, 300):
+        ids = sglang_check.synth_prompt(length, 3)
+        assert len(ids) == length and ids[-len(last):] == last and ids[0] == tok.bos_id
+        assert tok.decode(ids).endswith("<｜Assistant｜><think>")
+    with pytest.raises(ValueError, match="the last problem alone"):
+        sglang_check.synth_prompt(len(last), 3)
+
+
+def test_parity_by_eos_splits_each_generation_at_its_first_eos():
+    """bench/sglang_check.py by_eos: a token counts as in the response up to and including the first EOS of its
+    own generation (not another sample's), past it after; means against a plain loop."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
+    import sglang_check
+    eos = 9
+    samples = [([1, 2], [3, eos, 4, eos, 5], None), ([1], [3, 4, 5], None), ([7], [eos, 6], None)]
+    vals = [0.1, 0.2, 0.3, 0.4, 0.5, 1.0, 2.0, 3.0, 7.0, 11.0]
+    past = [False, False, True, True, True, False, False, False, False, True]
+    got = sglang_check.by_eos(samples, {"bf16": torch.tensor(vals)}, eos)
+    want_in = [v for v, q in zip(vals, past) if not q]
+    want_past = [v for v, q in zip(vals, past) if q]
+    assert [(r["part"], r["tokens"]) for r in got] == [("in_response", len(want_in)), ("past_eos", len(want_past))]
+    assert [r["bf16"] for r in got] == pytest.approx([sum(want_in) / len(want_in), sum(want_past) / len(want_past)],
+                                                     abs=1e-5)
+
+
 def test_parity_variants_change_only_where_they_act_and_restore_the_model(tiny_pair):
     """bench/parity_variants.py on `tiny` (window 8, a ratio-8 layer): the window and C128 variants leave every
     position before their first effect as it was (to fp32 rounding) and change the ones after; the shared-expert
