@@ -374,6 +374,27 @@ def test_floor_context_separates_the_servers_excess_from_a_sharpening_policy():
         "excess_drift_ci_contains_0"]                                           # a growing excess is caught
 
 
+def test_drift_power_is_the_change_at_which_the_slope_interval_touches_zero():
+    """runstats.drift_power: a series with no trend plus a line that changes by exactly `resolution` over the run
+    has its slope's 95% interval end at 0; the gap per nat is the slope of a gap built as a + b H; the entropy
+    budget is resolution / b."""
+    n = 40
+    steps = list(range(1, n + 1))
+    noise = [0.3 * math.sin(1.7 * i) + 0.2 * math.cos(0.9 * i * i) for i in steps]
+    flat = [x - runstats.ols(steps, noise)["slope"] * (i - (n + 1) / 2) for i, x in zip(steps, noise)]  # slope 0
+    ent = [0.4 - 0.005 * i + 0.01 * math.sin(i) for i in steps]
+    gap = [0.002 + 0.004 * h for h in ent]
+    base = [5 + x for x in flat]
+    p = runstats.drift_power(steps, base)
+    line = [y + p["resolution"] * (i - 1) / (n - 1) for i, y in zip(steps, base)]
+    assert runstats.ols(steps, line)["ci95"][0] == pytest.approx(0.0, abs=1e-9)
+    assert p["resolution_share"] == pytest.approx(p["resolution"] / (sum(base) / n), rel=1e-9)
+    q = runstats.drift_power(steps, [g + 1e-4 * x for g, x in zip(gap, flat)], ent)
+    assert q["gap_per_nat"] == pytest.approx(0.004, rel=0.05)
+    assert q["entropy_budget_nat"] == pytest.approx(q["resolution"] / q["gap_per_nat"], rel=1e-9)
+    assert q["entropy_change"] == pytest.approx(-0.005 * (n - 1), rel=0.05)
+
+
 def test_floor_context_tells_a_floor_jump_from_a_server_jump():
     """A batch whose tokens lift the FP8 floor lifts the gap with it: a jump of the gap and of the floor at the
     same step, none of gap - floor. A jump of the gap alone (what a broken push does) is one of gap - floor."""
@@ -536,21 +557,28 @@ def test_parity_variants_change_only_where_they_act_and_restore_the_model(tiny_p
 
 
 def test_warmup_waits_for_the_server_then_sends_rollout_shaped_requests(capsys, monkeypatch):
-    """bench/grpo_h200.py warmup: retried until the HTTP server answers (it binds 0.5 s after the warm-up has
-    its tokenizer: connections are refused till then), then one request, then `rounds` x `prompts` requests of
-    the first training prompts in the V4 chat format with n samples each."""
+    """bench/grpo_h200.py warmup: retried until the HTTP server answers (it binds 0.5 s after the warm-up makes
+    its client, where its clock starts: connections are refused till then, so http_up_s >= 0.5 however loaded the
+    machine), then one request, then `rounds` x `prompts` requests of the first training prompts in the V4 chat
+    format with n samples each."""
     import json
     import sys
     import threading
     from conftest import FakeSGLang, free_port
+    from nanoflash.rollout import client as client_lib
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
     import grpo_h200
     port, srv = free_port(), []
 
     def serve():
         srv.append(FakeSGLang(["/generate"], port=port))
-    late, tokenizer = threading.Timer(0.5, serve), grpo_h200._tokenizer
-    monkeypatch.setattr(grpo_h200, "_tokenizer", lambda: (tokenizer(), late.start())[0])
+    late = threading.Timer(0.5, serve)
+
+    class LateClient(client_lib.SGLangClient):   # the timer starts with the client, just before the clock
+        def __init__(self, *args, **kw):
+            late.start()
+            super().__init__(*args, **kw)
+    monkeypatch.setattr(client_lib, "SGLangClient", LateClient)
     try:
         grpo_h200.main(["warmup", "--url", f"http://127.0.0.1:{port}", "--wait", "30", "--prompts", "3", "--n", "2",
                         "--new-tokens", "4", "--rounds", "2"])

@@ -14,6 +14,8 @@ Statistics (pure functions, tested against hand-computed values):
 * `floor_context`: the slope and the jumps of gap - floor (what the server adds beyond FP8 rounding, which falls
   with the entropy as the gap does), the floor's own jumps, gap / floor per third of the run and over the run on
   the tokens above each step's median entropy (`live.token_stats`); reported beside the bars, not as one.
+* `drift_power`: the smallest change of the gap over the run the drift test resolves, and with the entropy, how
+  far the policy's entropy may move before a gap that scales with it reads as drift.
 * `excess_by_token`: from the per-token files the live checks keep (`live_tokens/step_NNNN.pt`), the excess
   sum(|gap| - floor) per token id and at each response's first token vs the rest: which tokens carry a gap the
   FP8 floor does not explain (over all steps, and over the steps above FLOOR_BAR).
@@ -113,6 +115,22 @@ def floor_context(steps: list, gap: list, floor: list, gap_hi: list = (), floor_
     return out
 
 
+def drift_power(steps: list, gap: list, entropy: list = ()) -> dict:
+    """What the drift test can see (context of the bar): `resolution`, the smallest change of the gap over the
+    run, (last step - first step) x slope, whose 95% interval excludes 0 at this run's scatter (t x se_b x span),
+    also as a share of the mean gap; with the steps' mean entropy H, the gap per nat (`ols(H, gap)` slope), the
+    entropy's change over the run by its own fit, and `entropy_budget_nat` = resolution / gap per nat: how far the
+    policy's entropy may move before a gap that scales with it reads as drift."""
+    fit, span = ols(steps, gap), max(steps) - min(steps)
+    res = t_quantile(0.975, fit["n"] - 2) * fit["slope_se"] * span
+    out = {"resolution": res, "resolution_share": res / (sum(gap) / len(gap))}
+    if len(entropy) == len(gap):
+        per_nat = ols(entropy, gap)["slope"]
+        out.update({"gap_per_nat": per_nat, "entropy_change": ols(steps, entropy)["slope"] * span,
+                    "entropy_budget_nat": res / abs(per_nat) if per_nat else None})
+    return out
+
+
 def excess_by_token(dump_dir: str, steps: list | None = None, top: int = EXCESS_TOP, decode=None) -> dict:
     """Where sum(|gap| - floor) lives, over the steps' per-token files (all, or `steps`): per token id (the `top`
     largest excesses: count, |gap| and floor sums, share of the total excess; `decode(id)` -> its text) and at
@@ -183,6 +201,7 @@ def summarize(recs: list) -> dict:
         out["gap_over_floor_fp8"] = out["gap_mean"] / out["floor_fp8_mean"]
     if len(gap) >= 3:
         out["gap_drift"], out["gap_jumps"] = ols(s, gap), jumps(gap)
+        out["drift_power"] = drift_power(s, gap, column(train, "entropy_mean")[1])
     if len(gap) >= 3 and len(floor) == len(gap):
         out["context"] = floor_context(s, gap, floor, column(train, "gap_high_entropy_mean")[1],
                                        column(train, "floor_high_entropy_mean")[1])
