@@ -187,8 +187,8 @@ def by_eos(samples, rows: dict, eos_id: int) -> list:
     """Each row's mean over the scored tokens up to and including the first `eos_id` of their generation
     ("in_response": what a rollout scores) and over those after it ("past_eos": `ignore_eos` text the model was
     never trained to continue). `rows`: name -> per-token |dlogp| in sample order."""
-    part = torch.cat([torch.tensor([ids[:i].count(eos_id) > 0 for i in range(len(ids))], dtype=torch.bool)
-                      for _, ids, _ in samples])                                      # [tokens] True past the EOS
+    ends = [ids.index(eos_id) + 1 if eos_id in ids else len(ids) for _, ids, _ in samples]  # first EOS, included
+    part = torch.cat([torch.arange(len(ids)) >= e for (_, ids, _), e in zip(samples, ends)])  # [tokens] past it
     return [{"part": name, "tokens": int(m.sum()),
              **{k: round(float(v[m].double().mean()), 5) for k, v in rows.items()}}
             for name, m in (("in_response", ~part), ("past_eos", part)) if m.any()]
