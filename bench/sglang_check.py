@@ -37,7 +37,6 @@ Experts: FP8 (`SGLANG_DSV4_FP4_EXPERTS=0`), `wo_a` BF16 (`SGLANG_OPT_FP8_WO_A_GE
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -249,8 +248,8 @@ def cmd_parity(a):
         M.hc_post = orig
     write_parity(a, res, rows, head, samples)   # the table first: a hold that ends in the variants keeps it
     if a.variants:   # nanoflash with one semantic changed (bench/parity_variants.py): which row meets the floor
-        from parity_variants import score
-        pos, over = score(load_model(a), samples, server, rows, a.variants.split(","), our_logprobs)
+        import parity_variants
+        pos, over = parity_variants.score(load_model(a), samples, server, rows, a.variants.split(","), our_logprobs)
         res["shared_expert_over_limit"] = bands(pos, {"over_share": over}, count="positions")
         write_parity(a, res, rows, head, samples)
     print(json.dumps(res, indent=1))

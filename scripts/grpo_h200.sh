@@ -38,7 +38,8 @@ dry_env() {
 # train.py / sft overrides of each mode (the recipe is h200 in both)
 overrides() {
   if [ "$MODE" = gpu ]; then
-    echo "--train.steps ${H20_STEPS:-60} --eval.every ${H20_EVAL_EVERY:-10} ${H20_LR:+--optim.lr $H20_LR} --train.progress false"
+    echo "--train.steps ${H20_STEPS:-60} --eval.every ${H20_EVAL_EVERY:-10} ${H20_LR:+--optim.lr $H20_LR}" \
+         "--train.progress false"
     return
   fi
   echo "--train.preset tiny --model.vocab_size 129280 --model.n_mtp_layers 0 --model.compress_ratios 0,4,8,4" \

@@ -146,7 +146,8 @@ class RolloutServer:
         V = self.engine.cfg.vocab_size
         for p in prompts:
             if not isinstance(p, list) or not p or not all(type(t) is int and 0 <= t < V for t in p):
-                raise BadRequest(f"/generate: input_ids must be a non-empty list of ints in [0, {V}), got {str(p)[:80]}")
+                raise BadRequest(f"/generate: input_ids must be a non-empty list of ints in [0, {V}), "
+                                 f"got {str(p)[:80]}")
         sp = parse_sampling(body.get("sampling_params", {}), V)
         asked = len(prompts) * sp["n"] * max(1, sp["max_new_tokens"])
         if asked > self.max_request_tokens:
