@@ -39,7 +39,7 @@ dry_env() {
 overrides() {
   if [ "$MODE" = gpu ]; then
     echo "--train.steps ${H20_STEPS:-60} --eval.every ${H20_EVAL_EVERY:-10} ${H20_LR:+--optim.lr $H20_LR}" \
-         "--train.progress false"
+         "${H20_LR_WARMUP:+--train.lr_warmup_steps $H20_LR_WARMUP} --train.progress false"
     return
   fi
   echo "--train.preset tiny --model.vocab_size 129280 --model.n_mtp_layers 0 --model.compress_ratios 0,4,8,4" \
