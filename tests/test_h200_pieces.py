@@ -355,6 +355,39 @@ def test_excess_by_token_against_naive_sums(tmp_path):
     assert runstats.excess_by_token(str(tmp_path), [7]) == {"steps": 0}
 
 
+def test_report_names_the_token_that_carries_a_jump(tmp_path):
+    """A run whose step 30 jumps because one rare token has |gap| = its floor = 6 nats (run 9's step 35): the
+    report's jump_tokens names that token, and the step's means without it, against plain Python sums."""
+    g = torch.Generator().manual_seed(9)
+    run = tmp_path / "run"
+    (run / "live_tokens").mkdir(parents=True)
+    from nanoflash.rl.metrics import MetricsLog
+    log = MetricsLog(str(run / "metrics.jsonl"))
+    for s in range(1, 41):
+        n = 500
+        d = {"gap": torch.randn(n, generator=g) * 0.004, "floor": torch.rand(n, generator=g) * 0.006,
+             "entropy": torch.rand(n, generator=g), "token": torch.randint(0, 50, (n,), generator=g).int(),
+             "pos": torch.arange(n).remainder(25).short()}
+        if s == 30:
+            d["gap"][7], d["floor"][7], d["token"][7], d["pos"][7] = -6.0, 6.0, 1602, 24
+        torch.save(d, run / "live_tokens" / f"step_{s:04d}.pt")
+        gap, floor = d["gap"].abs().tolist(), d["floor"].tolist()
+        log.log("train", s, {"gap_mean": sum(gap) / n, "floor_mean": sum(floor) / n, "reward_mean": 0.2,
+                             "verify_servers": 1, "probe_mean": 0.01})
+        if s == 30:
+            want = (sum(gap) - 6.0) / (n - 1), (sum(floor) - 6.0) / (n - 1)
+    log.close()
+    out = runstats.report(str(run), str(tmp_path / "report"), draw=False, decode=lambda i: f"<{i}>")
+    assert out["gap_jumps"]["over_at"] == [29] and out["context"]["excess_jumps"]["over"] == 0
+    (jt,) = out["jump_tokens"]
+    assert jt["step"] == 30 and jt["tokens"] == 500 and jt["top"]["token"] == 1602 and jt["top"]["pos"] == 24
+    assert jt["top"]["gap"] == pytest.approx(6.0) and jt["top"]["floor"] == pytest.approx(6.0)
+    assert jt["top"]["text"] == "<1602>"
+    assert jt["gap_mean_without"] == pytest.approx(want[0], rel=FP32_TOL)
+    assert jt["floor_mean_without"] == pytest.approx(want[1], rel=FP32_TOL)
+    assert runstats.jump_tokens(str(run / "live_tokens"), [99]) == []           # no file: nothing to name
+
+
 def test_floor_context_separates_the_servers_excess_from_a_sharpening_policy():
     """A floor that falls with the entropy and a gap = floor + a steady excess: the gap drifts, its excess over
     the floor does not; gap / floor per third of the run rises as the floor shrinks. Naive: sums by hand."""

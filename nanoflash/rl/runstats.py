@@ -19,6 +19,8 @@ Statistics (pure functions, tested against hand-computed values):
 * `excess_by_token`: from the per-token files the live checks keep (`live_tokens/step_NNNN.pt`), the excess
   sum(|gap| - floor) per token id and at each response's first token vs the rest: which tokens carry a gap the
   FP8 floor does not explain (over all steps, and over the steps above FLOOR_BAR).
+* `jump_tokens`: for each step over the jump bar, its largest-|gap| token and the step's means without it
+  (is the jump one rare token the FP8 floor carries too?).
 * reward slope: `ols` on the per-step reward; pass@1 gain: the paired difference against the warm start
   re-evaluated on the same seeds (`live.LiveChecks.eval_warm`: gain, SE, z).
 
@@ -175,6 +177,31 @@ def excess_by_token(dump_dir: str, steps: list | None = None, top: int = EXCESS_
     return res
 
 
+def jump_tokens(dump_dir: str, steps: list, decode=None) -> list:
+    """Per step in `steps` (the jumps), from its per-token file: the token with the largest |gap| (id, position,
+    entropy, |gap|, its floor) and the step's mean |gap| and floor with and without it. A jump that one token
+    carries, with |gap| near that token's floor, is FP8 rounding of a rare token that nanoflash's own FP8 model
+    reproduces, not a push the server took wrongly (that moves the gap on every token, the floor on none)."""
+    import torch
+    out = []
+    for step in steps:
+        path = os.path.join(dump_dir, f"step_{step:04d}.pt")
+        if not os.path.exists(path):
+            continue
+        d = torch.load(path)
+        gap, floor = d["gap"].double().abs(), d["floor"].double()
+        i, n = int(gap.argmax()), len(gap)
+        rest = lambda v: float((v.sum() - v[i]) / (n - 1)) if n > 1 else None   # noqa: E731
+        top = {"token": int(d["token"][i]), "pos": int(d["pos"][i]), "gap": float(gap[i]), "floor": float(floor[i])}
+        if "entropy" in d:
+            top["entropy"] = float(d["entropy"][i])
+        if decode is not None:
+            top["text"] = decode(top["token"])
+        out.append({"step": step, "tokens": n, "gap_mean": float(gap.mean()), "floor_mean": float(floor.mean()),
+                    "top": top, "gap_mean_without": rest(gap), "floor_mean_without": rest(floor)})
+    return out
+
+
 def column(recs: list, key: str, kind: str | None = None) -> tuple[list, list]:
     """(steps, values) of `key` in the records (of `kind` only, if given), skipping non-numbers."""
     pts = [(r["step"], r[key]) for r in recs
@@ -241,6 +268,10 @@ def report(run_dir: str, out_dir: str, extra: dict | None = None, draw: bool = T
         over = [r["step"] for r in recs if r.get("kind") == "train" and r.get("gap_over_floor", 0) > FLOOR_BAR]
         summary["excess_tokens"] = {"all_steps": excess_by_token(dump, decode=decode),
                                     "steps_over_floor_bar": excess_by_token(dump, over, decode=decode)}
+        steps = column(recs, "gap_mean", "train")[0]   # a jump's index -> its step: the gap's and the excess's
+        at = set(summary.get("gap_jumps", {}).get("over_at", [])) | \
+            set(summary.get("context", {}).get("excess_jumps", {}).get("over_at", []))
+        summary["jump_tokens"] = jump_tokens(dump, [steps[i] for i in sorted(at)], decode=decode)
     summary["startup"] = [{k: v for k, v in r.items() if k != "kind"} for r in recs if r["kind"] == "startup"]
     summary["server_restarts"] = [r["step"] for r in recs if r["kind"] == "server_restart"]
     for name, path in (extra or {}).items():
