@@ -256,12 +256,15 @@ def cmd_parity(a):
 
 
 def write_parity(a, res, rows, head, samples):
-    """res += every row's tails over the table's tokens, by_length and by_position -> a.out (rewritten whole)."""
+    """res += every row's tails over the table's tokens, by_length and by_position (with --synth by_eos, over all
+    samples and over the table's) -> a.out (rewritten whole)."""
     res.update({k: tails(v[:head]) for k, v in rows.items()})
     res["by_length"], res["by_position"] = by_length(samples, rows, a.n), by_position(samples, rows)
     if a.synth:   # the warm start's responses end at the EOS; the sampled text runs on past it (ignore_eos)
         from nanoflash.rl.data import V4Tokenizer
-        res["by_eos"] = by_eos(samples, rows, V4Tokenizer().eos_id)
+        eos, k = V4Tokenizer().eos_id, a.prompts * a.n   # by_eos_table: the 2-4K samples alone (no sweep)
+        res["by_eos"] = by_eos(samples, rows, eos)
+        res["by_eos_table"] = by_eos(samples[:k], {name: v[:head] for name, v in rows.items()}, eos)
     res["goal_mean_below"] = PARITY_GOAL
     with open(a.out + ".tmp", "w") as f:
         json.dump(res, f, indent=1)

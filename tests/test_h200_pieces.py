@@ -526,6 +526,28 @@ def test_parity_by_eos_splits_each_generation_at_its_first_eos():
                                                      abs=1e-5)
 
 
+def test_write_parity_splits_the_table_samples_at_their_eos_apart_from_the_sweep(tmp_path):
+    """write_parity with --synth: by_eos pools every sample, by_eos_table only the table's (the first
+    prompts x n samples, the first `head` tokens), which the 2-4K parity question is about."""
+    import argparse
+    import json
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
+    import sglang_check
+    from nanoflash.rl.data import V4Tokenizer
+    eos = V4Tokenizer().eos_id
+    samples = [([1] * 5, [3, eos, 4], None), ([1] * 6, [3, 4, eos], None), ([1] * 2, [eos, 6, 6], None)]
+    rows = {"bf16": torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])}
+    a = argparse.Namespace(out=str(tmp_path / "parity.json"), synth=1, n=1, prompts=2)
+    sglang_check.write_parity(a, {}, rows, 6, samples)
+    res = json.load(open(a.out))
+    assert res["by_eos"] == sglang_check.by_eos(samples, rows, eos)
+    assert [(r["part"], r["tokens"], r["bf16"]) for r in res["by_eos_table"]] == [
+        ("in_response", 5, pytest.approx((0.1 + 0.2 + 0.4 + 0.5 + 0.6) / 5, abs=1e-5)),
+        ("past_eos", 1, pytest.approx(0.3, abs=1e-5))]
+    assert res["bf16"]["tokens"] == 6                                           # the table's tails: its tokens
+
+
 def test_parity_variants_change_only_where_they_act_and_restore_the_model(tiny_pair):
     """bench/parity_variants.py on `tiny` (window 8, a ratio-8 layer): the window and C128 variants leave every
     position before their first effect as it was (to fp32 rounding) and change the ones after; the shared-expert
