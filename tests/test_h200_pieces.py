@@ -23,6 +23,17 @@ FP32_TOL = 1e-5    # the same fp32 computation done two ways (batched vs one pos
 T_TOL = 2e-3       # Cornish-Fisher t quantile vs the tabulated value (3 decimals in the tables)
 
 
+def bench(name: str):
+    """A script of bench/ (not a package) imported as a module."""
+    import importlib
+    import pathlib
+    import sys
+    path = str(pathlib.Path(__file__).parents[1] / "bench")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)
+
+
 # ---------------------------------------------------------------------------------------------- task
 def test_synth_splits_disjoint_complete_and_solutions_are_right():
     k4 = {s: synth.problems("sum4", s) for s in synth.SPLITS}
@@ -449,9 +460,7 @@ def test_floor_context_tells_a_floor_jump_from_a_server_jump():
 def test_p_worked_is_one_minus_the_think_end_probability(tiny_pair):
     """bench/grpo_h200.py p_worked (last position only, prompts grouped by length) against the naive full forward
     of each prompt alone: mean over prompts of 1 - softmax(logits[-1])[think_end]."""
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
-    import grpo_h200
+    grpo_h200 = bench("grpo_h200")
     cfg, model, _ = tiny_pair
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 5, 12)]
@@ -463,9 +472,7 @@ def test_p_worked_is_one_minus_the_think_end_probability(tiny_pair):
 def test_parity_tables_by_length_and_position_against_naive_loops():
     """bench/sglang_check.py by_length (each prompt's n samples together) and by_position (bands of absolute
     position prompt length + i) against plain loops over the same per-token values."""
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
-    import sglang_check
+    sglang_check = bench("sglang_check")
     g = random.Random(4)
     samples = [([1] * L, [2] * k, [0.0] * k) for L, k in ((40, 30), (40, 50), (120, 20), (120, 30), (300, 10),
                                                           (300, 5))]
@@ -495,9 +502,7 @@ def test_parity_tables_by_length_and_position_against_naive_loops():
 def test_parity_synth_prompt_is_exact_length_and_ends_where_a_response_starts():
     """bench/sglang_check.py synth_prompt: exactly `length` tokens of the task's chat text, the last problem's
     prompt whole at the end (BOS ... <think>), so a sample is a response; too short a length is one error."""
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
-    import sglang_check
+    sglang_check = bench("sglang_check")
     tok = data.V4Tokenizer()
     last = tok.encode_chat(synth.problems("sum4", "heldout", seed=3)[-1])
     for length in (len(last) + 1, 64, 300):
@@ -511,9 +516,7 @@ def test_parity_synth_prompt_is_exact_length_and_ends_where_a_response_starts():
 def test_parity_by_eos_splits_each_generation_at_its_first_eos():
     """bench/sglang_check.py by_eos: a token counts as in the response up to and including the first EOS of its
     own generation (not another sample's), past it after; means against a plain loop."""
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
-    import sglang_check
+    sglang_check = bench("sglang_check")
     eos = 9
     samples = [([1, 2], [3, eos, 4, eos, 5], None), ([1], [3, 4, 5], None), ([7], [eos, 6], None)]
     vals = [0.1, 0.2, 0.3, 0.4, 0.5, 1.0, 2.0, 3.0, 7.0, 11.0]
@@ -531,9 +534,7 @@ def test_write_parity_splits_the_table_samples_at_their_eos_apart_from_the_sweep
     prompts x n samples, the first `head` tokens), which the 2-4K parity question is about."""
     import argparse
     import json
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
-    import sglang_check
+    sglang_check = bench("sglang_check")
     from nanoflash.rl.data import V4Tokenizer
     eos = V4Tokenizer().eos_id
     samples = [([1] * 5, [3, eos, 4], None), ([1] * 6, [3, 4, eos], None), ([1] * 2, [eos, 6, 6], None)]
@@ -555,9 +556,7 @@ def test_parity_variants_change_only_where_they_act_and_restore_the_model(tiny_p
     after each, the model is what it was. `score`
     adds one row per variant and flags the positions over the limit, against the shared experts' inputs done by
     hand."""
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
-    import parity_variants
+    parity_variants = bench("parity_variants")
     cfg, model, _ = tiny_pair
     ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(5))
 
@@ -617,12 +616,10 @@ def test_warmup_waits_for_the_server_then_sends_rollout_shaped_requests(capsys, 
     machine), then one request, then `rounds` x `prompts` requests of the first training prompts in the V4 chat
     format with n samples each."""
     import json
-    import sys
     import threading
     from conftest import FakeSGLang, free_port
     from nanoflash.rollout import client as client_lib
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "bench"))
-    import grpo_h200
+    grpo_h200 = bench("grpo_h200")
     port, srv = free_port(), []
 
     def serve():

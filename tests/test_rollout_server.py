@@ -185,7 +185,8 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(stock):
     pickled = base64.b64encode(pickle.dumps([("x", torch.zeros(1))])).decode()
     cases = [
         ("POST", "/generate", b"{not json", 400, "not valid JSON"),
-        ("POST", "/generate", json.dumps({"input_ids": [1, 99999]}).encode(), 400, "input_ids"),
+        ("POST", "/generate", json.dumps({"input_ids": [1, 99999]}).encode(), 400, "/generate: input_ids"),
+        ("POST", "/nanoflash/trace", json.dumps({"input_ids": []}).encode(), 400, "/nanoflash/trace: input_ids"),
         ("POST", "/generate", json.dumps({"input_ids": [1], "sampling_params": {"temprature": 1}}).encode(), 400,
          "temprature"),
         ("POST", "/generate", json.dumps({"input_ids": [1], "sampling_params": {"top_p": 0}}).encode(), 400, "top_p"),

@@ -191,14 +191,14 @@ def jump_tokens(dump_dir: str, steps: list, decode=None) -> list:
         d = torch.load(path)
         gap, floor = d["gap"].double().abs(), d["floor"].double()
         i, n = int(gap.argmax()), len(gap)
-        rest = lambda v: float((v.sum() - v[i]) / (n - 1)) if n > 1 else None   # noqa: E731
         top = {"token": int(d["token"][i]), "pos": int(d["pos"][i]), "gap": float(gap[i]), "floor": float(floor[i])}
         if "entropy" in d:
             top["entropy"] = float(d["entropy"][i])
         if decode is not None:
             top["text"] = decode(top["token"])
         out.append({"step": step, "tokens": n, "gap_mean": float(gap.mean()), "floor_mean": float(floor.mean()),
-                    "top": top, "gap_mean_without": rest(gap), "floor_mean_without": rest(floor)})
+                    "top": top, **{f"{k}_mean_without": float((v.sum() - v[i]) / (n - 1)) if n > 1 else None
+                                   for k, v in (("gap", gap), ("floor", floor))}})
     return out
 
 

@@ -65,6 +65,13 @@ class BadRequest(ValueError):
     """A request the engine refuses (HTTP 400)."""
 
 
+def check_ids(route: str, ids, vocab: int) -> list:
+    """`ids` if it is a non-empty list of token ids in [0, vocab), else one BadRequest naming the route."""
+    if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
+        raise BadRequest(f"{route}: input_ids must be a non-empty list of ints in [0, {vocab}), got {str(ids)[:80]}")
+    return ids
+
+
 def parse_sampling(sp: dict, vocab: int) -> dict:
     """Validate SGLang sampling params; unknown keys and bad values raise BadRequest naming them."""
     if not isinstance(sp, dict):

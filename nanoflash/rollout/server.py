@@ -50,7 +50,7 @@ import threading
 
 import torch
 
-from nanoflash.rollout.engine import MAX_N, BadRequest, RolloutEngine, parse_sampling
+from nanoflash.rollout.engine import MAX_N, BadRequest, RolloutEngine, check_ids, parse_sampling
 from nanoflash.rollout.http_guard import BoundedHTTPServer, HTTPError, HTTPLimits, make_handler
 from nanoflash.rollout.mismatch import trace
 from nanoflash.rollout.update_guard import GroupPolicy, check_group, disk_files, own_hosts
@@ -145,9 +145,7 @@ class RolloutServer:
         prompts = ids if batch else [ids]
         V = self.engine.cfg.vocab_size
         for p in prompts:
-            if not isinstance(p, list) or not p or not all(type(t) is int and 0 <= t < V for t in p):
-                raise BadRequest(f"/generate: input_ids must be a non-empty list of ints in [0, {V}), "
-                                 f"got {str(p)[:80]}")
+            check_ids("/generate", p, V)
         sp = parse_sampling(body.get("sampling_params", {}), V)
         asked = len(prompts) * sp["n"] * max(1, sp["max_new_tokens"])
         if asked > self.max_request_tokens:
@@ -313,10 +311,7 @@ class RolloutServer:
 
     def r_nanoflash_trace(self, body):
         """nanoflash extension: activations at every block boundary for `input_ids` (mismatch localization)."""
-        ids = body.get("input_ids")
-        V = self.engine.cfg.vocab_size
-        if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < V for t in ids):
-            raise BadRequest(f"/nanoflash/trace: input_ids must be a non-empty list of ints in [0, {V})")
+        ids = check_ids("/nanoflash/trace", body.get("input_ids"), self.engine.cfg.vocab_size)
         with self.engine.lock:
             acts = trace(self.engine.model, torch.tensor([ids]))
         return {"trace": encode_tensors(list(acts.items()))}
