@@ -1,7 +1,7 @@
 """GRPO for DeepSeek-V4 (nanoflash), the whole loop in one file. It reads top to bottom:
 
-    config -> dist init -> actor (meta build -> parallelize -> materialise on this rank's device -> init/load)
-    -> warm-up -> optimizer -> rollouts -> loop {rollout, advantages, shards, old log-probs, train, sync, log}
+    config -> dist init -> trainer (meta build -> parallelize -> materialise on this rank's device -> init/load)
+    -> warm-up -> optimizer -> collector + pusher -> loop {collect -> step -> push -> eval / save / log}
 
 Runs (see docs/demo.md):
     python train.py --recipe demo                           # CPU demo: tiny model, arithmetic, embedded FP8 server
@@ -19,6 +19,9 @@ Differs from Miles: no Ray; rank 0 drives the rollout servers over HTTP, then se
 only its data shard's tensors (the other ranks wait on a gloo side group with a long timeout); one optimizer
 step per rollout (the V4 recipe), no async/partial rollouts, no reference model (KL coef 0).
 
+Instruments (the live FP8-floor checks of experiments/h200, ...) attach through `--train.hooks module:Class`
+(`nanoflash/rl/hooks.py`); the loop never names one.
+
 Failures: a crash resumes from the last checkpoint (re-run the command); a non-finite step is skipped on every
 rank; a rollout server that dies mid-rollout is, with `rollout.max_server_restarts`, waited for, re-pushed and
 the step redone from the same data position (the `resync` header every rank reads); else one line, stop.
@@ -35,19 +38,18 @@ import sys  # noqa: E402
 
 import torch  # noqa: E402
 
-from nanoflash import grpo
-from nanoflash.cli import to_dict
-from nanoflash.rl import actor as trainer, live as live_lib, metrics, rollouts as ep  # actor: the instance below
-from nanoflash.rl.evaluate import evaluate
-from nanoflash.rl.metrics import MetricsLog, progress
+from nanoflash.cli import startup, to_dict
 from nanoflash.model import Transformer
 from nanoflash.parallel.dcp import latest_checkpoint
 from nanoflash.parallel.dims import init_distributed, print0
+from nanoflash.rl.collector import Collector, eval_seeds
+from nanoflash.rl.evaluate import evaluate
+from nanoflash.rl.hooks import HookContext, Hooks
+from nanoflash.rl.metrics import MetricsLog
 from nanoflash.rl.plots import write_plots
-from nanoflash.rl.rewards import VerifierUnavailable
-from nanoflash.rollout.client import RequestRejected, ServerGoneError
-from nanoflash.rollout.stage_push import StagePusher
-from nanoflash.startup import startup
+from nanoflash.rl.trainer import Trainer, gather_full_state, make_optimizer
+from nanoflash.sglang.buckets import optimizer_storage
+from nanoflash.sglang.push import StagePusher
 
 # ---------------------------------------------------------------------------------------------- config
 # --help, overrides, checks, the task's data and reward, the run directory: a user error is one line, exit 2
@@ -67,16 +69,16 @@ dims = init_distributed(par.pp, par.ep, par.dp, timeout_s=par.timeout_s, wait_ti
 rank0 = dims.rank == 0
 torch.manual_seed(tc.seed)
 
-# ---------------------------------------------------------------------------------------------- actor: build, place, load
+# ---------------------------------------------------------------------------------------------- trainer
 t_phase = time.time()
-actor = trainer.Actor(cfg, mcfg, dims, tc.checkpoint, ckpt_is_dcp)
-phases["actor_s"] = time.time() - t_phase  # build, place, seeded init or checkpoint load
-print0(f"actor: {dims}, stage on {actor.device}, {sum(p.numel() for p in actor.model.parameters()) / 1e6:.1f}M "
+trainer = Trainer(cfg, mcfg, dims, tc.checkpoint, ckpt_is_dcp, served_storage=optimizer_storage(cfg, mcfg))
+phases["trainer_s"] = time.time() - t_phase  # build, place, seeded init or checkpoint load
+print0(f"trainer: {dims}, stage on {trainer.device}, {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M "
        f"parameters on this rank")
 if not tc.resume and latest_checkpoint(ckpt_dir):  # never prune or later adopt another run's checkpoints
     raise SystemExit(f"--train.resume false, but {ckpt_dir} holds checkpoints of an earlier run (newest: "
                      f"{os.path.basename(latest_checkpoint(ckpt_dir))}); choose another --out, or resume it")
-step, pos, (latest, meta) = 0, 0, actor.resume(ckpt_dir) if tc.resume else (None, None)
+step, pos, (latest, meta) = 0, 0, trainer.resume(ckpt_dir) if tc.resume else (None, None)
 if latest:
     step, pos = meta["step"], meta["extra"]["data_pos"]
     print0(f"resumed from {latest}: step {step}, data position {pos}")
@@ -85,101 +87,75 @@ log = MetricsLog(os.path.join(tc.out_dir, "metrics.jsonl"), resume_step=step if 
 if not latest:
     log.log("info", 0, {"config": to_dict(cfg), "world_size": dims.world_size, "matched": matched})
 if not latest and tc.warmup_steps:  # supervised warm-up on task.warmup (train.warmup_data; fresh runs only)
-    sft_opt, t0 = trainer.make_optimizer(actor.model, oc, lr=tc.warmup_lr), time.time()
+    sft_opt, t0 = make_optimizer(trainer.model, oc, lr=tc.warmup_lr), time.time()
     for i in range(tc.warmup_steps):
         batch_probs = [task.warmup[(i * tc.warmup_batch + j) % len(task.warmup)] for j in range(tc.warmup_batch)]
-        nll = actor.sft_step(batch_probs, task, sft_opt)
+        nll = trainer.sft_step(batch_probs, task, sft_opt)
         if i % 25 == 0 or i == tc.warmup_steps - 1:
             log.log("warmup", i, {"nll": nll, "time_s": time.time() - t0})
     del sft_opt
 t_phase = time.time()
-if actor.optimizer is None:
-    actor.start_optimizer()  # the fp32 master is taken from the weights as loaded / warmed up, never before
+if trainer.optimizer is None:
+    trainer.start_optimizer()  # the fp32 master is taken from the weights as loaded / warmed up, never before
 phases["optimizer_s"] = time.time() - t_phase
 
-# ---------------------------------------------------------------------------------------------- rollouts
-# Weights reach the servers from every pipeline stage's own ranks (rollout.stage_push). Rank 0 gathers a full
-# copy once, only to start embedded servers from (`actor.gather_full_state`); real SGLang loads its own.
-full_state = trainer.gather_full_state(actor) if dims.world_size > 1 and not rc.urls else None
-shadow = actor.model if dims.world_size == 1 else (Transformer(mcfg) if full_state is not None else None)
+# ---------------------------------------------------------------------------------------------- collector, pusher
+# Weights reach the servers from every pipeline stage's own ranks (sglang.push). Rank 0 gathers a full copy
+# once, only to start embedded servers from (`gather_full_state`); real SGLang loads its own.
+full_state = gather_full_state(trainer) if dims.world_size > 1 and not rc.urls else None
+shadow = trainer.model if dims.world_size == 1 else (Transformer(mcfg) if full_state is not None else None)
 if shadow is not None and full_state is not None:
     shadow.load_state_dict(full_state)
 t_phase = time.time()
-rollouts = ep.Rollouts(cfg, task, mcfg, shadow) if rank0 else None  # embedded servers, or waits for SGLang
-pusher = StagePusher(dims, rollouts.client if rank0 else None, rc, mcfg, disk_dir=os.path.join(tc.out_dir, "sync"))
+collector = Collector(cfg, task, mcfg, shadow, pos) if rank0 else None  # embedded servers, or waits for SGLang
+pusher = StagePusher(dims, collector.client if rank0 else None, rc, mcfg, disk_dir=os.path.join(tc.out_dir, "sync"))
 phases["servers_s"] = time.time() - t_phase
+hooks = Hooks(tc.hooks, None)  # instruments (--train.hooks), built on rank 0 after the first push
 
 
-def sync_weights(version: int) -> dict:
+def push(version: int) -> dict:
     """Each stage pushes its own slice to every server, verified (collective; rank 0 reports)."""
     t0 = time.time()
-    info = pusher.push(actor.state_iter, version)
+    info = pusher.push(trainer.state_iter, version)
     if not rank0:
         return {}
     return {"sync_s": time.time() - t0, "sync_tensors": info["tensors"], "sync_buckets": info["buckets"],
-            "sync_bytes": info["bytes"], "sync_layout_sha": info.get("layout_sha"),
-            **(live.after_push(version) if live is not None else {})}
+            "sync_bytes": info["bytes"], "sync_layout_sha": info.get("layout_sha"), **hooks.after_push(version)}
+
+
+def gen_at(at: int):
+    """The eval's generate function at step `at`: the weights the servers hold, the eval's seeds of that step."""
+    return lambda prompts, n: collector.eval_generate(prompts, n, eval_seeds(tc.seed, at, len(prompts)))
 
 
 def run_eval(at: int) -> None:
     """pass@k on held-out problems of the weights the rollout servers hold, just pushed (rank 0): in-process on
-    the embedded engine or through the servers (`eval.path`, `Rollouts.eval_generate`)."""
+    the embedded engine or through the servers (`eval.path`, `Collector.eval_generate`)."""
     if not rank0 or not ec.every:
         return
     t0 = time.time()
-    gen = lambda prompts, n: rollouts.eval_generate(prompts, n, ep.eval_seeds(tc.seed, at, len(prompts)))  # noqa: E731
-    res = evaluate(task.heldout, gen, ec.k_samples, task.reward, ec.max_new_tokens, task.encode)
-    acc = torch.tensor(res.pop("per_problem_correct"), dtype=torch.float64) / ec.k_samples  # [P] per-problem accuracy
+    res = evaluate(task.heldout, gen_at(at), ec.k_samples, task.reward, ec.max_new_tokens, task.encode)
+    acc = torch.tensor(res.pop("per_problem_correct"), dtype=torch.float64) / ec.k_samples  # [P] per problem
     res["pass@1_se"] = float(acc.std() / len(acc) ** 0.5) if len(acc) > 1 else 0.0  # standard error over problems
     print0(f"eval step {at}: " + " ".join(f"{k}={v:.3f}" for k, v in res.items() if k.startswith("pass@")))
     log.log("eval", at, {**res, "eval_s": time.time() - t0})
-    if live is not None:  # the warm start on the same seeds, pushed in and back out (nanoflash/rl/live.py)
-        log.log("eval_warm", at, live.eval_warm(at, acc, lambda a: lambda prompts, n: rollouts.eval_generate(
-            prompts, n, ep.eval_seeds(tc.seed, a, len(prompts)))))
+    for record, m in hooks.after_eval(at, acc, gen_at).items():
+        log.log(record, at, m)
 
 
 def save(at: int) -> None:
     if tc.save_every < 0:  # no checkpoints at all (throughput runs: the `gpu` recipe)
         return
-    actor.save(ckpt_dir, at, extra={"data_pos": pos, "model_config": dataclasses.asdict(mcfg)}, keep=tc.keep)
+    data_pos = collector.pos if rank0 else None
+    trainer.save(ckpt_dir, at, extra={"data_pos": data_pos, "model_config": dataclasses.asdict(mcfg)}, keep=tc.keep)
 
 
-def rollout_batch(at: int):
-    """Rank 0: dynamic-sampling rollout -> advantages -> the packed global batch and the step's metrics."""
-    t0 = time.time()
-    bar = progress(gc.n_prompts, f"rollout {at}/{tc.steps}", tc.progress)
-    try:
-        kept, seen, new_pos, counts = rollouts.collect(pos, bar)
-    except (ServerGoneError, ep.StaleServerError) as e:  # a server died (gone, or back with other weights)
-        if restarts["n"] >= rc.max_server_restarts:
-            raise SystemExit(f"rollout for step {at} failed: {e} (rollout.max_server_restarts="
-                             f"{rc.max_server_restarts})") from None
-        restarts["n"] += 1
-        bar.close()
-        print(f"rollout for step {at}: {type(e).__name__}: {e}; waiting up to {rc.health_timeout_s:g} s for the "
-              f"servers (restart {restarts['n']} of {rc.max_server_restarts}), then re-push and redo the step",
-              flush=True)
-        ep.wait_for_servers(rollouts.client, rc.health_timeout_s)  # its supervisor brings it back
-        return None, pos, {"resync": True, "server_restarts": restarts["n"]}
-    except (RequestRejected, VerifierUnavailable) as e:  # a failed request or a reward verifier that cannot
-        raise SystemExit(f"rollout for step {at} failed: {e}") from None  # start: one line, stop
-    bar.close()
-    t_roll = time.time() - t0
-    m = {**metrics.step_metrics(seen, gc.group_size), **counts, "rollout_s": t_roll,
-         "rollout_tokens_per_s": sum(len(e.response_ids) for e in seen) / t_roll}
-    if not kept:
-        return None, new_pos, m
-    adv = grpo.episode_advantages(kept, gc.group_size, eps=gc.adv_eps, std_normalize=gc.std_normalize)
-    return grpo.pack(kept, adv, task.pad_id), new_pos, m
-
-
-live = None
 t_phase = time.time()
-sync_weights(step)
+push(step)
 phases["first_push_s"] = time.time() - t_phase
-if ec.live and rank0:  # probe after every push, FP8 floor, |dlogp| tails, warm start re-evaluated (one process)
-    live = live_lib.LiveChecks(cfg, mcfg, actor, rollouts, pusher, task)
-    log.log("push", step, live.after_push(step))
+if tc.hooks and rank0:  # probe after every push, FP8 floor, |dlogp| tails, ... (one process)
+    hooks = Hooks(tc.hooks, HookContext(cfg, mcfg, trainer, collector, pusher, task))
+    log.log("push", step, hooks.after_push(step))
 phases["total_s"] = time.time() - T_START
 print0("start-up: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in phases.items()))
 log.log("startup", step, phases)
@@ -190,30 +166,16 @@ if not latest:
 
 # ---------------------------------------------------------------------------------------------- loop
 streak = total_skipped = 0  # consecutive / all skipped (non-finite) steps
-restarts = {"n": 0}  # rollout servers that died and came back (rollout.max_server_restarts)
 while step < tc.steps:
     t0 = time.time()
-    batch, new_pos, m = rollout_batch(step + 1) if rank0 else (None, None, {})
-    shard, head = trainer.scatter_shards(batch, dims, {"pos": new_pos, "resync": m.get("resync", False)})
+    batch, m = collector.next_batch(step + 1) if rank0 else (None, {})
+    header = {"pos": collector.pos if rank0 else None, "resync": m.get("resync", False)}
+    head, tm = trainer.step(batch, header, step + 1, before_update=lambda b, old: hooks.before_update(b, old, step + 1))
     if head["resync"]:  # a server restarted with other weights: every rank re-pushes, then the step is redone
         pusher.reconnect(restarted=True)   # from the same data position, so with the same prompts and seeds
-        log.log("server_restart", step + 1, {**sync_weights(step), "server_restarts": m.get("server_restarts")})
+        log.log("server_restart", step + 1, {**push(step), "server_restarts": m.get("server_restarts")})
         continue
-    pos, step = head["pos"], step + 1
-    if head["rows"]:  # old log-probs -> one GRPO step (every rank; later stages get the data via the pipeline)
-        t1 = time.time()
-        old = actor.logprobs(shard)
-        m["logprobs_s"] = time.time() - t1
-        if shard is not None:
-            shard.old_logprobs = old
-        if live is not None:
-            m.update(live.step(batch, old, step))
-        actor.optimizer.lr = oc.lr * min(1.0, step / tc.lr_warmup_steps) if tc.lr_warmup_steps else oc.lr
-        m["lr"] = actor.optimizer.lr
-        m.update(actor.train(shard))
-        n_tok = float(batch.mask.sum()) if batch is not None else 0.0
-        m.update(train_s=time.time() - t1, train_tokens_per_s=n_tok / (time.time() - t1),
-                 optim_s=actor.optimizer.last_step_s)
+    step, m = step + 1, {**m, **tm}
     skipped = m.pop("skipped", False)
     streak, total_skipped = (streak + 1 if skipped else 0), total_skipped + skipped
     m["skipped_steps"] = total_skipped
@@ -225,8 +187,8 @@ while step < tc.steps:
             raise SystemExit(f"diverged: {streak} consecutive non-finite steps (train.max_skipped_steps="
                              f"{tc.max_skipped_steps}); the last checkpoint is the last good state")
     else:
-        m.update(sync_weights(step))
-    if actor.device.type == "cuda":  # this rank's stage, optimizer and activations (rank 0's, as logged)
+        m.update(push(step))
+    if trainer.device.type == "cuda":  # this rank's stage, optimizer and activations (rank 0's, as logged)
         m.update(gpu_mem_gib=torch.cuda.memory_allocated() / 2 ** 30,
                  gpu_peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30)
     if rank0:
@@ -243,6 +205,7 @@ while step < tc.steps:
 if rank0 and tc.plots:
     for path in write_plots(tc.out_dir):
         print(f"wrote {path}")
+hooks.close()
 log.close()
-if rollouts is not None:
-    rollouts.close()
+if collector is not None:
+    collector.close()

@@ -14,7 +14,7 @@ quant:  the stream's quantizer `quant.quantize_fp8_block_into` (Triton on CUDA; 
 stream: the per-stage push (`stage_push.StagePusher`, one process) of the `small` preset (bf16 on the GPU, FP8
         stream, 256 MiB buckets) into a sink server over the disk transport: GB/s of building buckets (quantize +
         cast into flat buffers), of the verification record (loader layout + SGLang's hash on the GPU), and the
-        GPU memory peak above the model against `stage_push.live_budget`.
+        GPU memory peak above the model against `planner.live_budget`.
 plan:   bytes of the V4-Flash FP8 stream per stage source and per EP rank at PP4 x EP4 (no hardware), and the
         push time extrapolated from the measured GB/s (formula in docs/benchmarks.md).
 push:   the `small` model's FP8 stream (`iter_sglang_buckets`, 1 GiB buckets) from the trainer on cuda:0 into an
@@ -80,8 +80,9 @@ def bench_stream(preset_name, dev, bucket_bytes=1 << 28):
     import tempfile
     from nanoflash.config import RolloutConfig
     from nanoflash.parallel.dims import ParallelDims
-    from nanoflash.rollout import stage_push
-    from nanoflash.rollout.stream import stream_buckets
+    from nanoflash.parallel import planner
+    from nanoflash.sglang import push as stage_push
+    from nanoflash.sglang.buckets import stream_buckets
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_weight_sync_gpu import SinkClient
     with torch.device(dev):
@@ -111,7 +112,7 @@ def bench_stream(preset_name, dev, bucket_bytes=1 << 28):
             "param_bytes_bf16": params_bytes, "stream_bytes": nbytes, "build_s": t_build,
             "build_GBps_in_plus_out": (params_bytes + nbytes) / t_build / 1e9,
             "push_with_record_and_disk_s": t_push, "buckets": info["buckets"], "gpu_peak_above_model": peak,
-            "live_budget": stage_push.live_budget(max(bucket_bytes, largest), 1, 0)}
+            "live_budget": planner.live_budget(max(bucket_bytes, largest), 1, 0)}
 
 
 def flash_plan(pp=4, ep=4, fp8=True):
@@ -119,8 +120,8 @@ def flash_plan(pp=4, ep=4, fp8=True):
     from nanoflash.names import official_inventory, scale_shape, storage_kind
     from nanoflash.parallel.expert import is_expert_param
     from nanoflash.parallel.pipeline import split_layers
-    from nanoflash.rollout.layout import sglang_fp8
-    from nanoflash.rollout.stream import _KIND_DTYPE
+    from nanoflash.sglang.layout import sglang_fp8
+    from nanoflash.sglang.buckets import _KIND_DTYPE
     cfg = preset("flash")
     stage_of = {lay: s for s, lays in enumerate(split_layers(cfg.n_layers, pp)) for lay in lays}
     dense, experts = [0] * pp, [0] * pp
@@ -154,12 +155,12 @@ def extrapolate(plan, quant_gbps, link_gbps=40.0, nvlink_gbps=300.0):
 
 
 def bench_push(preset_name, bucket_bytes):
-    from nanoflash.rollout.client import SGLangClient
-    from nanoflash.rollout.weight_sync import Broadcaster, iter_sglang_buckets, push_weights
+    from nanoflash.sglang.client import SGLangClient
+    from nanoflash.sglang.transports import Broadcaster, iter_sglang_buckets, push_weights
     x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda:0")
     t_p2p = timed(lambda: x.to("cuda:1"), "cuda:1")
     port = 31000 + os.getpid() % 1000
-    srv = subprocess.Popen([sys.executable, "-m", "nanoflash.rollout.server", "--preset", preset_name, "--device",
+    srv = subprocess.Popen([sys.executable, "-m", "nanoflash.server.http", "--preset", preset_name, "--device",
                             "cuda:1", "--weights", "fp8", "--port", str(port), "--decode", "full"], cwd=ROOT)
     try:
         client = SGLangClient(f"http://127.0.0.1:{port}", retry_s=5.0)
@@ -190,7 +191,7 @@ def bench_push(preset_name, bucket_bytes):
 
 
 def bench_decode(preset_name, dev, new_tokens=64):
-    from nanoflash.rollout.engine import RolloutEngine, parse_sampling
+    from nanoflash.server.engine import RolloutEngine, parse_sampling
     with torch.device(dev):
         model = Transformer(preset(preset_name)).init_weights(0).cast_(torch.bfloat16)
     eng = RolloutEngine(model, weights="bf16", decode="cache")

@@ -25,7 +25,7 @@ import time
 import torch
 
 GIB = 2 ** 30
-BASELINE = ("import resource, torch, nanoflash.model, nanoflash.rl.rollouts; torch.zeros(1, device='cuda'); "
+BASELINE = ("import resource, torch, nanoflash.model, nanoflash.rl.collector; torch.zeros(1, device='cuda'); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
 
 
@@ -87,13 +87,13 @@ def run(out: str, extra: list, timeout: float) -> dict:
 
 
 def predicted(extra: list) -> dict:
-    from nanoflash.rl import rollouts as ep
+    from nanoflash.rl import collector
     from nanoflash.cli import parse_args
     from nanoflash.config import run_preset
     from nanoflash.parallel import planner
     cfg = parse_args(["--recipe", "gpu", *extra])
     mcfg = run_preset(cfg)
-    task = ep.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
+    task = collector.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
     seq = len(task.encode(task.train[0])) + cfg.rollout.max_new_tokens - 1
     fit = planner.measure_layer_bytes(mcfg, (256, 512), device="cuda" if torch.cuda.is_available() else "cpu")
     setup = dataclasses.replace(planner.setup_from_run(cfg, mcfg, world=1), seq_len=seq)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10's GPU work in the window while SGLang boots for issue 20 (scripts/grpo_h200.sh), on the same H200:
+# Issue 10's GPU work in the window while SGLang boots for issue 20 (experiments/h200/grpo_h200.sh), on the same H200:
 #   0. $W/HOLD keeps the issue-20 pipeline from starting GRPO until this script is done (GPU memory);
 #   1. wait for the issue-20 SFT to finish ($W/SFT_DONE), so nothing here competes with it;
 #   2. GPU tests: the fused mHC kernels at real width (final form), the offloaded optimizer and placement, the

@@ -36,7 +36,7 @@ import torch, dataclasses
 from nanoflash.cli import parse_args
 from nanoflash.config import preset
 from nanoflash.parallel.dims import init_distributed
-from nanoflash.rl import actor as trainer
+from nanoflash.rl import trainer
 cfg = parse_args(["--recipe", "smoke", "--train.dtype", "bf16"])
 dims = init_distributed()
 actor = trainer.Actor(cfg, preset("tiny", **cfg.model), dims)

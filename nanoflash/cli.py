@@ -3,7 +3,8 @@
     python train.py --recipe demo --grpo.clip_high 0.28 --rollout.weights fp32 --model.max_seq_len 64
     python train.py --preset flash --parallel.pp 4 --parallel.ep 4 --dry-run
 
-Resolution order (later wins): dataclass defaults -> `--recipe NAME` (a list of overrides in `RECIPES`) ->
+Resolution order (later wins): dataclass defaults -> `--recipe NAME|FILE` (a file of overrides, one a line:
+`nanoflash/recipes/NAME.txt`, or any path, e.g. an experiment's own) ->
 the command line. An override is `--section.field value` (or `--section.field=value`); the value is parsed
 by the field's declared type: int, float, bool (`true/false/1/0/yes/no`), str, `None`/`none` for optional
 fields, and comma lists for tuples (`--rollout.urls http://a:30000,http://b:30000`). `--model.<field>`
@@ -12,99 +13,101 @@ overrides a `ModelConfig` field of the preset. Short forms: `--preset` = `--trai
 or a value that does not parse, is one error naming it.
 
 `--help` (`help_text`) lists every section and field with its type, default and comment, read from
-`config.py`, and the recipes. What train.py does with the parsed tree first: `nanoflash/startup.py`.
+`config.py`, and the recipes.
 
-Differs from Miles: Miles has ~400 flat argparse flags; we keep the config as the dataclasses of
+## Start-up
+
+Start-up (`startup`), what `train.py` does first with its command line: --help, overrides, checks, task data, the run directory.
+
+    cfg, mcfg, task = startup(sys.argv[1:])
+
+`startup` prints `--help` (`cli.help_text`) or the `--dry-run` plan and exits 0; otherwise it parses the
+overrides (`cli.parse_args`), runs the checks that need no model (`check_config`: data and checkpoint paths,
+server URLs, knob combinations; the config dataclasses refuse bad values and the knobs nothing reads), resolves
+the model config (`model_config`: a checkpoint's own, or the preset, plus `--model.*`), loads the task's data
+and reward plug-in (`rollouts.make_task`: the tokenizer/vocabulary check, field names, `train.reward`), and
+prepares the run directory. A user error anywhere in there is ONE line on stderr (`train.py: error: ...`)
+and exit code 2, before any model is built (`NANOFLASH_TRACEBACK=1` shows the traceback instead).
+
+Run directories (`train.out_dir`): a run writes `config.json` (the whole tree, `cli.to_dict`) there at start.
+A directory that already holds checkpoints is resumed only by the same run: a config that differs in anything
+but the fields of `RESUMABLE` (steps, logging, layout, server addresses) is refused naming the differences, as
+is `--no-resume` (its checkpoints would mix with the new run's); a run that already reached `train.steps`
+says so and exits 0.
+
+Differs from Miles: Miles validates its argparse namespace in `miles/utils/arguments.py` and raises
+AssertionErrors (tracebacks); here every refusal is a sentence naming the flag. Miles has ~400 flat argparse flags; we keep the config as the dataclasses of
 `config.py` and address their fields by path.
 
-Tests: `pytest tests/test_train_cli.py -q`.
+Tests: `pytest tests/test_train_cli.py tests/test_startup.py -q`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import io
 import inspect
 import json
+import os
 import re
+import sys
 import typing
 
-from nanoflash.config import ModelConfig, RunConfig
+from nanoflash import config
+from nanoflash.config import ModelConfig, RunConfig, preset, run_preset
+from nanoflash.parallel import planner
+from nanoflash.parallel.dcp import latest_checkpoint
+from nanoflash.rl.collector import make_task
+from nanoflash.rl.hooks import load_hook
 
 SHORT = {"--preset": "train.preset", "--steps": "train.steps", "--out": "train.out_dir",
          "--checkpoint": "train.checkpoint", "--seed": "train.seed"}
 FLAGS = {"--dry-run": ("train.dry_run", "true"), "--no-resume": ("train.resume", "false")}
 
-# one line per recipe for --help (a recipe without one is listed with its overrides)
-RECIPE_HELP = {
-    "demo": "CPU demo: tiny model, synthetic arithmetic, embedded FP8 server (docs/demo.md)",
-    "demo-control": "the demo's control: its warm start continued for the demo's 60 steps on its own data, no GRPO",
-    "smoke": "a few-step CPU smoke of the demo's loop (CI)",
-    "h200": "issue 20: GRPO of the h200 preset with live SGLang on one H200 (scripts/grpo_h200.sh; docs/h200/)",
-    "flash": "the reference deployment's trainer: V4-Flash, PP4 x EP4, DAPO-Math-17K (use with --dry-run first)",
-}
-# Named recipes: lists of overrides applied before the command line.
-RECIPES: dict[str, list[str]] = {
-    # CPU demo (docs/demo.md): tiny model; a warm start that copies the last digit ("0527+0=" -> "7", format
-    # only: none of the answers), then GRPO on "last digit of a + 1" ("0527+1=" -> "8") through the embedded
-    # FP8 server, whose answers only the reward teaches; held out: 1,000 problems whose leading digits no
-    # training prompt has. Checkpoints at every eval (0, 20, 40, 60) for the probes of scripts/demo_controls.py.
-    "demo": ["train.preset=tiny", "train.task=arith", "train.data=arith:mod10", "train.difficulty=4",
-             "train.warmup_data=arith:copy", "train.steps=60", "train.warmup_steps=30", "train.warmup_lr=3e-3",
-             "train.out_dir=runs/demo", "train.save_every=20", "train.keep=4", "train.threads=1",
-             "model.vocab_size=18", "model.max_seq_len=32",
-             "grpo.n_prompts=16", "grpo.group_size=8", "grpo.over_sampling_batch_size=16",
-             "optim.lr=1e-3", "train.lr_warmup_steps=5", "optim.weight_decay=0.0", "optim.grad_clip=1.0",
-             "parallel.micro_batch_tokens=2048",
-             "rollout.weights=fp8", "rollout.max_new_tokens=2", "rollout.max_workers=4",
-             "eval.every=20", "eval.n_problems=500", "eval.k_samples=8", "eval.max_new_tokens=2"],
-    # the demo's control: the same warm start continued on its own (copy) data for the demo's 60 GRPO steps
-    # (= the demo's overrides, then these; see below)
-    "demo-control": ["train.warmup_steps=90", "train.steps=0", "train.out_dir=runs/demo-control"],
-    # a few-step smoke of the same command (CI): same task and server, fewer steps, prompts and eval problems
-    "smoke": ["train.preset=tiny", "train.task=arith", "train.data=arith:mod10", "train.difficulty=4",
-              "train.steps=3", "train.warmup_steps=20", "train.warmup_batch=32", "train.threads=1",
-              "train.out_dir=runs/smoke", "train.save_every=1", "model.vocab_size=18", "model.max_seq_len=32",
-              "grpo.n_prompts=4", "grpo.group_size=4", "grpo.over_sampling_batch_size=4", "rollout.max_rounds=2",
-              "optim.lr=1e-3", "rollout.max_new_tokens=2", "rollout.max_workers=2",
-              "eval.every=2", "eval.n_problems=16", "eval.k_samples=2", "eval.max_new_tokens=2"],
-    # the reference deployment's trainer: V4-Flash at PP4 x EP4 (16 GPUs on 2 nodes), Miles' V4 recipe
-    "flash": ["train.preset=flash", "train.task=dapo", "train.dtype=bf16", "train.steps=200",
-              "parallel.pp=4", "parallel.ep=4", "parallel.dp=1", "parallel.recompute=true",
-              "parallel.offload_optimizer=true", "parallel.micro_batch_tokens=8192",
-              "grpo.n_prompts=32", "grpo.group_size=8", "grpo.over_sampling_batch_size=512",
-              "rollout.temperature=0.8", "rollout.max_new_tokens=4096", "rollout.routing_replay=true",
-              "eval.every=20", "eval.k_samples=8", "eval.temperature=0.8", "eval.max_new_tokens=4096"],
-    # one H200 (bench/gpu_recipe.py measures it): the `small` preset in bf16 from a seeded init (1.6B with the
-    # arithmetic task's 18-id vocabulary: sampled ids outside it would stop the reward), AdamW offloaded, the
-    # embedded FP8 engine in the same process on the same GPU (weights handed over in-process: transport=local),
-    # 4 GRPO steps on the synthetic task, eval through the server every 2; no checkpoints (30 GB each with optimizer)
-    "gpu": ["train.preset=small", "train.task=arith", "train.data=arith:mod10", "train.difficulty=4",
-            "train.dtype=bf16", "train.steps=4", "train.save_every=-1", "train.out_dir=runs/gpu",
-            "model.vocab_size=18", "model.max_seq_len=64", "parallel.device=cuda",
-            "parallel.offload_optimizer=true", "parallel.micro_batch_tokens=2048", "grpo.n_prompts=8",
-            "grpo.group_size=8", "grpo.over_sampling_batch_size=8", "grpo.dynamic_sampling=false",
-            "rollout.weights=fp8", "rollout.transport=local", "rollout.max_new_tokens=16", "rollout.max_workers=8",
-            "eval.every=2", "eval.before_train=false", "eval.path=servers", "eval.n_problems=16",
-            "eval.k_samples=8", "eval.max_new_tokens=16"],
-    # one H200, SGLang colocated (scripts/grpo_h200.sh, docs/h200/): the h200 preset (1.24B) in bf16, warm-started
-    # by bench/grpo_h200.py sft (a model that can work sums out but mostly answers at a glance, synth.py), GRPO on
-    # running sums in the V4 chat format through SGLang at --rollout.urls, a verified FP8 push + probe every step,
-    # the warm start re-evaluated at every eval (eval.live). lr (docs/h200/): 2e-4 with a 3-step warm-up collapsed
-    # (AdamW's fresh moments make the first updates full lr-sized steps), 3e-5 was stable but slow; 5e-5 after a
-    # 10-step warm-up took held-out pass@1 0.094 -> 0.939 in 60 steps (run 4; run 5 0.088 -> 0.923). A dead SGLang is restarted by the
-    # script's watchdog and waited for (rollout.max_server_restarts)
-    "h200": ["train.preset=h200", "train.task=chat", "train.data=synth:sum4:train", "eval.data=synth:sum4:heldout",
-             "train.dtype=bf16", "train.steps=60", "train.save_every=-1", "train.out_dir=runs/h200",
-             "train.lr_warmup_steps=10", "model.kernels=reference", "parallel.device=cuda",
-             "parallel.micro_batch_tokens=16384", "grpo.n_prompts=16", "grpo.group_size=8",
-             "grpo.over_sampling_batch_size=16", "rollout.max_rounds=4", "rollout.weights=fp8",
-             "rollout.transport=tensor", "rollout.bucket_bytes=536870912", "rollout.max_new_tokens=40",
-             "rollout.max_workers=64", "rollout.max_server_restarts=3", "optim.lr=5e-5", "optim.weight_decay=0.0",
-             "optim.grad_clip=1.0",
-             "eval.every=10", "eval.path=servers", "eval.n_problems=128", "eval.k_samples=8",
-             "eval.max_new_tokens=40", "eval.live=true"],
-}
-RECIPES["demo-control"] = RECIPES["demo"] + RECIPES["demo-control"]
+RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
+
+
+def recipe_names() -> list[str]:
+    """The named recipes: nanoflash/recipes/<name>.txt."""
+    return sorted(f[:-4] for f in os.listdir(RECIPE_DIR) if f.endswith(".txt"))
+
+
+def recipe_path(name_or_path: str) -> str:
+    """`--recipe demo` -> nanoflash/recipes/demo.txt; a path to a recipe file is taken as it is."""
+    if os.path.isfile(name_or_path):
+        return name_or_path
+    path = os.path.join(RECIPE_DIR, f"{name_or_path}.txt")
+    if not os.path.isfile(path):
+        raise ValueError(f"--recipe {name_or_path!r}: no such file, and not a named recipe; recipes are "
+                         f"{recipe_names()}")
+    return path
+
+
+def read_recipe(name_or_path: str, seen: tuple = ()) -> list[str]:
+    """A recipe file -> its overrides in order. One `section.field=value` a line; `#` starts a comment (the
+    why lives there); `include NAME` splices another recipe's lines in at that point."""
+    path = recipe_path(name_or_path)
+    if path in seen:
+        raise ValueError(f"--recipe {name_or_path!r}: includes itself ({' -> '.join(seen + (path,))})")
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("include "):
+                out += read_recipe(line.split(None, 1)[1], seen + (path,))
+            elif line:
+                if "=" not in line:
+                    raise ValueError(f"{path}:{n}: {line!r} is not section.field=value")
+                out.append(line)
+    return out
+
+
+def recipe_summary(name: str) -> str:
+    """The first comment line of a recipe file (for --help)."""
+    with open(recipe_path(name)) as f:
+        first = f.readline().strip()
+    return first.lstrip("# ") if first.startswith("#") else ""
 
 
 def _parse_value(raw: str, tp, where: str):
@@ -189,9 +192,7 @@ def parse_args(argv: list[str]) -> RunConfig:
     pairs = _pairs(list(argv))
     for path, val in pairs:
         if path == "recipe":
-            if val not in RECIPES:
-                raise ValueError(f"--recipe {val!r}: unknown; recipes are {sorted(RECIPES)}")
-            for item in RECIPES[val]:
+            for item in read_recipe(val):
                 apply_override(cfg, *item.split("=", 1))
     for path, val in pairs:
         if path != "recipe":
@@ -241,7 +242,7 @@ def help_text() -> str:
            "GRPO for DeepSeek-V4. Later wins: defaults -> --recipe -> the command line. Values parse by the field's",
            "type: int, float, bool (true/false), str, none (for |none fields), comma-separated lists.",
            f"Short forms: {short}; {flags}.", "", "recipes (--recipe NAME):"]
-    out += [f"  {k:<8} {RECIPE_HELP.get(k) or ' '.join(v)}" for k, v in RECIPES.items()]
+    out += [f"  {k:<12} {recipe_summary(k)}" for k in recipe_names()]
     cfg = RunConfig()
     for f in dataclasses.fields(RunConfig):
         if f.name != "model":
@@ -252,31 +253,8 @@ def help_text() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- dry run
-STORAGE_BYTES = {"fp8": 1.0, "fp4": 0.5, "bf16": 2.0, "fp32": 4.0, "int64": 8.0}  # per element, release storage
-
-
-def rollout_weight_bytes(mcfg, push: bool = False) -> float:
-    """Bytes of the released checkpoint's tensors (FP8 linears, FP4 experts, BF16/F32 rest; scales ignored),
-    counted on a meta-built model: what one rollout engine must hold, split over its GPUs. push=True counts
-    what a weight push sends instead: experts re-packed FP8 (one byte, as Miles on Hopper), no MTP block."""
-    import torch
-
-    from nanoflash.names import storage_kind
-    from nanoflash.model import Transformer
-    with torch.device("meta"):
-        model = Transformer(mcfg)
-    per = dict(STORAGE_BYTES, fp4=STORAGE_BYTES["fp8"] if push else STORAGE_BYTES["fp4"])
-    return sum(t.numel() * per.get(storage_kind(n, mcfg), 2.0) for n, t in model.state_dict().items()
-               if not (push and n.startswith("mtp.")))
-
-
 def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2) -> str:
     """Per-GPU memory plan of the configured trainer layout (parallel.planner) plus the rollout side."""
-    import contextlib
-    import io
-
-    from nanoflash.config import run_preset
-    from nanoflash.parallel import planner
     tc, par = cfg.train, cfg.parallel
     mcfg = run_preset(cfg)
     argv = ["--preset", tc.preset, "--pp", str(par.pp), "--ep", str(par.ep), "--dp", str(par.dp or 1),
@@ -285,7 +263,7 @@ def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2)
     with contextlib.redirect_stdout(io.StringIO()):
         plan = planner.main(argv)
     n_train = par.pp * par.ep * (par.dp or 1)
-    w, w_push = rollout_weight_bytes(mcfg), rollout_weight_bytes(mcfg, push=True)
+    w, w_push = planner.rollout_weight_bytes(mcfg), planner.rollout_weight_bytes(mcfg, push=True)
     lines = [f"dry run: {tc.preset} | trainer {n_train} GPUs = PP{par.pp} x EP{par.ep} x DP{par.dp or 1} (TP1) on "
              f"{-(-n_train // gpus_per_node)} node(s) | rollout: {rollout_nodes} node(s) x {gpus_per_node} GPUs "
              f"serving SGLang", "", "trainer, per GPU (parallel.planner):", plan, "",
@@ -295,3 +273,135 @@ def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2)
              f"weight sync per step: {w_push / 2**30:.1f} GiB (FP8 blocks, experts re-packed FP8, no MTP) "
              f"to each of {rollout_nodes} engines in {cfg.rollout.bucket_bytes / 2**30:.2f} GiB buckets"]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- start-up
+# Fields a resumed run may change (everything else must match the run directory's config.json).
+RESUMABLE = {"train": {"steps", "resume", "progress", "plots", "tensorboard", "wandb", "threads", "save_every",
+                       "keep", "dry_run", "max_skipped_steps", "reward_timeout_s", "reward_workers"},
+             "parallel": "*", "eval": {"every"},
+             "rollout": {"urls", "max_workers", "transport", "sync_addr", "verify", "bucket_bytes", "health_timeout_s",
+                         "api_key", "max_server_restarts", "retry_s"}}
+DATA_HELP = ("the defaults point at the project's shared data folder, ../shared/data/ seen from the directory "
+             "you run in (README: Data)")
+
+
+def usage_error(e: BaseException, prog: str = "train.py"):
+    """One line on stderr and exit code 2 (NANOFLASH_TRACEBACK=1 re-raises instead)."""
+    if os.environ.get("NANOFLASH_TRACEBACK"):
+        raise e
+    msg = " ".join(str(e).split()) if not isinstance(e, KeyError) else str(e.args[0])
+    print(f"{prog}: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def startup(argv: list[str], prog: str = "train.py"):
+    """--help, overrides, checks, task data, run directory -> (cfg, model config, task). See the module docstring."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        raise SystemExit(0)
+    try:
+        cfg = parse_args(argv)
+        if cfg.train.dry_run:
+            print(dry_run_text(cfg))
+            raise SystemExit(0)
+        check_config(cfg)
+        mcfg = model_config(cfg)
+        task = make_task(cfg.train, cfg.eval, mcfg.vocab_size)
+        prepare_out_dir(cfg, rank0=int(os.environ.get("RANK", "0")) == 0)
+    except (ValueError, OSError, ImportError, KeyError) as e:
+        usage_error(e, prog)
+    return cfg, mcfg, task
+
+
+def _check_file(path: str, field: str) -> None:
+    p = os.path.expanduser(path)
+    if os.path.isfile(p) or not (os.sep in path or path.endswith((".jsonl", ".json", ".parquet"))):
+        return  # a file, or a hub dataset name (data.py loads it through `datasets`, with its own error)
+    default = getattr(config_mod, "TrainConfig" if field.startswith("train") else "EvalConfig")().data
+    why = f"; {DATA_HELP}" if path == default else ""
+    raise ValueError(f"{field}={path!r}: no such file (relative to {os.getcwd()}){why}; pass --{field} PATH")
+
+
+def check_config(cfg: RunConfig) -> None:
+    """What can be refused from the config alone: data and checkpoint paths, server URLs, knob combinations."""
+    tc, ec = cfg.train, cfg.eval
+    if tc.task != "arith":
+        _check_file(tc.data, "train.data")
+        if ec.every:
+            _check_file(ec.data, "eval.data")
+    elif tc.prompt_key or tc.answer_key:
+        raise ValueError("train.prompt_key / train.answer_key name fields of a data file; task=arith has none")
+    if tc.warmup_steps and tc.task != "arith":
+        raise ValueError(f"train.warmup_steps={tc.warmup_steps}: the supervised warm-up is for task=arith only")
+    bad = [u for u in cfg.rollout.urls if not re.match(r"^https?://[^/:]+(:\d+)?/?$", u)]
+    if bad:
+        raise ValueError(f"rollout.urls: {bad} are not http(s)://host[:port] addresses")
+    if tc.checkpoint and not os.path.isdir(os.path.expanduser(tc.checkpoint)):
+        raise ValueError(f"train.checkpoint={tc.checkpoint!r}: no such directory")
+    for spec in tc.hooks:   # an instrument that cannot be imported: one line before anything is built
+        load_hook(spec)
+
+
+def model_config(cfg: RunConfig) -> ModelConfig:
+    """The model to build: a checkpoint's own config (HF config.json, or a training checkpoint's meta.json)
+    or the preset, with the --model.* overrides on top."""
+    ckpt = os.path.expanduser(cfg.train.checkpoint)
+    if not ckpt:
+        return run_preset(cfg)
+    if os.path.exists(os.path.join(ckpt, "meta.json")):  # a nanoflash training checkpoint (DCP)
+        with open(os.path.join(ckpt, "meta.json")) as f:
+            stored = json.load(f).get("extra", {}).get("model_config")
+        base = ModelConfig.from_dict(stored) if stored else preset(cfg.train.preset)
+    elif os.path.exists(os.path.join(ckpt, "config.json")):
+        base = ModelConfig.from_hf_config(ckpt)
+    else:
+        raise ValueError(f"train.checkpoint={cfg.train.checkpoint!r} holds neither meta.json (a training "
+                         f"checkpoint) nor config.json (HF layout)")
+    return dataclasses.replace(base, **cfg.model)
+
+
+def config_diff(old: dict, new: dict) -> list[str]:
+    """`section.field: old -> new` for every field outside RESUMABLE that differs (fields `old` lacks: skipped)."""
+    out = []
+    for sec in sorted(set(old) & set(new)):
+        allowed, a, b = RESUMABLE.get(sec, set()), old[sec], new[sec]
+        if allowed == "*":
+            continue
+        for k in sorted(set(a) | set(b) if sec == "model" else set(a) & set(b)):
+            if k not in allowed and a.get(k) != b.get(k):
+                out.append(f"{sec}.{k} {a.get(k)!r} there, {b.get(k)!r} here")
+    return out
+
+
+def prepare_out_dir(cfg: RunConfig, rank0: bool = True) -> None:
+    """Refuse another run's directory; stop (exit 0) if this run is finished; write out_dir/config.json."""
+    tc, out = cfg.train, cfg.train.out_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"train.out_dir={out!r} is a file, not a directory")
+    latest, cfg_path = latest_checkpoint(os.path.join(out, "checkpoints")), os.path.join(out, "config.json")
+    if latest:
+        done = int(os.path.basename(latest)[len("step_"):])
+        if not tc.resume:
+            raise ValueError(f"--out {out} holds checkpoints of an earlier run (up to step {done}) that --no-resume "
+                             f"would mix with this run's: pass a new --out, or delete {out}")
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                diff = config_diff(json.load(f), to_dict(cfg))
+            if diff:
+                raise ValueError(f"--out {out} holds another run ({'; '.join(diff[:4])}"
+                                 f"{'; ...' if len(diff) > 4 else ''}): pass a new --out, or delete {out}")
+        if done > tc.steps:
+            raise ValueError(f"--out {out}: that run is at step {done}, past train.steps={tc.steps}; pass --steps "
+                             f"above {done} to continue it, or a new --out")
+        if done == tc.steps:
+            print(f"{out}: this run already finished ({done} of {tc.steps} steps); nothing to do. --steps N > "
+                  f"{done} continues it; a new --out starts another run.")
+            raise SystemExit(0)
+    if rank0:
+        os.makedirs(out, exist_ok=True)
+        with open(cfg_path + ".tmp", "w") as f:
+            json.dump(to_dict(cfg), f, indent=1)
+        os.replace(cfg_path + ".tmp", cfg_path)
+
+

@@ -17,7 +17,7 @@ tensors are then rounded too).
 
 Who reads the result: `checkpoint.load_hf_checkpoint` (and `train.py --train.checkpoint OUT_DIR`),
 transformers' `DeepseekV4ForCausalLM.from_pretrained` (its conversion mapping reads the official names), and
-SGLang (`scripts/sglang_h200.sh` serves directories written by the same writer; docs/sglang.md).
+SGLang (`experiments/h200/sglang_h200.sh` serves directories written by the same writer; docs/sglang.md).
 
 Errors (missing checkpoint, no model config, unwritable output) are one line and exit code 2.
 
@@ -34,7 +34,7 @@ import sys
 import torch
 
 from nanoflash.config import ModelConfig, preset
-from nanoflash.parallel.dcp import META, latest_checkpoint
+from nanoflash.parallel.dcp import META, export_hf, latest_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -85,7 +85,6 @@ def add_transformers_keys(out_dir: str, cfg: ModelConfig) -> None:
 def export(source: str, out_dir: str, weights: str = "bf16", experts: str | None = None,
            dtype: str = "fp32") -> dict:
     """SOURCE (run or step directory) -> HF-layout OUT_DIR. Returns {"checkpoint", "tensors", "out_dir"}."""
-    from nanoflash.parallel.dcp import export_hf
     ckpt = resolve_checkpoint(source)
     cfg = checkpoint_model_config(ckpt)
     if os.path.exists(out_dir) and os.listdir(out_dir):

@@ -43,16 +43,10 @@ from torch.utils.checkpoint import checkpoint
 
 from nanoflash.names import EXPERT_STACKS, official_parameters, official_views
 from nanoflash.config import ModelConfig
-from nanoflash.quant import fp4_sim, fp8_sim, hadamard
+from nanoflash.quant import ACT_QAT_BLOCK, fp4_sim, fp8_sim, hadamard, qat_block
 
 KV_QAT_BLOCK = 64      # official act_quant block on kv nope dims
-ACT_QAT_BLOCK = 128    # official 1x128 activation quantization before FP8 / FP4 GEMMs
 FP4_QAT_BLOCK = 32     # official FP4 simulation block on indexer q / keys
-
-
-def qat_block(n: int, block: int) -> int:
-    """The official QAT block, or the largest divisor of it that tiles a (test-sized) dim n."""
-    return block if n % block == 0 else math.gcd(n, block)
 
 
 def fp8_sim_nope(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -565,7 +559,7 @@ class RoutedExperts(nn.Module):
         k = self.cfg.kernels
         if k == "triton" or (k == "auto" and x.is_cuda and x.dtype == self.w13.dtype == torch.bfloat16):
             from nanoflash.kernels.moe import grouped_experts
-            return grouped_experts(x, rw, counts, self.w13, self.w2, self.cfg.swiglu_limit, self.cfg.qat)
+            return grouped_experts(x, rw, counts, self.w13, self.w2, self.cfg.swiglu_limit, self.cfg.qat, act=swiglu)
         I, out, a = self.w2.shape[2], [], 0
         for w13, w2, n in zip(self.w13.unbind(0), self.w2.unbind(0), counts.tolist()):   # host sync
             if n:

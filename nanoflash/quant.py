@@ -49,10 +49,18 @@ IEEE-correct. DeepGEMM's packed-UE8M0 (Blackwell) scale layout is not produced.
 Tests: ``pytest tests/test_quant.py -q``
 """
 import functools
+import math
 
 import torch
 
 from nanoflash.names import FP4_BLOCK, FP8_BLOCK  # noqa: F401  (defined once: 128x128 and 1x32)
+
+ACT_QAT_BLOCK = 128    # official 1x128 activation quantization before FP8 / FP4 GEMMs
+
+
+def qat_block(n: int, block: int) -> int:
+    """The official QAT block, or the largest divisor of it that tiles a (test-sized) dim n."""
+    return block if n % block == 0 else math.gcd(n, block)
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 E2M1_MAX = 6.0  # largest FP4 e2m1 value

@@ -22,7 +22,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from nanoflash.rl import rollouts, actor  # noqa: E402
+from nanoflash.rl import collector, trainer  # noqa: E402
 from nanoflash.cli import parse_args  # noqa: E402
 from nanoflash.config import run_preset  # noqa: E402
 from nanoflash.rl.data import Problem  # noqa: E402
@@ -51,14 +51,14 @@ def probe_run(run_dir: str, argv: list) -> dict:
     """answer_probe of every checkpoint of run_dir on the run's held-out problems: {step: probe}."""
     cfg = parse_args(argv)
     mcfg = run_preset(cfg)
-    task = rollouts.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
+    task = collector.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
     prompts = [task.encode(p) for p in task.heldout]
     refs = [task.encode(Problem("", p.prompt + p.answer, ""))[len(x):] + [task.stop_ids[0]]
             for x, p in zip(prompts, task.heldout)]
     out, root = {}, os.path.join(run_dir, "checkpoints")
     for d in sorted(os.listdir(root)):
         if d.startswith("step_") and not d.endswith(".tmp"):
-            model = actor.build_model(mcfg, ParallelDims(), cfg.parallel, torch.float32, "cpu", seed=None)
+            model = trainer.build_model(mcfg, ParallelDims(), cfg.parallel, torch.float32, "cpu", seed=None)
             meta = load_checkpoint(os.path.join(root, d), model, None, ParallelDims())
             out[meta["step"]] = answer_probe(model.eval(), prompts, refs, cfg.eval.temperature)
     return out

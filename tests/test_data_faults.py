@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from nanoflash.rl import data, rollouts, rewards
+from nanoflash.rl import collector, data, rewards
 from nanoflash.config import GRPOConfig, RolloutConfig, RunConfig, TrainConfig, preset
 from nanoflash.rl.data import CharTokenizer, Problem
 from nanoflash.model import Transformer
-from nanoflash.rollout.client import RequestRejected
-from nanoflash.startup import startup
+from nanoflash.sglang.client import RequestRejected
+from nanoflash.cli import startup
 
 HUGE = "9" * 4999 + "7"   # 5,000 digits: int(HUGE) raises ValueError (sys.int_info.default_max_str_digits = 4300)
 
@@ -28,16 +28,16 @@ def test_over_long_prompts_are_skipped_and_counted_and_oov_responses_score_zero(
     """Bug caught: the server's 400 for a prompt over max_seq_len ended the run (RequestRejected), and a
     sampled id outside the task tokenizer crashed the reward (`python train.py`'s default config)."""
     model = Transformer(preset("tiny")).init_weights(0)
-    client, engines, httpds = rollouts.start_embedded(model, 1, "fp32", seed=0)
+    client, engines, httpds = collector.start_embedded(model, 1, "fp32", seed=0)
     try:
         long, short = Problem("long", str(model.cfg.max_seq_len + 1), "1"), Problem("short", "4", "1")
         vocab = 1  # the task's tokenizer knows only id 0: the model's other 255 ids are out of its vocabulary
         reward = rewards.token_reward_fn(lambda ids: "x" * len(ids), rewards.arith_reward, vocab_size=vocab)
-        task = rollouts.Task([long, short], [], lambda p: [5] * int(p.prompt), None, reward, [], 0)
+        task = collector.Task([long, short], [], lambda p: [5] * int(p.prompt), None, reward, [], 0)
         gc = GRPOConfig(n_prompts=2, group_size=2, over_sampling_batch_size=2, dynamic_sampling=False)
         rc = RolloutConfig(max_new_tokens=1, max_rounds=1, max_workers=2)
         cfg = RunConfig(train=TrainConfig(seed=1), grpo=gc, rollout=rc)
-        kept, seen, pos, counts = rollouts.collect(client, task, 0, cfg, model.cfg)
+        kept, seen, pos, counts = collector.collect(client, task, 0, cfg, model.cfg)
         assert pos == 2 and counts["prompts_too_long"] == 1 and len(seen) == 2  # the short prompt's group
         oov = sum(any(t >= vocab for t in e.response_ids) for e in seen)
         assert counts["reward_oov"] == oov and all(e.reward == 0.0 for e in seen

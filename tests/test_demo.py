@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanoflash import cli
-from nanoflash.rl import rollouts
+from nanoflash.rl import collector
 from nanoflash.config import preset
 from nanoflash.rl.data import Problem
 from nanoflash.rl.metrics import answer_probe
@@ -31,7 +31,7 @@ def parts(prompt: str) -> tuple[str, str, str]:
 @pytest.fixture(scope="module")
 def demo_task():
     cfg = cli.parse_args(["--recipe", "demo"])
-    return cfg, rollouts.make_task(cfg.train, cfg.eval, 18)
+    return cfg, collector.make_task(cfg.train, cfg.eval, 18)
 
 
 def test_heldout_shares_only_the_rule_digit_with_anything_trained_on(demo_task):

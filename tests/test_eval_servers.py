@@ -1,4 +1,4 @@
-"""Evaluation through the rollout servers vs the in-process batched path (`Rollouts.eval_generate`).
+"""Evaluation through the rollout servers vs the in-process batched path (`Collector.eval_generate`).
 
 With one embedded server (FP8 weights, KV-cache decoding, HTTP), the same per-prompt seeds give the same
 samples on both paths, so pass@1/2/4 and the truncation rate are equal; other seeds give other samples (the
@@ -6,7 +6,7 @@ comparison can fail). Run: pytest tests/test_eval_servers.py -q
 """
 import pytest
 
-from nanoflash.rl import rollouts as ep
+from nanoflash.rl import collector
 from nanoflash.cli import parse_args
 from nanoflash.config import preset
 from nanoflash.rl.evaluate import evaluate
@@ -26,9 +26,9 @@ def rollouts():
     cfg = parse_args(["--recipe", "smoke", "--eval.k_samples", str(K_SAMPLES), "--eval.max_new_tokens", str(MAX_NEW),
                       "--eval.n_problems", str(N_PROBLEMS), "--rollout.weights", "fp8", "--eval.temperature", "1.0"])
     mcfg = preset("tiny", **cfg.model)
-    task = ep.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
+    task = collector.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
     model = Transformer(mcfg).init_weights(7)  # untrained: eos (1 id of 18) ends some samples, not all
-    r = ep.Rollouts(cfg, task, mcfg, model)
+    r = collector.Collector(cfg, task, mcfg, model)
     yield r
     r.close()
 
@@ -45,7 +45,7 @@ def _eval(r, path: str, seeds):
 
 
 def test_servers_and_batched_give_the_same_samples_and_pass_at_k(rollouts):
-    seeds = ep.eval_seeds(1234, 3, len(rollouts.task.heldout))
+    seeds = collector.eval_seeds(1234, 3, len(rollouts.task.heldout))
     by_server, s_server = _eval(rollouts, "servers", seeds)
     batched, s_batched = _eval(rollouts, "batched", seeds)
     assert s_server == s_batched
@@ -57,10 +57,10 @@ def test_servers_and_batched_give_the_same_samples_and_pass_at_k(rollouts):
 
 
 def test_auto_path_and_bad_paths(rollouts):
-    seeds = ep.eval_seeds(1234, 0, 2)
+    seeds = collector.eval_seeds(1234, 0, 2)
     prompts = [rollouts.task.encode(p) for p in rollouts.task.heldout[:2]]
     rollouts.cfg.eval.path = "auto"  # embedded servers: the in-process path
-    assert rollouts.eval_generate(prompts, 2, seeds) == ep.sample_batched(
+    assert rollouts.eval_generate(prompts, 2, seeds) == collector.sample_batched(
         rollouts.engines[0].model, prompts, 2, MAX_NEW, 1.0, rollouts.task.stop_ids, seeds)
     with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
         rollouts.eval_generate(prompts[:1], 2, seeds)
@@ -76,6 +76,6 @@ def test_auto_path_and_bad_paths(rollouts):
 
 
 def test_eval_seeds_are_per_prompt_and_per_step():
-    a, b = ep.eval_seeds(1, 0, 5), ep.eval_seeds(1, 1, 5)
-    assert len(set(a)) == 5 and not set(a) & set(b) and a == ep.eval_seeds(1, 0, 5)
-    assert all(isinstance(s, int) and 0 <= s < ep.SEED_MOD for s in a + b)
+    a, b = collector.eval_seeds(1, 0, 5), collector.eval_seeds(1, 1, 5)
+    assert len(set(a)) == 5 and not set(a) & set(b) and a == collector.eval_seeds(1, 0, 5)
+    assert all(isinstance(s, int) and 0 <= s < collector.SEED_MOD for s in a + b)

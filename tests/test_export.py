@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanoflash import export
-from nanoflash.rl import actor
+from nanoflash.rl import trainer
 from nanoflash.checkpoint import load_hf_checkpoint
 from nanoflash.names import release_kind
 from nanoflash.cli import parse_args, to_dict
@@ -32,8 +32,8 @@ def make_run(run_dir: str, with_model_config: bool = True, seed: int = 3):
     cfg = parse_args(["--recipe", "smoke", "--out", run_dir, "--model.n_mtp_layers", "0",
                       "--model.compress_ratios", "0,4,8,4"])
     mcfg = preset("tiny", **cfg.model)
-    model = actor.build_model(mcfg, ParallelDims(), cfg.parallel, torch.float32, "cpu", seed=seed)
-    opt = actor.make_optimizer(model, cfg.optim)
+    model = trainer.build_model(mcfg, ParallelDims(), cfg.parallel, torch.float32, "cpu", seed=seed)
+    opt = trainer.make_optimizer(model, cfg.optim)
     extra = {"data_pos": 0, **({"model_config": dataclasses.asdict(mcfg)} if with_model_config else {})}
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:

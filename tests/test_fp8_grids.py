@@ -26,9 +26,9 @@ import torch
 from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.quant import dequantize_fp8_block, e8m0_decode, quantize_fp8_block
-from nanoflash.rollout.engine import RolloutEngine
-from nanoflash.rollout.layout import from_sglang, sglang_fp8
-from nanoflash.rollout.weight_sync import iter_sglang_buckets
+from nanoflash.server.engine import RolloutEngine
+from nanoflash.sglang.layout import from_sglang, sglang_fp8
+from nanoflash.sglang.transports import iter_sglang_buckets
 
 BLOCK, E4M3_MAX = 128, 448.0
 E4M3_HALF_ULP_REL = 2.0 ** -4    # 3 mantissa bits: rounding error <= |x| 2^-4 in the normal range

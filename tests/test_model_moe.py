@@ -281,7 +281,7 @@ def test_optimizer_state_keys_are_official(tiny):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_weight_stream_byte_identical_to_per_expert_layout(tiny, fp8):
-    from nanoflash.rollout.stream import stream_buckets
+    from nanoflash.sglang.buckets import stream_buckets
     bucket = 1 << 14   # 16 KiB: ~30 buckets, boundaries inside the expert list
     old = list(stream_buckets(per_expert_layout(tiny).state_dict().items(), tiny.cfg, fp8=fp8, bucket_bytes=bucket))
     new = list(stream_buckets(tiny.state_dict().items(), tiny.cfg, fp8=fp8, bucket_bytes=bucket))

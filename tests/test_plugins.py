@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from nanoflash import cli
-from nanoflash.rl import rollouts, plugins
+from nanoflash.rl import collector, plugins
 from nanoflash.rl.data import Problem
 from nanoflash.rl.metrics import read_jsonl
 
@@ -86,7 +86,7 @@ def test_plugin_load_errors_name_the_spec(plugin_dir, spec, says):
 
 def test_make_task_uses_the_plugin_for_token_responses(plugin_dir):
     cfg = cli.parse_args(["--recipe", "smoke", "--train.reward", "my_rewards:score"])
-    task = rollouts.make_task(cfg.train, cfg.eval, 18)
+    task = collector.make_task(cfg.train, cfg.eval, 18)
     prob = task.train[0]
     right = task.encode(Problem("x", prob.prompt + prob.answer, prob.answer))[len(task.encode(prob)):]
     other = str((int(prob.answer) + 1) % 10)

@@ -11,10 +11,10 @@ import torch
 
 from nanoflash.config import preset
 from nanoflash.model import Transformer
-from nanoflash.rollout.client import RequestRejected, SGLangClient
-from nanoflash.rollout.engine import RolloutEngine
-from nanoflash.rollout.server import serve
-from nanoflash.rollout.weight_sync import SAFE_FORMAT, encode_tensors, iter_sglang_buckets, push_weights
+from nanoflash.sglang.client import RequestRejected, SGLangClient
+from nanoflash.server.engine import RolloutEngine
+from nanoflash.server.http import serve
+from nanoflash.sglang.transports import SAFE_FORMAT, encode_tensors, iter_sglang_buckets, push_weights
 
 PROMPT = [3, 17, 42, 9, 100, 5]
 

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from conftest import FakeSGLang as Fake
-from nanoflash.rollout.client import (RequestRejected, ServerGoneError, SGLangClient, parse_generation,
+from nanoflash.sglang.client import (RequestRejected, ServerGoneError, SGLangClient, parse_generation,
                                       parse_version)
 
 

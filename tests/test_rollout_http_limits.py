@@ -18,12 +18,12 @@ import torch
 
 from nanoflash.config import GRPOConfig, RolloutConfig, RunConfig, TrainConfig, preset
 from nanoflash.model import Transformer
-from nanoflash.rollout import http_guard
-from nanoflash.rollout.client import RequestRejected, SGLangClient
-from nanoflash.rollout.engine import MAX_N, RolloutEngine
-from nanoflash.rollout.server import serve
-from nanoflash.rollout.update_guard import GroupPolicy, check_group
-from nanoflash.rollout.weight_sync import iter_sglang_buckets, write_disk_bucket
+from nanoflash.server import http_guard
+from nanoflash.sglang.client import RequestRejected, SGLangClient
+from nanoflash.server.engine import MAX_N, RolloutEngine
+from nanoflash.server.http import serve
+from nanoflash.server.update_guard import GroupPolicy, check_group
+from nanoflash.sglang.transports import iter_sglang_buckets, write_disk_bucket
 
 PROMPT = [3, 17, 42, 9]
 TIMEOUT_S = 0.4          # the servers' read deadline in these tests (the default is 30 s)
@@ -195,7 +195,7 @@ def test_batch_times_n_times_max_new_tokens_is_capped(server, engine):
         out["error"]["message"]
     status, out = call(url, "POST", "/generate", {"input_ids": batch, "sampling_params": {"n": 2, "max_new_tokens": 0}})
     assert status == 200 and len(out) == 4  # exactly at the cap (a request costs at least 1 token per sample)
-    from nanoflash.rollout.server import RolloutServer
+    from nanoflash.server.http import RolloutServer
     assert RolloutServer(engine).max_request_tokens == MAX_N * engine.cfg.max_seq_len  # the default cap
 
 
@@ -219,9 +219,9 @@ def test_the_key_is_needed_on_every_route_and_train_passes_it(server, monkeypatc
     monkeypatch.setenv("NF_TEST_KEY", KEY)
     cfg = RunConfig(train=TrainConfig(out_dir=str(tmp_path)), grpo=GRPOConfig(),
                     rollout=RolloutConfig(urls=(url,), api_key="env:NF_TEST_KEY", weights="fp32"))
-    from nanoflash.rl import rollouts as episodes
+    from nanoflash.rl import collector as episodes
     model = tiny(3)
-    rollouts = episodes.Rollouts(cfg, None, model.cfg, None)
+    rollouts = collector.Collector(cfg, None, model.cfg, None)
     rollouts.push(model, 1, str(tmp_path / "sync"))  # verified push with the key: no 401
     assert httpd.rollout.engine.weight_version == "1"
     with pytest.raises(ValueError, match="NF_UNSET_KEY"):

@@ -9,11 +9,11 @@ Run: pytest tests/test_rollout_identity.py -q
 import pytest
 import torch
 
-from nanoflash.rl import rollouts as ep
+from nanoflash.rl import collector
 from nanoflash.cli import parse_args
 from nanoflash.config import preset
 from nanoflash.model import Transformer
-from nanoflash.rollout.weight_sync import iter_sglang_buckets, push_weights
+from nanoflash.sglang.transports import iter_sglang_buckets, push_weights
 
 
 @pytest.fixture
@@ -21,15 +21,15 @@ def served():
     cfg = parse_args(["--recipe", "smoke", "--grpo.dynamic_sampling", "false", "--grpo.n_prompts", "2"])
     mcfg = preset("tiny", **cfg.model)
     model = Transformer(mcfg).init_weights(0)
-    client, engines, httpds = ep.start_embedded(model, 1, "fp32", 0)
-    task = ep.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
+    client, engines, httpds = collector.start_embedded(model, 1, "fp32", 0)
+    task = collector.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
     yield cfg, mcfg, model, client, engines[0], task
     for h in httpds:
         h.shutdown()
 
 
 def _collect(cfg, mcfg, client, task):
-    return ep.collect(client, task, 0, cfg, mcfg)
+    return collector.collect(client, task, 0, cfg, mcfg)
 
 
 def test_samples_from_the_pushed_version_are_accepted_a_restarted_server_is_refused(served):
@@ -38,13 +38,13 @@ def test_samples_from_the_pushed_version_are_accepted_a_restarted_server_is_refu
     kept, seen, _, _ = _collect(cfg, mcfg, client, task)
     assert seen and engine.weight_version == "3"
     engine.weight_version = "0"  # what the same URL reports after a restart: its initial weights
-    with pytest.raises(ep.StaleServerError, match=rf"{client.urls[0]} generated with weight version 0, but "
+    with pytest.raises(collector.StaleServerError, match=rf"{client.urls[0]} generated with weight version 0, but "
                                                   r"version 3 was pushed"):
         _collect(cfg, mcfg, client, task)
 
 
 def test_servers_without_a_version_are_not_refused():
     gens = [type("G", (), {"weight_version": None, "server": "http://x"})()]
-    ep.check_versions(gens, 4)  # an older protocol that reports nothing: nothing to compare
-    with pytest.raises(ep.StaleServerError):
-        ep.check_versions([type("G", (), {"weight_version": "2", "server": "http://x"})()], 4)
+    collector.check_versions(gens, 4)  # an older protocol that reports nothing: nothing to compare
+    with pytest.raises(collector.StaleServerError):
+        collector.check_versions([type("G", (), {"weight_version": "2", "server": "http://x"})()], 4)

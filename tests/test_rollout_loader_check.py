@@ -2,7 +2,7 @@
 
 Needs a separate ~6 GB environment; build it and run the check in one command:
 
-    python -m nanoflash.rollout.loader_check --build-env .venv-sglang --sglang 0.5.23
+    python -m instruments.loader_check --build-env .venv-sglang --sglang 0.5.23
 
 This test runs the same check with the interpreter named by `NANOFLASH_SGLANG_PYTHON` (default
 `.venv-sglang/bin/python`) and is skipped when that does not exist.
@@ -22,7 +22,7 @@ PY = os.environ.get("NANOFLASH_SGLANG_PYTHON", os.path.join(ROOT, ".venv-sglang"
 @pytest.mark.sglang
 @pytest.mark.skipif(not os.path.exists(PY), reason=f"no SGLang environment at {PY}")
 def test_every_sglang_parameter_is_what_nanoflash_meant():
-    out = subprocess.run([PY, "-m", "nanoflash.rollout.loader_check"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([PY, "-m", "instruments.loader_check"], cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=900)
     report = "\n".join(line for line in out.stdout.splitlines() if line.startswith(("[", "OK", "FAILED", "   ")))
     print(report)

@@ -9,11 +9,11 @@ import torch
 
 from nanoflash.config import preset
 from nanoflash.model import Transformer
-from nanoflash.rollout.client import SGLangClient
-from nanoflash.rollout.engine import RolloutEngine
-from nanoflash.rollout.mismatch import report, trace
-from nanoflash.rollout.server import serve
-from nanoflash.rollout.weight_sync import iter_sglang_buckets, push_weights
+from nanoflash.sglang.client import SGLangClient
+from nanoflash.server.engine import RolloutEngine
+from instruments.mismatch import report, trace
+from nanoflash.server.http import serve
+from nanoflash.sglang.transports import iter_sglang_buckets, push_weights
 
 PROMPTS = [[3, 17, 42, 9, 100, 5, 77, 8], [200, 1, 2, 3, 4, 5, 6, 7]]
 
@@ -90,7 +90,7 @@ def test_unsynced_tid2eid_is_caught_by_checksums_and_localized(setup):
 def test_mismatch_command_line_reports_json(setup, capsys):
     import json
 
-    from nanoflash.rollout.mismatch import main
+    from instruments.mismatch import main
     _, _, client = setup
     main(["--url", client.urls[0], "--preset", "tiny", "--seed", "0", "--prompts", "2", "--max-new-tokens", "4"])
     out = json.loads(capsys.readouterr().out)

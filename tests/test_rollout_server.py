@@ -21,12 +21,12 @@ import torch
 from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
-from nanoflash.rollout.client import RequestRejected, ServerGoneError, SGLangClient
-from nanoflash.rollout.engine import RolloutEngine
-from nanoflash.rollout.layout import sglang_fp8
-from nanoflash.rollout.probe import prefill_logprobs
-from nanoflash.rollout.server import serve
-from nanoflash.rollout.weight_sync import (Broadcaster, SAFE_FORMAT, encode_tensors, iter_sglang_buckets,
+from nanoflash.sglang.client import RequestRejected, ServerGoneError, SGLangClient
+from nanoflash.server.engine import RolloutEngine
+from nanoflash.sglang.layout import sglang_fp8
+from nanoflash.sglang.probe import prefill_logprobs
+from nanoflash.server.http import serve
+from nanoflash.sglang.transports import (Broadcaster, SAFE_FORMAT, encode_tensors, iter_sglang_buckets,
                                            probe_logprobs, push_weights, send_local_payload)
 
 from conftest import free_port
@@ -244,7 +244,7 @@ def fp8_reference(model):
     ref = tiny()
     ref.load_state_dict(model.state_dict())
     kinds = {n: t.dtype for b in buckets(model, fp8=True) for n, t in b}  # dtype each tensor travels in
-    from nanoflash.rollout.layout import to_sglang
+    from nanoflash.sglang.layout import to_sglang
     for n, t in ref.state_dict().items():
         if n.startswith("mtp."):
             continue
@@ -280,7 +280,7 @@ def test_fp8_mode_bounded_and_stale_post_process_is_caught():
 
 
 def _start(port):
-    cmd = [sys.executable, "-m", "nanoflash.rollout.server", "--preset", "tiny", "--port", str(port),
+    cmd = [sys.executable, "-m", "nanoflash.server.http", "--preset", "tiny", "--port", str(port),
            "--threads", "1"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -318,7 +318,7 @@ def test_killed_server_gives_clear_error_and_client_recovers():
 
 def test_routed_experts_r3_record_matches_trainer_routing(stock):
     trainer, client, _ = stock
-    from nanoflash.rollout.client import decode_routed_experts
+    from nanoflash.sglang.client import decode_routed_experts
     g = client.generate(PROMPT, {"max_new_tokens": 5}, return_routed_experts=True)[0]
     cfg = trainer.cfg
     rx = decode_routed_experts(g.meta_info, cfg.n_layers, cfg.n_activated_experts)

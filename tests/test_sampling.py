@@ -1,4 +1,4 @@
-"""The rollout sampler against the distribution it claims (`nanoflash/rollout/engine.py: sample`).
+"""The rollout sampler against the distribution it claims (`nanoflash/server/engine.py: sample`).
 
 GRPO's importance ratios assume the rollout tokens were drawn from softmax(logits / T), filtered by top-k
 and top-p. The server's reported log-probs are recomputed by the trainer's own `token_logprobs`, so they
@@ -21,7 +21,7 @@ import torch
 
 from nanoflash.config import preset
 from nanoflash.model import Transformer
-from nanoflash.rollout.engine import RolloutEngine, parse_sampling, sample
+from nanoflash.server.engine import RolloutEngine, parse_sampling, sample
 
 N_DRAWS = 20_000
 # Per-token bound on the counts: |count_v - N q_v| <= Z sigma_v, sigma_v = sqrt(N q_v (1 - q_v)). The draws

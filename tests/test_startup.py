@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from nanoflash import cli, startup
+from nanoflash import cli
+from nanoflash import cli as startup
 from nanoflash.config import GRPOConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,22 +148,22 @@ def test_external_server_started_late_is_waited_for_and_a_dead_one_is_one_line()
     import time
 
     from conftest import free_port
-    from nanoflash.rl import rollouts
+    from nanoflash.rl import collector
     from nanoflash.config import preset
     from nanoflash.model import Transformer
-    from nanoflash.rollout.client import SGLangClient
-    from nanoflash.rollout.engine import RolloutEngine
-    from nanoflash.rollout.server import serve
+    from nanoflash.sglang.client import SGLangClient
+    from nanoflash.server.engine import RolloutEngine
+    from nanoflash.server.http import serve
 
     port = free_port()
     late = threading.Timer(1.0, lambda: serve(RolloutEngine(Transformer(preset("tiny")), weights="fp32"), port=port))
     late.start()
     t0 = time.monotonic()
-    rollouts.wait_for_servers(SGLangClient([f"http://127.0.0.1:{port}"]), timeout_s=60)
+    collector.wait_for_servers(SGLangClient([f"http://127.0.0.1:{port}"]), timeout_s=60)
     assert 0.9 < time.monotonic() - t0 < 60
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(SystemExit) as exc:
-        rollouts.wait_for_servers(SGLangClient([dead]), timeout_s=0.5)
+        collector.wait_for_servers(SGLangClient([dead]), timeout_s=0.5)
     assert dead in str(exc.value) and "health_timeout_s=0.5" in str(exc.value) and "\n" not in str(exc.value)
 
 

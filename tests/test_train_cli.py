@@ -51,19 +51,19 @@ def test_bad_overrides_name_the_culprit(argv, culprit):
 def test_demo_task_holds_out_500_unseen_problems(recipe):
     """Issue 5's bar: the demo evaluates >= 500 held-out problems, none of them in the training stream; the
     CI smoke runs the same task family."""
-    from nanoflash.rl import rollouts
+    from nanoflash.rl import collector
     cfg = cli.parse_args(["--recipe", recipe])
-    task = rollouts.make_task(cfg.train, cli.parse_args(["--recipe", "demo"]).eval, 18)
+    task = collector.make_task(cfg.train, cli.parse_args(["--recipe", "demo"]).eval, 18)
     held, train = {p.prompt for p in task.heldout}, {p.prompt for p in task.train}
     assert len(held) == len(task.heldout) >= 500 and not held & train
     assert all(len(p.answer) == 1 for p in task.heldout[:50])      # one-token answers (mod10 family)
 
 
 def test_arith_family_typo_names_the_culprit():
-    from nanoflash.rl import rollouts
+    from nanoflash.rl import collector
     cfg = cli.parse_args(["--recipe", "demo", "--train.data", "arith:mod7"])
     with pytest.raises(ValueError, match="arith:mod7"):
-        rollouts.make_task(cfg.train, cfg.eval, 18)
+        collector.make_task(cfg.train, cfg.eval, 18)
 
 
 def test_to_dict_round_trips_through_json():
@@ -97,4 +97,4 @@ def test_rollout_weight_bytes_counts_release_storage():
     naive = 0.0
     for name, t in sd.items():
         naive += t.numel() * {"fp8": 1, "fp4": 0.5, "bf16": 2, "fp32": 4, "int64": 8}[storage_kind(name, cfg)]
-    assert cli.rollout_weight_bytes(cfg) == naive
+    assert planner.rollout_weight_bytes(cfg) == naive

@@ -27,8 +27,8 @@ from nanoflash.rl.metrics import read_jsonl
 from nanoflash.parallel.dcp import latest_checkpoint, load_checkpoint
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.rl.plots import linear_fit, moving_average
-from nanoflash.rollout.client import SGLangClient
-from nanoflash.rl import actor
+from nanoflash.sglang.client import SGLangClient
+from nanoflash.rl import trainer
 
 from conftest import free_port
 
@@ -62,8 +62,8 @@ def kill_after_checkpoint(out: str, step: int, *extra: str) -> None:
 
 def _state(out: str):
     cfg = parse_args(["--recipe", "smoke"])
-    model = actor.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.float32, "cpu")
-    opt = actor.make_optimizer(model, cfg.optim)
+    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.float32, "cpu")
+    opt = trainer.make_optimizer(model, cfg.optim)
     meta = load_checkpoint(latest_checkpoint(os.path.join(out, "checkpoints")), model, opt, ParallelDims())
     return meta, model.state_dict(), opt.state_dict()
 
@@ -186,7 +186,7 @@ def _tiny_hf_checkpoint(path: str) -> dict:
     """An HF-layout checkpoint of a seeded tiny model; returns its tensors as a bf16 trainer loads them."""
     cfg = parse_args(["--recipe", "smoke"])
     save_hf_checkpoint(Transformer(preset("tiny", **cfg.model)).init_weights(5), path, weights="bf16")
-    model = actor.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.bfloat16, "cpu",
+    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.bfloat16, "cpu",
                                 seed=None)
     load_hf_checkpoint(model, path)
     return model.state_dict()
@@ -194,7 +194,7 @@ def _tiny_hf_checkpoint(path: str) -> dict:
 
 def _ckpt_weights(out: str, step: int) -> dict:
     cfg = parse_args(["--recipe", "smoke", "--train.dtype", "bf16"])
-    model = actor.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.bfloat16, "cpu")
+    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.bfloat16, "cpu")
     load_checkpoint(os.path.join(out, "checkpoints", f"step_{step:08d}"), model, None, ParallelDims())
     return model.state_dict()
 
@@ -256,7 +256,7 @@ def test_write_plots_reads_metrics_back(tmp_path):
 # The first /generate a server answers on weight version 1 (step 2's rollout) kills its process: a crash
 DYING_SERVER = """
 import os, sys
-from nanoflash.rollout import engine, server
+from nanoflash.server import engine, http as server
 real = engine.RolloutEngine.generate
 def generate(self, *a, **k):
     if str(self.weight_version) == "1":
@@ -290,7 +290,7 @@ def test_a_server_that_dies_mid_run_is_waited_for_and_re_pushed(tmp_path):
         while first.poll() is None and trainer.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert first.poll() == 1, f"the server did not die as planned; trainer: {trainer.poll()}"  # crashed
-        second = subprocess.Popen([sys.executable, "-m", "nanoflash.rollout.server", *serve], cwd=ROOT,
+        second = subprocess.Popen([sys.executable, "-m", "nanoflash.server.http", *serve], cwd=ROOT,
                                   stdout=subprocess.DEVNULL)
         log = trainer.communicate(timeout=240)[0]
         assert trainer.returncode == 0, log[-3000:]

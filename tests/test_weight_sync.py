@@ -10,10 +10,10 @@ import torch
 from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
-from nanoflash.rollout.client import SGLangClient
-from nanoflash.rollout.layout import (LoaderState, compare_checksums, expected_checksums, from_sglang,
+from nanoflash.sglang.client import SGLangClient
+from nanoflash.sglang.layout import (LoaderState, compare_checksums, expected_checksums, from_sglang,
                                       permute_ape, sglang_fp8, to_sglang, unpermute_ape)
-from nanoflash.rollout.weight_sync import (ATOMIC, decode_tensors, encode_tensors, iter_sglang_buckets,
+from nanoflash.sglang.transports import (ATOMIC, decode_tensors, encode_tensors, iter_sglang_buckets,
                                            push_weights)
 
 E4M3_HALF_ULP_REL = 2.0 ** -4   # e4m3 keeps 3 mantissa bits: rounding error <= |x| * 2^-4 (normal range)
@@ -222,7 +222,7 @@ def test_loader_call_is_all_or_nothing_and_refuses_shape_or_dtype_change(model):
 
 
 def test_real_sglang_servers_are_checked_for_consistency():
-    from nanoflash.rollout.weight_sync import verify_push
+    from nanoflash.sglang.transports import verify_push
 
     class TwoReal(SGLangClient):
         def __init__(self, sums):

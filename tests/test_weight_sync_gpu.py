@@ -13,10 +13,11 @@ from nanoflash.config import RolloutConfig, preset
 from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.quant import quantize_fp8_block, quantize_fp8_block_into
-from nanoflash.rollout.client import SGLangClient
-from nanoflash.rollout.layout import sglang_hash
-from nanoflash.rollout.stage_push import StagePusher, live_budget
-from nanoflash.rollout.stream import stream_buckets
+from nanoflash.sglang.client import SGLangClient
+from nanoflash.sglang.layout import sglang_hash
+from nanoflash.parallel.planner import live_budget
+from nanoflash.sglang.push import StagePusher
+from nanoflash.sglang.buckets import stream_buckets
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -95,8 +96,8 @@ def test_local_push_into_a_gpu_engine_stays_on_the_gpu_and_verifies():
     of the same process hands the GPU tensors over: the push is verified by checksums, the engine's store and
     model stay on the GPU, and the engine then serves the pushed values (its FP8 dequantized weights differ
     from the trainer's bf16 ones by FP8 rounding only)."""
-    from nanoflash.rollout.engine import RolloutEngine
-    from nanoflash.rollout.server import serve
+    from nanoflash.server.engine import RolloutEngine
+    from nanoflash.server.http import serve
     with torch.device("cuda"):
         trainer = Transformer(preset("tiny")).init_weights(0).cast_(torch.bfloat16)
         served = Transformer(preset("tiny")).init_weights(1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
-from nanoflash.rollout.layout import HASH_TILE_WORDS, LoaderState, sglang_checksums, sglang_hash, sglang_partials
+from nanoflash.sglang.layout import HASH_TILE_WORDS, LoaderState, sglang_checksums, sglang_hash, sglang_partials
 
 M32 = 0xFFFFFFFF
 
@@ -100,7 +100,7 @@ class FakeReal:
 
 
 def _ours(model):
-    from nanoflash.rollout.weight_sync import iter_sglang_buckets
+    from nanoflash.sglang.transports import iter_sglang_buckets
     partials = {}
     for b in iter_sglang_buckets(model, fp8=True, bucket_bytes=1 << 16):
         st = LoaderState()
@@ -112,7 +112,7 @@ def _ours(model):
 def test_real_server_verification_exact_then_by_change_sets():
     from nanoflash.config import preset
     from nanoflash.model import Transformer
-    from nanoflash.rollout.weight_sync import PushFailed, verify_real_server
+    from nanoflash.sglang.transports import PushFailed, verify_real_server
     model = Transformer(preset("tiny")).init_weights(0)
     ours = _ours(model)
     raw = sorted(n for n, (_, _, fp8) in ours.items() if not fp8)

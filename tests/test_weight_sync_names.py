@@ -13,7 +13,7 @@ from nanoflash import names as cn
 from nanoflash import quant
 from nanoflash.config import preset
 from nanoflash.model import Transformer
-from nanoflash.rollout import layout
+from nanoflash.sglang import layout
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,14 @@ from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.parallel.expert import apply_expert_parallel
 from nanoflash.parallel.pipeline import build_stage
-from nanoflash.rollout.client import RequestRejected, SGLangClient
-from nanoflash.rollout.engine import RolloutEngine
-from nanoflash.rollout.server import serve
+from nanoflash.sglang.client import RequestRejected, SGLangClient
+from nanoflash.server.engine import RolloutEngine
+from nanoflash.server.http import serve
 from nanoflash.quant import quant_scratch_bytes
-from nanoflash.rollout.layout import sglang_fp8
-from nanoflash.rollout.stage_push import StagePusher, live_budget
-from nanoflash.rollout.weight_sync import Broadcaster, iter_sglang_buckets, push_weights
+from nanoflash.sglang.layout import sglang_fp8
+from nanoflash.parallel.planner import live_budget
+from nanoflash.sglang.push import StagePusher
+from nanoflash.sglang.transports import Broadcaster, iter_sglang_buckets, push_weights
 from conftest import free_port, run_ranks
 
 BUCKET = 1 << 15            # 32 KiB: the tiny model's stream becomes ~20-50 buckets, and experts sub-buckets

@@ -12,14 +12,14 @@ import sys
 import pytest
 import torch
 
-from nanoflash.rl import actor
+from nanoflash.rl import trainer
 from nanoflash.cli import parse_args
 from nanoflash.config import preset
 from nanoflash.parallel.dcp import load_checkpoint
 from nanoflash.parallel.dims import ParallelDims
-from nanoflash.rollout.layout import expected_checksums
-from nanoflash.rollout.stage_push import layout_digest
-from nanoflash.rollout.weight_sync import iter_sglang_buckets
+from nanoflash.sglang.layout import expected_checksums
+from nanoflash.sglang.push import layout_digest
+from nanoflash.sglang.transports import iter_sglang_buckets
 
 from conftest import free_port
 
@@ -42,7 +42,7 @@ def test_train_pp2_ep2_distributed_push_equals_single_process_push(tmp_path, wei
     (rec,) = [r for r in recs if r.get("kind") == "train" and r["step"] == 1]
     assert rec["sync_buckets"] > 4 and rec["sync_layout_sha"]
     cfg = parse_args(["--recipe", "smoke"])
-    model = actor.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.float32, "cpu")
+    model = trainer.build_model(preset("tiny", **cfg.model), ParallelDims(), cfg.parallel, torch.float32, "cpu")
     load_checkpoint(os.path.join(out, "checkpoints", "step_00000001"), model, None, ParallelDims())
     single = expected_checksums(iter_sglang_buckets(model, fp8=weights == "fp8", bucket_bytes=BUCKET))
     assert rec["sync_layout_sha"] == layout_digest(single)

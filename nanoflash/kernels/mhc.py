@@ -32,11 +32,10 @@ adds: the two gradients of h summed by autograd).
 
 Dispatch: `ModelConfig.kernels`; "triton" on CUDA uses `hc_pre_fused` / `hc_post_fused` in `Block.forward`
 (run inside the 8-layer real-geometry stack on the H200, bench/bench_stack.py); "auto" does not yet.
-`compiled()` keeps the torch.compile variant of B14a for the benchmark. Tests: tests/test_kernels_mhc.py.
+Tests: tests/test_kernels_mhc.py.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -49,14 +48,6 @@ BT_DH = 32                 # token rows of the dh pass (its fn tile is re-read p
 BT_COEF = 16               # tokens per program of the per-token Sinkhorn kernels
 BK_DFN = 128               # K columns per program of the dfn reduction
 DFN_MIN_TOKENS = 512       # tokens per split of the dfn reduction at least (up to 16 splits; tests lower it)
-
-
-@functools.cache
-def compiled(backend: str = "inductor"):
-    """(hc_pre, hc_post) of model.py under torch.compile (B14a's variant, kept for bench/bench_mhc.py)."""
-    from nanoflash.model import hc_post, hc_pre_reference
-    opts = dict(fullgraph=True, dynamic=True, backend=backend)
-    return torch.compile(hc_pre_reference, **opts), torch.compile(hc_post, **opts)
 
 
 # ------------------------------------------------------------------------------------------ forward kernels

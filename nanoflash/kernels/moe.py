@@ -35,8 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoflash.model import ACT_QAT_BLOCK, qat_block, swiglu
-from nanoflash.quant import fp8_sim
+from nanoflash.quant import ACT_QAT_BLOCK, fp8_sim, qat_block
 
 # Block of the SwiGLU kernels: BLOCK_T rows x BLOCK_I columns per step (the backward loops over the columns
 # of its row block). Memory-bound elementwise work: 4K elements per program keep the loads vectorised.
@@ -181,9 +180,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: tor
     return torch.cat([F.linear(xe, we) for xe, we in zip(x.split(counts.tolist()), w.unbind(0))])
 
 
-def grouped_experts(x, rw, counts, w13, w2, limit: float, qat: bool = False) -> torch.Tensor:
+def grouped_experts(x, rw, counts, w13, w2, limit: float, qat: bool = False, act=None) -> torch.Tensor:
     """The routed experts on expert-sorted rows: grouped w13 GEMM -> fused SwiGLU (x rw) -> grouped w2 GEMM.
-    `qat` FP8-simulates both GEMM inputs per 1x128 block, as the reference.
+    `qat` FP8-simulates both GEMM inputs per 1x128 block, as the reference. `act` is the model's SwiGLU
+    (`model.swiglu`), used where the reference rounds between GEMM and activation (x's dtype differs from the
+    weights'): the kernels take the model's math as an argument, never import it.
     x [T,D], rw [T,1] fp32, counts [E_l], w13 [E_l,2I,D], w2 [E_l,D,I] -> [T,D]"""
     if x.shape[0] == 0:   # an EP rank that received no rows (x[:0] keeps the exchange's backward)
         return x[:0]
@@ -194,6 +195,8 @@ def grouped_experts(x, rw, counts, w13, w2, limit: float, qat: bool = False) -> 
     if x.dtype == h.dtype:
         a = fused_swiglu(h, rw, limit).to(w2.dtype)                                     # [T,I]
     else:   # the reference rounds a to x's dtype first
-        a = swiglu(*h.chunk(2, -1), limit, rw).to(x.dtype).to(w2.dtype)
+        if act is None:
+            raise ValueError(f"grouped_experts: x is {x.dtype}, the weights {w13.dtype}: pass act=model.swiglu")
+        a = act(*h.chunk(2, -1), limit, rw).to(x.dtype).to(w2.dtype)
     a = fp8_sim(a, qat_block(a.shape[-1], ACT_QAT_BLOCK)) if qat else a
     return grouped_mm(a, w2, offs, counts)                                              # [T,D]

@@ -39,6 +39,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from nanoflash.checkpoint import save_hf_checkpoint
+from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 
 STEP_PREFIX, TMP_SUFFIX, META = "step_", ".tmp", "meta.json"
@@ -216,8 +218,6 @@ def export_hf(path: str, cfg, out_dir: str, dtype=torch.bfloat16, **save_kw) -> 
     """Offline export: a DCP checkpoint of any layout -> one full model in host memory (built on meta, then
     materialised in `dtype`) -> the official HF layout via `nanoflash.checkpoint.save_hf_checkpoint`.
     For flash in bf16 this needs ~545 GB of host memory (see the planner)."""
-    from nanoflash.checkpoint import save_hf_checkpoint
-    from nanoflash.model import Transformer
     with torch.device("meta"):
         model = Transformer(cfg)
     model.cast_(dtype).to_empty(device="cpu")

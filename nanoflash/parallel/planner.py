@@ -54,12 +54,15 @@ import dataclasses
 
 import torch
 
-from nanoflash.names import official_parameters
+from nanoflash.names import official_parameters, storage_kind
 from nanoflash.config import ParallelConfig, preset
 from nanoflash.model import Block, Transformer, init_param_
 from nanoflash.parallel.expert import EXPERT_KEY, expert_range
 from nanoflash.parallel.optim import ALIGN, HOST_CHUNK_ELEMS, is_frozen
 from nanoflash.parallel.pipeline import LAST_STAGE_MODULES, LAST_STAGE_PARAMS, split_layers
+
+LIVE_BUCKETS = 3                 # a push holds: the bucket on the wire, the one being built, the verification copy
+STORAGE_BYTES = {"fp8": 1.0, "fp4": 0.5, "bf16": 2.0, "fp32": 4.0, "int64": 8.0}  # per element, release storage
 
 GIB = 2 ** 30
 # bytes(S) = a*S + b*pairs(S) of one layer's saved activations, bf16 weights, per compress ratio (0 / 4 / 128):
@@ -196,9 +199,17 @@ def _communicators(par, source: bool, push: str) -> int:
             + (source and push == "nccl"))
 
 
+def live_budget(bucket_bytes: int, ep: int, scratch: int) -> int:
+    """Bytes a rank may hold beyond its own shard during a push: bucket k on the wire, bucket k+1 being built
+    (with EP: the gather buffer plus this rank's own sub-bucket, 1 + 1/ep buckets), the verification copy of
+    one bucket; plus the quantizer's scratch (`quant.quant_scratch_bytes`: bounded, 0 on the GPU).
+    `bucket_bytes` is the largest bucket (a unit larger than the configured size travels alone). The pusher
+    (`sglang.push`) holds itself to this bound; its tests measure it."""
+    return int((LIVE_BUCKETS + 1 / ep) * bucket_bytes) + scratch
+
+
 def _push_gpu(bucket: int, ep: int) -> int:
     """Buckets a rank holds during a push (built and quantized on its GPU for every transport)."""
-    from nanoflash.rollout.stage_push import live_budget  # the pusher's own bound
     return live_budget(bucket, ep, 0)
 
 
@@ -254,9 +265,19 @@ def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: b
     return list(rows.values())
 
 
+def rollout_weight_bytes(mcfg, push: bool = False) -> float:
+    """Bytes of the released checkpoint's tensors (FP8 linears, FP4 experts, BF16/F32 rest; scales ignored),
+    counted on a meta-built model: what one rollout engine must hold, split over its GPUs. push=True counts
+    what a weight push sends instead: experts re-packed FP8 (one byte, as Miles on Hopper), no MTP block."""
+    with torch.device("meta"):
+        model = Transformer(mcfg)
+    per = dict(STORAGE_BYTES, fp4=STORAGE_BYTES["fp8"] if push else STORAGE_BYTES["fp4"])
+    return sum(t.numel() * per.get(storage_kind(n, mcfg), 2.0) for n, t in model.state_dict().items()
+               if not (push and n.startswith("mtp.")))
+
+
 def _push_bytes(cfg) -> float:
-    from nanoflash.cli import rollout_weight_bytes  # FP8 blocks, experts FP8, no MTP: one push
-    return rollout_weight_bytes(cfg, push=True)
+    return rollout_weight_bytes(cfg, push=True)   # FP8 blocks, experts FP8, no MTP: one push
 
 
 def node_host_bytes(rows: list, par: ParallelConfig, gpus_per_host: int) -> list[float]:

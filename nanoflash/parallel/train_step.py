@@ -129,7 +129,7 @@ def train_step(model, dims: ParallelDims, microbatches, optimizer, loss_scale: f
     objective sum(loss_fn) * loss_scale, identical on every rank; metrics returned by `loss_fn` (as a
     (loss, {name: scalar}) pair) are scaled the same way: sum over micro-batches and data shards x loss_scale.
     GRPO fits as `loss_fn = lambda m, h, mb: grpo.policy_loss(stage_logprobs(m, h, mb["targets"]), ...,
-    denom=1.0)` with loss_scale = 1 / the global `grpo.loss_denominator` (`nanoflash.rl.actor.Actor.train`).
+    denom=1.0)` with loss_scale = 1 / the global `grpo.loss_denominator` (`nanoflash.rl.trainer.Trainer.train`).
     """
     optimizer.zero_grad()
     loss, metrics = forward_backward(model, dims, microbatches, loss_fn, loss_scale)

@@ -8,5 +8,5 @@
     metrics, plots   one JSON line per event and the run's figures; runstats(_plots) after the run
 
 GRPO's math itself is `nanoflash/grpo.py` (pure functions, no loop); the engine is `nanoflash/parallel/`, the
-SGLang boundary `nanoflash/rollout/`. Tests: `pytest tests/test_actor.py tests/test_train_e2e.py -q`.
+SGLang boundary `nanoflash/rollout/`. Tests: `pytest tests/test_trainer.py tests/test_train_e2e.py -q`.
 """

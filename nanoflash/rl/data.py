@@ -51,6 +51,7 @@ Tests: `pytest tests/test_data.py -q`.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -163,9 +164,9 @@ def _read_jsonl(path: str) -> list:
 
 
 def _read_rows(path_or_name: str) -> list:
-    if path_or_name.startswith("synth:"):  # a generated data set, e.g. synth:sum4:train (nanoflash/rl/synth.py)
-        from nanoflash.rl import synth
-        return synth.rows(path_or_name)
+    if path_or_name.startswith("py:"):  # generated rows: py:<module>:<spec> -> module.rows(spec), e.g.
+        _, module, spec = (path_or_name.split(":", 2) + [""])[:3]   # py:experiments.h200.synth:sum4:train
+        return importlib.import_module(module).rows(spec)
     path_or_name = os.path.expanduser(path_or_name)
     if os.path.isdir(path_or_name):
         raise ValueError(f"data path {path_or_name!r} is a directory; give a .jsonl or .parquet file")

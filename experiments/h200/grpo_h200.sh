@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# Issue 20, the one-shot run: GRPO of the h200 preset with live SGLang 0.5.16 colocated on one H200.
+#   device call 1 (carry sg/p01):          mkdir -p /tmp/acc && cp sg/p01/* /tmp/acc/
+#   device call 2 (carry sg/p02):          cp sg/p02/* /tmp/acc/
+#   device call 2b (carry .h20whl .h20jit): cp .h20whl/* .h20jit/* /tmp/acc/   (beside p02 a call passes 64 MiB;
+#                                          .h20jit: SGLang's compile caches from an earlier hold's collect)
+#   device call 3 (carry sg/p03):          cp sg/p03/* /tmp/acc/ && bash experiments/h200/grpo_h200.sh go
+#   later calls:                           bash experiments/h200/grpo_h200.sh poll 540     (back to back, <= 10 min each)
+#   last call:                             OUT=$OUT bash experiments/h200/grpo_h200.sh collect
+# `go` installs the pack and the wheels, writes a random-init checkpoint of the h200 preset, starts SGLang on it
+# under setsid and, under setsid too, the pipeline: SFT warm start (experiments/h200/grpo_h200.py sft) -> wait for SGLang ->
+# train.py --recipe h200 --rollout.urls (its first push carries the warm start, verified) -> report (summary +
+# figures) -> parity on 2-4K-token sequences of the warm start (experiments/h200/sglang_check.py parity: the server
+# restored from the warm checkpoint, planted-bug row) -> report again. SGLang runs without the overlap
+# scheduler: 2026-12-01's run died in `event_loop_overlap` (illegal memory access in a 128-request decode).
+# The CPU dry run of the same pipeline, with nanoflash's embedded server in SGLang's place and a tiny model:
+#   bash experiments/h200/grpo_h200.sh dry
+set -uo pipefail
+R=$(cd "$(dirname "$0")/.." && pwd)
+export H20_HOME=${H20_HOME:-$R}   # the checkout (its .venv for the dry run), when running from the copy
+W=${H20_WORK:-/tmp/h20}; mkdir -p "$W"
+URL=http://127.0.0.1:${H20_PORT:-30000}
+export PYTHONUNBUFFERED=1 NF_URL=$URL
+
+gpu_env() {
+  export PYTHONPATH=/tmp/site2:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$R PATH=/tmp/site/bin:$PATH
+  export CUDA_HOME=$(dirname "$(dirname "$(which nvcc)")") SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
+  # FP8 experts, BF16 wo_a (Miles' settings); no tilelang mHC pre kernel (removes the 450 s first-push compile)
+  export SGLANG_DSV4_FP4_EXPERTS=0 SGLANG_OPT_FP8_WO_A_GEMM=0 SGLANG_OPT_USE_TILELANG_MHC_PRE=0
+  # mHC pre-norm mixes: SGLang's default is a TF32 DeepGEMM kernel on bf16 x (docs/sglang_parity_analysis.md, A5);
+  # we serve its fp32 torch path, as the official model computes them (run 5 on); H20_HC_PRENORM_TF32=1: stock
+  export SGLANG_OPT_DEEPGEMM_HC_PRENORM=${H20_HC_PRENORM_TF32:-0}
+  export NF_CHECK_PRESET=h200 NF_DEVICE=cuda PY=python3 MODE=gpu
+}
+dry_env() {
+  export PYTHONPATH=$R NF_CHECK_PRESET=tiny NF_VOCAB=129280 NF_DEVICE=cpu PY=${PY:-$H20_HOME/.venv/bin/python} MODE=dry
+}
+# train.py / sft overrides of each mode (the recipe is h200 in both)
+overrides() {
+  if [ "$MODE" = gpu ]; then
+    echo "--train.steps ${H20_STEPS:-60} --eval.every ${H20_EVAL_EVERY:-10} ${H20_LR:+--optim.lr $H20_LR}" \
+         "${H20_LR_WARMUP:+--train.lr_warmup_steps $H20_LR_WARMUP} --train.progress false"
+    return
+  fi
+  echo "--train.preset tiny --model.vocab_size 129280 --model.n_mtp_layers 0 --model.compress_ratios 0,4,8,4" \
+       "--parallel.device cpu --train.dtype fp32 --train.threads 1" \
+       "--train.steps ${H20_STEPS:-3} --grpo.n_prompts 2 --grpo.group_size 4 --grpo.over_sampling_batch_size 2" \
+       "--grpo.dynamic_sampling false --rollout.max_rounds 2 --rollout.max_workers 2 --rollout.max_new_tokens 8 --eval.every 2" \
+       "--eval.n_problems 4 --eval.k_samples 2 --eval.max_new_tokens 8 --train.progress false"
+}
+
+install() {
+  (cd /tmp/acc && sha256sum -c SHA256SUMS) || exit 1
+  cat /tmp/acc/sgl0516_lean.tar.xz.part* | python3 -c \
+    "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 /tmp/acc/*.whl || exit 1
+  [ "${H20_OFFICIAL_ROPE:-1}" = 1 ] && official_rope
+  jit_restore
+}
+# SGLang 0.5.16 applies YaRN to the RoPE of the sliding-only layers (compress ratio 0) too; the official model
+# (and nanoflash) does not (docs/sglang_parity_analysis.md, S1; SGLang's own DSpark passes rope_original_seq_len=0
+# there). One line of the installed deepseek_v4.py makes it official; a pattern that is not found once changes
+# nothing and says so (H20_OFFICIAL_ROPE=0 serves stock SGLang)
+official_rope() {
+  python3 - /tmp/site/sglang/srt/models/deepseek_v4.py << 'PY'
+import sys
+path = sys.argv[1]
+old = 'else scaling["original_max_position_embeddings"]'
+new = 'else (scaling["original_max_position_embeddings"] if self.compress_ratio else 0)'
+src = open(path).read()
+if src.count(old) != 1:
+    print(f"official RoPE: pattern found {src.count(old)} times in {path}, SGLang left stock")
+else:
+    open(path, "w").write(src.replace(old, new))
+    print("official RoPE: no YaRN on SGLang's sliding-only layers (patched deepseek_v4.py)")
+PY
+}
+# SGLang's kernels compile in its first forwards (DeepGEMM, flashinfer, tilelang, Triton: 2026-12-01's run 3 waited
+# 4.6 min for /health, then ~2 min in the first eval) into caches under $HOME; `collect` brings them back (<= 45 MiB)
+# and a later hold carries them in (experiments/h200/README.md), so a bare machine skips the compiles
+JIT_DIRS=".cache .triton .tilelang .nv"  # seen filled on the H200 (.cache: tvm-ffi, deep_gemm, flashinfer)
+jit_restore() {
+  ls /tmp/acc/jit_cache.tgz.* > /dev/null 2>&1 || { echo "no compile cache carried"; return 0; }
+  cat /tmp/acc/jit_cache.tgz.* | tar -xzf - -C "$HOME" || return 0
+  # a cache saved while a compile ran: drop a tvm-ffi build without its .so, or with a cut ELF file, to be rebuilt
+  python3 - "$HOME/.cache/tvm-ffi" << 'PY'
+import os, shutil, struct, sys
+def complete(p):  # an ELF file whose section headers (at its end) lie inside it
+    with open(p, "rb") as f:
+        h = f.read(64)
+    shoff, (shentsize, shnum) = struct.unpack_from("<Q", h, 0x28)[0], struct.unpack_from("<HH", h, 0x3A)
+    return h[:4] == b"\x7fELF" and shoff + shentsize * shnum <= os.path.getsize(p)
+root, dropped = sys.argv[1], []
+for d in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+    files = [os.path.join(root, d, f) for f in os.listdir(os.path.join(root, d))]
+    bins = [f for f in files if f.endswith((".so", ".o"))]
+    if not any(f.endswith(".so") for f in bins) or not all(complete(f) for f in bins):
+        shutil.rmtree(os.path.join(root, d)); dropped.append(d[:60])
+print(f"compile cache restored; tvm-ffi builds dropped (incomplete): {dropped or 'none'}")
+PY
+}
+jit_save() {  # $1: a folder under $OUT; the caches as parts of 15 MiB, replaced whole (a call may end mid-save);
+  # over 45 MiB together (JIT_MAX_BYTES), the largest caches are left out one by one
+  local dirs size; dirs=$(cd "$HOME" && du -s $JIT_DIRS 2> /dev/null | sort -n | awk '{print $2}')  # smallest first
+  [ -n "$dirs" ] || { echo "no compile caches under $HOME"; return 0; }
+  dirs=$(echo $dirs); (cd "$HOME" && du -s --block-size=1K .cache/* $dirs 2> /dev/null | tr '\n' ' '); echo "(KiB)"
+  while [ -n "$dirs" ]; do
+    tar -czf $W/jit.tgz -C "$HOME" $dirs || return 0
+    size=$(stat -c %s $W/jit.tgz); [ $size -le ${JIT_MAX_BYTES:-47185920} ] && break
+    echo "compile caches $dirs: $size bytes, over 45 MiB: leaving out the largest"; dirs=$(echo $dirs | awk '{$NF=""; print}')
+  done
+  [ -n "$dirs" ] || return 0
+  rm -rf "$1.new" && mkdir -p "$1.new" && split -b 15M -d $W/jit.tgz "$1.new/jit_cache.tgz." && rm -rf "$1" \
+    && mv "$1.new" "$1" && echo "compile caches saved ($dirs): $size bytes in $(ls "$1" | wc -l) parts"
+}
+serve_sglang() {  # $1: log suffix of a restart (".1", ...)
+  # at most 64 requests at once (0: SGLang's own limit): both of 2026-12-01's crashes came with 128 decoding
+  local running="--max-running-requests ${H20_MAX_RUNNING:-64}"; [ "${H20_MAX_RUNNING:-64}" = 0 ] && running=""
+  setsid nohup python3 -m sglang.launch_server --model-path $W/init --load-format auto --tp 1 --disable-cuda-graph \
+    --skip-server-warmup --skip-tokenizer-init --mem-fraction-static ${H20_MEM:-0.45} --context-length 8192 \
+    --disable-overlap-schedule --enable-fp32-lm-head $running \
+    --port ${URL##*:} \
+    > $W/server${1:-}.log 2>&1 < /dev/null &
+}
+watchdog() {  # while GRPO runs: the server's processes gone (SGLang died twice on 2026-12-01: an illegal memory
+  # access in a decode) -> start it again; train.py (rollout.max_server_restarts) waits for /health, re-pushes and
+  # redoes the step. The pattern's [x] keeps grep from matching its own command line.
+  local n=0 pat="[s]glang.launch_server" serve=serve_sglang
+  [ "$MODE" = dry ] && pat="[n]anoflash.rollout.server" serve=serve_embedded
+  while [ ! -e $W/TRAIN_DONE ]; do
+    sleep 5
+    if ! grep -qsa "$pat" /proc/[0-9]*/cmdline; then  # no process of the server left
+      n=$((n + 1)); [ $n -gt ${H20_RESTARTS:-3} ] && { echo "$(date +%T) server gone, no restarts left"; break; }
+      echo "$(date +%T) server gone: restart $n (log server.$n.log)"; $serve ".$n"
+      sleep 30
+    fi
+  done
+}
+serve_embedded() {  # $1: log suffix of a restart
+  setsid nohup $PY -m nanoflash.server --checkpoint $W/init --weights fp8 --port ${URL##*:} --disk-root $W \
+    > $W/server${1:-}.log 2>&1 < /dev/null &
+  echo $! > $W/server.pid
+}
+warmup() {  # rollout-shaped requests as soon as the server answers: its compiles overlap the SFT
+  local sizes=""; [ "$MODE" = dry ] && sizes="--prompts 2 --n 2 --new-tokens 4 --rounds 1"
+  setsid nohup bash -c "$PY '$R/experiments/h200/grpo_h200.py' warmup --url $URL $sizes; touch $W/WARMUP_DONE" \
+    > $W/warmup.log 2>&1 < /dev/null
+}
+init_ckpt() {  # the random-init checkpoint a server starts from
+  $PY "$R/experiments/h200/sglang_check.py" ckpt --dir $W/init > $W/ckpt.log 2>&1 || { cat $W/ckpt.log; exit 1; }
+}
+start() {  # random-init checkpoint -> server -> the pipeline, both detached
+  if (exec 3<>/dev/tcp/127.0.0.1/${URL##*:}) 2>/dev/null; then echo "port ${URL##*:} is taken: $URL" >&2; exit 1; fi
+  init_ckpt
+  if [ "$MODE" = gpu ]; then serve_sglang; else serve_embedded; fi
+  # detached from this call's stdout (the warm-up's subshell would hold it, so `go | tail` would last as long)
+  rm -f $W/WARMUP_DONE; warmup > /dev/null 2>&1 < /dev/null &
+  setsid nohup bash "$R/experiments/h200/grpo_h200.sh" pipeline_$MODE > $W/pipeline.log 2>&1 < /dev/null &
+  echo "started: server and pipeline ($MODE); logs in $W"
+}
+pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity of the warm start -> report
+  cd "$R"
+  local sft="--max-seconds ${H20_SFT_S:-240}"
+  [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3 --glance-steps 2"
+  stamp "knobs: SGLANG_OPT_DEEPGEMM_HC_PRENORM=${SGLANG_OPT_DEEPGEMM_HC_PRENORM:-} H20_OFFICIAL_ROPE=${H20_OFFICIAL_ROPE:-1}"
+  stamp sft; $PY experiments/h200/grpo_h200.py sft --out $W/warm $sft $(overrides) || { echo "FAILED sft"; touch $W/DONE; exit 1; }
+  touch $W/SFT_DONE
+  # $W/HOLD: another job shares the GPU while SGLang boots (bench/gpu_round3.sh); GRPO starts once it is gone
+  local end=$((SECONDS + ${H20_HOLD_MAX:-600})); while [ -e $W/HOLD ] && [ $SECONDS -lt $end ]; do sleep 2; done
+  end=$((SECONDS + ${H20_WARMUP_MAX:-900})); while [ ! -e $W/WARMUP_DONE ] && [ $SECONDS -lt $end ]; do sleep 2; done
+  stamp "warm-up done: $(tail -n 1 $W/warmup.log)"
+  watchdog >> $W/watchdog.log 2>&1 &
+  stamp train; $PY train.py --recipe h200 --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
+    $(overrides) || echo "FAILED train"
+  touch $W/TRAIN_DONE; stamp report
+  report
+  # parity last (2026-12-01's run measured it first: 4 of the budget's minutes before any GRPO step); the
+  # server is restored from the warm checkpoint, so it scores the warm start as before
+  local par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2048 --prompt-len-max 3968 --sweep 32,64,128,256,512,1024"
+  [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 4 --prompt-len 64 --prompt-len-max 96 --sweep 32,48"
+  # rows: the reference attention beside the GPU kernels (ref), nanoflash with SGLang's shared-expert clamp and
+  # with the C128 entries / the window changed (experiments/h200/parity_variants.py): which one meets the floor past 128
+  par="$par --modes bf16,qat,ref --variants shared_expert_clamp,no_c128_entries,window_127,window_129"
+  stamp parity; $PY experiments/h200/sglang_check.py parity --dir $W/warm --restore 1 --synth 1 --out $W/parity.json \
+    --wait 600 $par && report || echo "FAILED parity"
+  touch $W/DONE; stamp done
+}
+stamp() { echo "=== $(date +%T) $1"; }  # the pipeline's phases, timed in pipeline.log
+report() {
+  $PY "$R/experiments/h200/grpo_h200.py" report --run $W/run --out $W/report --sft $W/warm/sft.json --parity $W/parity.json \
+    || echo "FAILED report"
+}
+poll() {  # wait up to $1 s for the pipeline, printing progress every 30 s
+  local end=$((SECONDS + ${1:-540}))
+  while [ $SECONDS -lt $end ] && [ ! -e $W/DONE ]; do
+    sleep 30; echo "--- $(date +%T)"; tail -n 2 $W/pipeline.log 2>/dev/null | cut -c1-300
+    grep -a "^step \|^eval " $W/pipeline.log 2>/dev/null | tail -n 1; tail -n 1 $W/server.log 2>/dev/null | cut -c1-200
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
+  done
+  [ -e $W/DONE ] && echo "PIPELINE DONE" || echo "pipeline still running"
+}
+collect() {  # <= 8 files back: one tarball of the results + the logs (a run still going is reported as it is)
+  local out=${OUT:-/tmp/out}; mkdir -p "$out"
+  [ -e $W/DONE ] || report > $W/report.log 2>&1
+  tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl run/live_tokens report parity.json warm/sft.json pipeline.log \
+    $(cd $W && ls watchdog.log server.*.log 2>/dev/null)
+  tail -c 4000000 $W/server.log > "$out/server.log"; cp $W/pipeline.log "$out/" 2>/dev/null
+  [ "$MODE" = gpu ] && jit_save "$out/jit"
+  ls -la "$out" "$out/jit" 2> /dev/null
+}
+snapshot() {  # everything from here on runs from its own copy: a later device call re-syncs the checkout (and bash
+  # reads scripts as it goes); .h20src (git archive of a tested commit, experiments/h200/README.md) before the checkout
+  # (the dry run copies the checkout itself: it tests the code as it is)
+  local src=$R/.h20src; [ -d $src/nanoflash ] && [ "${1:-}" != checkout ] || src=$R
+  rm -rf $W/repo && mkdir -p $W/repo && cp -r $src/nanoflash $src/bench $src/scripts $src/train.py $W/repo/ || exit 1
+  cp -r $src/tests $src/pyproject.toml $W/repo/ 2>/dev/null  # for bench/gpu_round3.sh's GPU tests, when present
+}
+jit_only() {  # $1: seconds; a hold that only fills the compile caches (no SFT, no GRPO): random init, SGLang, the
+  # warm-up, the caches saved into $OUT/jit every 40 s and at the end (what a call cut at its limit still returns)
+  install && init_ckpt && serve_sglang || exit 1
+  local end=$(( $(date +%s) + $1 ))
+  ( while [ $(date +%s) -lt $end ]; do sleep 40; jit_save "$OUT/jit" >> $W/jit_save.log 2>&1; done ) &
+  timeout $1 $PY "$R/experiments/h200/grpo_h200.py" warmup --url $URL --prompts 32 --rounds 3
+  jit_save "$OUT/jit"; grep -a "fired up\|Prefill batch" $W/server.log | head -n 3 | cut -c1-160
+}
+case "${1:-}" in
+  go) snapshot && exec bash $W/repo/experiments/h200/grpo_h200.sh go_here ;;
+  go_here) gpu_env; install && start ;;
+  pipeline_gpu) gpu_env; pipeline ;;
+  pipeline_dry) dry_env; pipeline ;;
+  poll) poll "${2:-540}" ;;
+  jit_only) gpu_env; jit_only "${2:-300}" ;;
+  collect) [ -d $W/repo ] && R=$W/repo; [ -d /tmp/site ] && gpu_env || dry_env; collect ;;
+  dry) snapshot checkout && exec bash $W/repo/experiments/h200/grpo_h200.sh dry_here "${2:-1800}" ;;
+  dry_here) dry_env; rm -rf $W/DONE $W/TRAIN_DONE $W/SFT_DONE $W/watchdog.log $W/run $W/warm $W/report; start && poll "${2:-1800}"
+       kill "$(cat $W/server.pid)" 2>/dev/null; tail -n 30 $W/pipeline.log ;;
+  *) echo "usage: $0 go|poll SECONDS|collect|dry [SECONDS]|jit_only SECONDS" >&2; exit 2 ;;
+esac

@@ -1,0 +1,398 @@
+"""Weight sync: the push of a weight stream (`stream.py`) into live rollout servers, and its transports.
+
+The push of one process (`push_weights`), per SGLang's documented order (rl_notes §4.2, §8 item 4):
+
+    pause_generation -> flush_cache -> [begin_weight_update | post_process_weights(restore)] ->
+    buckets (from_tensor | from_distributed + broadcast | from_disk) ->
+    [end_weight_update | post_process_weights(quantize)] -> continue_generation ; weight_version += 1
+    then verify: /weights_checker checksums == the loader layout derived here from what was sent.
+
+Transports: "tensor" sends a safetensors payload to the embedded server and SGLang's own pickled
+`FlattenedTensorBucket` of the (GPU) flat buffer to real SGLang (`sglang_flattened_payload`: CUDA IPC, so one
+host only); "local" hands an embedded server in the trainer's own process a handle to the tensors
+(`stream.hand_over`: no serialization, the GPU tensors as they are, the same HTTP calls around them); "distributed" (`Broadcaster`) is rank 0 of a gloo/NCCL group with every receiving rank of every
+server (as many per server as it reports: SGLang joins `rank_offset + tp_rank`) and broadcasts while the
+server's `/update_weights_from_distributed` call receives: one flat uint8 buffer per bucket with
+load_format="flattened_bucket" where the server supports it (SGLang >= 0.5.16's
+`_update_bucketed_weights_from_distributed`, and the embedded server), else one broadcast per tensor in
+order (gloo moves raw bytes, NCCL the real dtype); "disk" writes one safetensors file per bucket and calls
+`/update_weights_from_disk`.
+
+A sharded trainer (PP x EP) pushes with `stage_push.StagePusher`: one source per pipeline stage, built on the
+pieces here.
+
+Tests: `pytest tests/test_weight_sync.py tests/test_weight_sync_stage.py tests/test_rollout_server.py -q`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+from nanoflash.names import official_inventory, to_sglang
+from nanoflash.config import TRANSPORTS
+from nanoflash.sglang.layout import compare_checksums, expected_checksums, sglang_fp8
+from nanoflash.sglang.buckets import (ATOMIC, FLAT_FORMAT, LOCAL_FORMAT, SAFE_FORMAT, FlatBucket, Item,  # noqa: F401
+                                      Slot, convert_items, decode_blob, decode_tensors, drop_handed, encode_blob,
+                                      encode_tensors, hand_over, iter_units, named_of, pack_units, stream_buckets,
+                                      take_over)
+
+
+def iter_sglang_buckets(model, dims=None, *, fp8: bool, bucket_bytes: int):
+    """Yield buckets `[(name, tensor), ...]` exactly as pushed, for a model held whole by one process."""
+    if dims is not None and getattr(dims, "world_size", 1) > 1:
+        raise ValueError(f"iter_sglang_buckets streams one process's model; a sharded trainer ({dims}) pushes "
+                         "through stage_push.StagePusher, one source per pipeline stage")
+    for fb in stream_buckets(model.state_dict().items(), model.cfg, fp8=fp8, bucket_bytes=bucket_bytes):
+        yield fb.tensors()
+
+
+def sglang_flattened_payload(bucket, tp_size: int = 1) -> dict:
+    """The request real SGLang takes: one pickled FlattenedTensorBucket per TP rank (needs sglang; CUDA IPC).
+    A `FlatBucket` is wrapped as it is (its GPU buffer, no copy); a list is flattened by SGLang's class."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+    if isinstance(bucket, FlatBucket):
+        meta = [FlattenedTensorMetadata(s.name, torch.Size(s.shape), s.dtype, s.start, s.end, s.end - s.start)
+                for s in bucket.slots]
+        fb = FlattenedTensorBucket(flattened_tensor=bucket.flat, metadata=meta)
+    else:
+        fb = FlattenedTensorBucket(named_tensors=bucket)
+    data = {"flattened_tensor": fb.get_flattened_tensor(), "metadata": fb.get_metadata()}
+    s = MultiprocessingSerializer.serialize(data, output_str=True)
+    return {"serialized_named_tensors": [s] * tp_size, "load_format": FLAT_FORMAT}
+
+
+# ---------------------------------------------------------------------------------------------- transports
+def join_group(master_address: str, master_port: int, rank: int, world: int, group_name: str, backend: str,
+               timeout_s: float, device=None):
+    """A process group of its own (no default group needed): rank 0 hosts the TCP store. -> (pg, store)"""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world, is_master=rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world, timeout), store
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device or "cuda"))
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world, opts), store
+    raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+
+
+def _wire(t: torch.Tensor, backend: str) -> torch.Tensor:
+    """What goes into the broadcast: gloo moves raw CPU bytes (any dtype), NCCL the tensor on its GPU."""
+    buf = t.detach().contiguous()
+    if backend == "gloo":
+        return buf.cpu().reshape(-1).view(torch.uint8)                            # [nbytes]
+    return buf if buf.is_cuda else buf.cuda()
+
+
+def broadcast_tensor(pg, backend: str, t: torch.Tensor, opts, async_op: bool = False):
+    """Rank 0's side. gloo moves the raw bytes (any dtype); NCCL moves the real dtype, as SGLang receives it."""
+    work = pg.broadcast([_wire(t, backend)], opts)
+    return work if async_op else work.wait()
+
+
+def recv_tensor(pg, backend: str, dtype: torch.dtype, shape: list, device, opts) -> torch.Tensor:
+    """A receiving rank's side of `broadcast_tensor`."""
+    shape = [int(x) for x in shape]
+    if backend == "gloo":
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        buf = torch.empty(n, dtype=torch.uint8)
+        pg.broadcast([buf], opts).wait()
+        return buf.view(dtype).reshape(shape)                                   # [*shape]
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    pg.broadcast([buf], opts).wait()
+    return buf
+
+
+def join_receivers(master_address: str, master_port: int, ranks, world: int, group_name: str, backend: str,
+                   timeout_s: float, device=None) -> list:
+    """A server's side of a group: one member per rank in `ranks` (its TP ranks), joined concurrently."""
+    ranks, joined = list(ranks), {}
+    threads, errors = _threads({f"rank {r}": (lambda r=r: joined.__setitem__(r, join_group(
+        master_address, master_port, r, world, group_name, backend, timeout_s, device)[0])) for r in ranks})
+    for th in threads:
+        th.join()
+    if errors:
+        raise RuntimeError(f"joining {group_name} failed: {errors}")
+    return [joined[r] for r in ranks]
+
+
+def receive_bucket(pgs: list, backend: str, specs: list, flat: bool, device=None) -> list:
+    """Every member receives one bucket (one flat uint8 broadcast, or one per (name, dtype, shape) in order);
+    all must get the same bytes. -> [(name, tensor)] of the first member."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    nb = [torch.Size(s).numel() * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
+    ends, out = torch.tensor(nb, dtype=torch.int64).cumsum(0).tolist(), [None] * len(pgs)
+
+    def recv(k):
+        if flat:
+            buf = recv_tensor(pgs[k], backend, torch.uint8, [sum(nb)], device, opts)
+            out[k] = [(n, buf[e - b:e].view(dt).reshape(s)) for (n, dt, s), b, e in zip(specs, nb, ends)]
+        else:
+            out[k] = [(n, recv_tensor(pgs[k], backend, dt, s, device, opts)) for n, dt, s in specs]
+    threads, errors = _threads({f"member {k}": (lambda k=k: recv(k)) for k in range(len(pgs))})
+    for th in threads:
+        th.join()
+    if errors:
+        raise RuntimeError(f"receiving a bucket failed: {errors}")
+    for k, named in enumerate(out[1:], start=1):
+        bad = [n for (n, a), (_, b) in zip(out[0], named)
+               if not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))]
+        if bad:
+            raise RuntimeError(f"group member {k} received different bytes for {bad[:4]}")
+    return out[0]
+
+
+def _version(v) -> dict:
+    """The weight_version field of an update request; None leaves the server's version as it is."""
+    return {} if v is None else {"weight_version": str(v)}
+
+
+def _threads(calls: dict) -> tuple[list, list]:
+    """Run {label: fn} in threads (each blocks until its server is done); -> (threads, errors list)."""
+    errors, threads = [], []
+    for label, fn in calls.items():
+        def run(label=label, fn=fn):
+            try:
+                fn()
+            except Exception as e:  # reported by the caller, after its own side finished or failed
+                errors.append(f"{label}: {type(e).__name__}: {e}")
+        threads.append(threading.Thread(target=run, daemon=True))
+        threads[-1].start()
+    return threads, errors
+
+
+class Broadcaster:
+    """One source of `update_weights_from_distributed`: rank 0 of a group `group_name` with every receiving
+    rank of every server. A server's rank count comes from itself (`client.server_ranks`: SGLang joins
+    `rank_offset + tp_rank`) unless `ranks_per_server` is given; offsets are cumulative, world = 1 + sum."""
+
+    def __init__(self, client, master_address: str, master_port: int, backend: str = "gloo",
+                 group_name: str = "nanoflash_sync", ranks_per_server: int | None = None, timeout_s: float = 120.0,
+                 device=None):
+        self.client, self.backend, self.group_name = client, backend, group_name
+        ranks = [client.server_ranks(u) if ranks_per_server is None else ranks_per_server for u in client.urls]
+        self.world, offsets = 1 + sum(ranks), [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        self.flat_ok = all(client.supports_flattened(u) for u in client.urls)
+        threads, errors = _threads({u: (lambda u=u, o=o: client.init_weights_update_group(
+            u, master_address, master_port, o, self.world, group_name, backend)) for u, o in zip(client.urls, offsets)})
+        try:
+            self.pg, self._store = join_group(master_address, master_port, 0, self.world, group_name, backend,
+                                              timeout_s, device)
+        finally:
+            for th in threads:
+                th.join()
+        if errors:
+            raise RuntimeError(f"init_weights_update_group {group_name!r} (world {self.world}) failed: {errors}")
+
+    def send_async(self, bucket, weight_version: str):
+        """Post the bucket's names to every server and start the broadcast; `finish` the returned handle."""
+        named = named_of(bucket)
+        flat = self.flat_ok and isinstance(bucket, FlatBucket)
+        body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in named],
+                "shapes": [list(t.shape) for _, t in named], "group_name": self.group_name, "flush_cache": False,
+                **_version(weight_version), **({"load_format": FLAT_FORMAT} if flat else {})}
+        threads, errors = _threads({u: (lambda u=u: self.client.post(u, "/update_weights_from_distributed", body))
+                                    for u in self.client.urls})
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        tensors = [bucket.flat] if flat else [t for _, t in named]
+        works = [broadcast_tensor(self.pg, self.backend, t, opts, async_op=True) for t in tensors]
+        return threads, errors, works
+
+    def finish(self, handle):
+        threads, errors, works = handle
+        for w in works:
+            w.wait()
+        for th in threads:
+            th.join()
+        if errors:
+            raise RuntimeError(f"update_weights_from_distributed ({self.group_name}) failed: {errors}")
+
+    def send(self, bucket, weight_version: str):
+        self.finish(self.send_async(bucket, weight_version))
+
+    def close(self):
+        """Tell every server to drop the group (its ranks leave it), then drop ours."""
+        for u in self.client.urls:
+            try:
+                self.client.post(u, "/destroy_weights_update_group", {"group_name": self.group_name}, retry_s=0.0)
+            except Exception:  # the server may be the reason we close; the group dies with our side anyway
+                pass
+        self.pg = self._store = None
+
+
+def send_tensor_payload(client, bucket, version):
+    """Embedded servers get the safetensors payload; real SGLang its pickled FlattenedTensorBucket (CUDA IPC)."""
+    safe = None
+    for url in client.urls:
+        if client.is_embedded(url):
+            safe = safe or {"serialized_named_tensors": [encode_tensors(named_of(bucket))], "load_format": SAFE_FORMAT}
+            body = safe
+        else:
+            body = sglang_flattened_payload(bucket, client.server_ranks(url))
+        client.post(url, "/update_weights_from_tensor", dict(body, flush_cache=False, **_version(version)))
+
+
+def send_local_payload(client, bucket, version):
+    """transport=local: every server is an embedded one in this process; each gets a handle to the bucket's
+    tensors as they are (on the GPU in the `gpu` recipe), which its loader copies into its own store."""
+    named = named_of(bucket)
+    for url in client.urls:
+        if not client.is_embedded(url):
+            raise ValueError(f"transport=local hands tensors to embedded servers in this process; {url} is not "
+                             f"one (use transport=tensor, distributed or disk)")
+        handle = hand_over(named)
+        try:
+            client.post(url, "/update_weights_from_tensor",
+                        {"load_format": LOCAL_FORMAT, "handle": handle, "flush_cache": False, **_version(version)})
+        finally:
+            drop_handed(handle)  # taken by the server, or left by a failed request: never kept
+
+
+# the transports that post each bucket over HTTP: bytes (tensor) or an in-process handle (local)
+SENDERS = {"tensor": send_tensor_payload, "local": send_local_payload}
+
+
+def write_disk_bucket(directory: str, index: int, bucket) -> None:
+    """One safetensors file per bucket, named by its index."""
+    with open(os.path.join(directory, f"bucket-{index:05d}.safetensors"), "wb") as f:
+        f.write(encode_blob(named_of(bucket)))
+
+
+def _send_disk(client, buckets, version, directory):
+    os.makedirs(directory, exist_ok=True)
+    for i, bucket in enumerate(buckets):
+        write_disk_bucket(directory, i, bucket)
+    for url in client.urls:
+        client.update_weights_from_disk(url, directory, str(version))
+
+
+def push_weights(client, buckets, *, version=None, transport: str = "tensor", broadcaster=None,
+                 disk_dir: str | None = None, verify: bool = True, full_push: bool = True,
+                 pause_mode: str = "retract") -> dict:
+    """The full update protocol on every server of `client`, for buckets one process holds; returns
+    {"buckets", "tensors", "checksums", "verified"}. `version`: the weight_version the servers report
+    afterwards (default: the client's counter, bumped). `verify`: compare each server's `/weights_checker`
+    checksums with the layout derived from `buckets`; `full_push`: a tensor the server holds but was not
+    sent is an error. Sharded trainers push with `stage_push.StagePusher` instead."""
+    buckets = [named_of(b) for b in buckets]
+    if version is None:
+        client.weight_version += 1
+        version = client.weight_version
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {'|'.join(TRANSPORTS)}, got {transport!r}")
+    client.pause_generation(pause_mode)
+    try:
+        client.flush_cache()
+        for url in client.urls:
+            client.begin_update(url)
+        if transport in SENDERS:
+            for b in buckets:
+                SENDERS[transport](client, b, version)
+        elif transport == "distributed":
+            if broadcaster is None:
+                raise ValueError("transport='distributed' needs a Broadcaster (init the group once)")
+            for b in buckets:
+                broadcaster.send(b, version)
+        else:
+            if not disk_dir:
+                raise ValueError("transport='disk' needs disk_dir")
+            _send_disk(client, buckets, version, disk_dir)
+        for url in client.urls:
+            client.end_update(url)
+    finally:
+        client.continue_generation()
+    expected = expected_checksums(buckets)
+    verified = verify_push(client, expected, full_push) if verify else []
+    client.weight_version = int(version) if str(version).isdigit() else version  # what samples must now carry
+    return {"buckets": len(buckets), "tensors": sum(len(b) for b in buckets), "checksums": expected,
+            "verified": verified}
+
+
+def verify_push(client, expected: dict, full_push: bool = True) -> list:
+    """Embedded servers: their checksums must equal the layout derived here (sha256 of the same bytes).
+    Real SGLang hashes its own way; here every server must at least report the same checksums as the others
+    (the per-stage push, `stage_push`, also reproduces SGLang's own hash). -> [(url, how)]"""
+    done, real = [], {}
+    for url in client.urls:
+        if client.is_embedded(url):
+            compare_checksums(expected, client.weights_checksums(url), url, full_push)
+            done.append((url, "checksums"))
+        else:
+            real[url] = client.weights_checksums(url)
+    if real:
+        first_url, first = next(iter(real.items()))
+        for url, sums in real.items():
+            compare_checksums(first, sums, f"{url} (vs {first_url})", full_push)
+            done.append((url, "consistency" if len(real) > 1 else "none"))
+    return done
+
+
+class PushFailed(RuntimeError):
+    """A push did not land; `servers` names who failed (empty: our side)."""
+
+    def __init__(self, message: str, servers=()):
+        super().__init__(message)
+        self.servers = list(servers)
+
+
+def expected_names(cfg, fp8: bool) -> set:
+    """Every SGLang name a full push of a model of `cfg` must send exactly once (MTP excluded)."""
+    out = set()
+    for name in official_inventory(cfg):
+        if not name.startswith("mtp."):
+            out.add(to_sglang(name))
+            if fp8 and sglang_fp8(name, cfg):
+                out.add(to_sglang(name) + "_scale_inv")
+    return out
+
+
+def verify_real_server(client, url: str, ours: dict, prev) -> dict:
+    """A real SGLang server against `ours` ({name: (SGLang hash or None, fingerprint, fp8)}, layout.sglang_checksums):
+    TP 1: the exact hash where reproducible (an FP8 tensor must match); otherwise by change sets against the
+    previous verified push `prev` (a tensor changed on a rank iff what we sent changed). Raises PushFailed
+    naming the server; returns counts and `state` (keep it as the next call's `prev`)."""
+    ranks = client.weights_checksums_per_rank(url)
+    exact, changes, unchecked, bad = 0, 0, 0, []
+    for r, sums in enumerate(ranks):
+        for name, (hexval, fprint, fp8) in ours.items():
+            got = sums.get(name)
+            if got is None:
+                bad.append(f"rank {r}: {name} not on the server")
+            elif len(ranks) == 1 and hexval is not None and got == hexval:
+                exact += 1
+            elif len(ranks) == 1 and hexval is not None and fp8:
+                bad.append(f"{name}: SGLang hash {got} != ours {hexval}")
+            elif prev is not None:
+                changes += 1
+                moved, sent = got != prev[0][r].get(name), fprint != prev[1].get(name, (None, None))[1]
+                if moved != sent:
+                    bad.append(f"rank {r}: {name} {'changed' if moved else 'did not change'} on the server, "
+                               f"unlike what was sent")
+            else:
+                unchecked += 1
+    if bad:
+        raise PushFailed(f"weight push did not land on {url}: {len(bad)} problem(s): {bad[:6]}", [url])
+    server_only = sorted(set().union(*ranks) - set(ours))
+    return {"exact": exact, "change_sets": changes, "first_push_unchecked": unchecked, "server_only": len(server_only),
+            "server_only_names": server_only[:6], "state": (ranks, ours)}
+
+
+def probe_logprobs(client, model, prompt: list, max_new_tokens: int = 8, url: str | None = None) -> dict:
+    """Behavioural check of a push: greedy-generate on the server, score the same tokens with `model`
+    (batch of one, T = 1, as the server scores T = 0), return {mean, max} |delta logprob| and the tokens."""
+    url = url or client.urls[0]
+    g = client.generate(prompt, {"temperature": 0, "max_new_tokens": max_new_tokens}, url=url)[0]
+    full = torch.tensor(list(prompt) + g.output_ids)
+    with torch.no_grad():
+        ref = model.token_logprobs(full[None, :-1], full[None, 1:])[0, len(prompt) - 1:]
+    d = (ref - torch.tensor(g.logprobs, dtype=torch.float32)).abs()
+    return {"mean": float(d.mean()), "max": float(d.max()), "tokens": g.output_ids, "version": g.weight_version}
