@@ -318,7 +318,7 @@ def _check_file(path: str, field: str) -> None:
     p = os.path.expanduser(path)
     if os.path.isfile(p) or not (os.sep in path or path.endswith((".jsonl", ".json", ".parquet"))):
         return  # a file, or a hub dataset name (data.py loads it through `datasets`, with its own error)
-    default = getattr(config_mod, "TrainConfig" if field.startswith("train") else "EvalConfig")().data
+    default = getattr(config, "TrainConfig" if field.startswith("train") else "EvalConfig")().data
     why = f"; {DATA_HELP}" if path == default else ""
     raise ValueError(f"{field}={path!r}: no such file (relative to {os.getcwd()}){why}; pass --{field} PATH")
 

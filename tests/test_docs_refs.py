@@ -21,11 +21,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTES = {"v4_notes": ROOT / "docs" / "v4_notes.md", "rl_notes": ROOT / "docs" / "rl_notes.md"}
-TESTS_LINE_SOURCES = ["nanoflash/**/*.py", "train.py", "bench/*.py", "bench/*.sh", "scripts/*.py", "scripts/*.sh"]
+TESTS_LINE_SOURCES = ["nanoflash/**/*.py", "train.py", "bench/*.py", "bench/*.sh", "scripts/*.py", "scripts/*.sh",
+                      "instruments/*.py", "experiments/**/*.py", "experiments/**/*.sh"]
 SECTION_SOURCES = TESTS_LINE_SOURCES + ["tests/*.py", "README.md", "docs/*.md", "nanoflash/**/*.md", "tests/*.md"]
 
 TESTS_BLOCK = re.compile(r"Tests:(.*?)(?:\n\s*\n|\"\"\"|$)", re.S)
-TEST_PATH = re.compile(r"tests/[\w*./-]+?\.py")
+TEST_PATH = re.compile(r"(?:tests|experiments)/[\w*./-]+?\.py")
 NOTES_NAME = re.compile(r"\b(v4_notes|rl_notes)(?:\.md)?")
 SECTION = re.compile(r"§\s*(\d+(?:\.\d+)*)(?:\s*-\s*(\d+(?:\.\d+)*))?")
 HEADING = re.compile(r"^#+\s+(\d+(?:\.\d+)*)\.?\s", re.M)

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanoflash.cli import parse_args, rollout_weight_bytes
+from nanoflash.cli import parse_args
+from nanoflash.parallel.planner import rollout_weight_bytes
 from nanoflash.config import ParallelConfig, preset
 from nanoflash.model import Transformer
 from nanoflash.parallel.expert import apply_expert_parallel

@@ -219,10 +219,13 @@ def test_the_key_is_needed_on_every_route_and_train_passes_it(server, monkeypatc
     monkeypatch.setenv("NF_TEST_KEY", KEY)
     cfg = RunConfig(train=TrainConfig(out_dir=str(tmp_path)), grpo=GRPOConfig(),
                     rollout=RolloutConfig(urls=(url,), api_key="env:NF_TEST_KEY", weights="fp32"))
-    from nanoflash.rl import collector as episodes
+    from nanoflash.parallel.dims import ParallelDims
+    from nanoflash.rl.collector import Collector
+    from nanoflash.sglang.push import StagePusher
     model = tiny(3)
-    rollouts = collector.Collector(cfg, None, model.cfg, None)
-    rollouts.push(model, 1, str(tmp_path / "sync"))  # verified push with the key: no 401
+    rollouts = Collector(cfg, None, model.cfg, None)
+    pusher = StagePusher(ParallelDims(), rollouts.client, cfg.rollout, model.cfg, disk_dir=str(tmp_path / "sync"))
+    pusher.push(lambda: model.state_dict().items(), 1)  # the loop's push (world 1), verified with the key: no 401
     assert httpd.rollout.engine.weight_version == "1"
     with pytest.raises(ValueError, match="NF_UNSET_KEY"):
         RolloutConfig(api_key="env:NF_UNSET_KEY")

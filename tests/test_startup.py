@@ -37,7 +37,7 @@ def test_help_lists_sections_fields_defaults_comments_and_recipes(capsys):
     line = next(ln for ln in out.splitlines() if ln.strip().startswith("--grpo.clip_high "))
     assert "FLOAT = 0.28" in line and "clip-higher" in line          # type, default, the config.py comment
     assert "INT|NONE = None" in out                                 # an optional field's type
-    for recipe in cli.RECIPES:
+    for recipe in cli.recipe_names():
         assert f"  {recipe} " in out
     assert "--train.reward STR = ''" in out and "--model.vocab_size INT" in out
 

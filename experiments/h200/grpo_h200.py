@@ -4,7 +4,7 @@
     python experiments/h200/grpo_h200.py report --run runs/h200 --out experiments/h200          # stats + figures, no GPU
     python experiments/h200/grpo_h200.py warmup --url http://127.0.0.1:30000             # while the SFT runs
 
-`sft` trains the model `--recipe h200` describes (same preset, dtype, optimizer, device) from its seeded init in
+`sft` trains the model the recipe `h200.txt` (beside this file) describes (same preset, dtype, optimizer, device) from its seeded init in
 two phases (`cmd_sft`): worked demonstrations of the training split until validation pass@1 reaches --target (the
 steps learned), then a mix that is mostly answers at a glance (`synth.sft_pairs`) until P(worked) on the
 validation prompts (`p_worked`: exact, one forward) is at most --worked-max -- a warm start that can work sums
@@ -42,6 +42,7 @@ from nanoflash.config import run_preset
 from nanoflash.parallel.dims import init_distributed
 from nanoflash.parallel.train_step import train_step
 
+RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "h200.txt")   # the run's recipe
 CHECK_EVERY = 10      # SFT steps between validation checks
 VAL_PROBLEMS = 32     # validation problems per check
 VAL_SAMPLES = 2       # samples per validation problem (temperature 1): 64 draws, SE <= 0.06
@@ -87,7 +88,7 @@ def cmd_sft(a, overrides):
     pass. Phase 2 (`glance`, at --glance-lr): demonstrations worked with probability --glance-share, else at a
     glance (synth.sft_pairs), until P(worked) on the validation prompts is at most --worked-max, checked every step
     (at most --glance-steps): a warm start that can work sums out but seldom does (synth's docstring)."""
-    cfg = parse_args(["--recipe", "h200", *overrides])
+    cfg = parse_args(["--recipe", RECIPE, *overrides])
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     mcfg = run_preset(cfg)
@@ -157,7 +158,7 @@ def cmd_calibrate(a, overrides):
     used = sorted({t for p, r in pairs + vpairs for t in p + r})
     rid = {t: i for i, t in enumerate(used)}                                      # V4 id -> compact id
     pairs = [([rid[t] for t in p], [rid[t] for t in r]) for p, r in pairs]
-    cfg = parse_args(["--recipe", "h200", "--train.preset", "tiny", "--model.vocab_size", str(len(used)),
+    cfg = parse_args(["--recipe", RECIPE, "--train.preset", "tiny", "--model.vocab_size", str(len(used)),
                       "--parallel.device", "cpu", "--train.dtype", "fp32", *overrides])
     torch.set_num_threads(cfg.train.threads or 1)
     mcfg = run_preset(cfg)

@@ -1,12 +1,8 @@
 #!/usr/bin/env bash
 # Issue 20, the one-shot run: GRPO of the h200 preset with live SGLang 0.5.16 colocated on one H200.
-#   device call 1 (carry sg/p01):          mkdir -p /tmp/acc && cp sg/p01/* /tmp/acc/
-#   device call 2 (carry sg/p02):          cp sg/p02/* /tmp/acc/
-#   device call 2b (carry .h20whl .h20jit): cp .h20whl/* .h20jit/* /tmp/acc/   (beside p02 a call passes 64 MiB;
-#                                          .h20jit: SGLang's compile caches from an earlier hold's collect)
-#   device call 3 (carry sg/p03):          cp sg/p03/* /tmp/acc/ && bash experiments/h200/grpo_h200.sh go
-#   later calls:                           bash experiments/h200/grpo_h200.sh poll 540     (back to back, <= 10 min each)
-#   last call:                             OUT=$OUT bash experiments/h200/grpo_h200.sh collect
+#   H20_PACK=DIR bash experiments/h200/grpo_h200.sh go     # DIR: an offline SGLang install (see install())
+#   bash experiments/h200/grpo_h200.sh poll 540              # progress until done (or 540 s)
+#   OUT=DIR bash experiments/h200/grpo_h200.sh collect       # results and logs into DIR
 # `go` installs the pack and the wheels, writes a random-init checkpoint of the h200 preset, starts SGLang on it
 # under setsid and, under setsid too, the pipeline: SFT warm start (experiments/h200/grpo_h200.py sft) -> wait for SGLang ->
 # train.py --recipe h200 --rollout.urls (its first push carries the warm start, verified) -> report (summary +
@@ -16,10 +12,11 @@
 # The CPU dry run of the same pipeline, with nanoflash's embedded server in SGLang's place and a tiny model:
 #   bash experiments/h200/grpo_h200.sh dry
 set -uo pipefail
-R=$(cd "$(dirname "$0")/.." && pwd)
+R=$(cd "$(dirname "$0")/../.." && pwd)
 export H20_HOME=${H20_HOME:-$R}   # the checkout (its .venv for the dry run), when running from the copy
 W=${H20_WORK:-/tmp/h20}; mkdir -p "$W"
 URL=http://127.0.0.1:${H20_PORT:-30000}
+PACK=${H20_PACK:-/tmp/acc}   # offline install: SGLang 0.5.16 as sgl0516_lean.tar.xz.part* + SHA256SUMS, extra wheels (*.whl), compile caches (jit_cache.tgz.*)
 export PYTHONUNBUFFERED=1 NF_URL=$URL
 
 gpu_env() {
@@ -50,10 +47,10 @@ overrides() {
 }
 
 install() {
-  (cd /tmp/acc && sha256sum -c SHA256SUMS) || exit 1
-  cat /tmp/acc/sgl0516_lean.tar.xz.part* | python3 -c \
+  (cd $PACK && sha256sum -c SHA256SUMS) || exit 1
+  cat $PACK/sgl0516_lean.tar.xz.part* | python3 -c \
     "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 /tmp/acc/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 $PACK/*.whl || exit 1
   [ "${H20_OFFICIAL_ROPE:-1}" = 1 ] && official_rope
   jit_restore
 }
@@ -80,8 +77,8 @@ PY
 # and a later hold carries them in (experiments/h200/README.md), so a bare machine skips the compiles
 JIT_DIRS=".cache .triton .tilelang .nv"  # seen filled on the H200 (.cache: tvm-ffi, deep_gemm, flashinfer)
 jit_restore() {
-  ls /tmp/acc/jit_cache.tgz.* > /dev/null 2>&1 || { echo "no compile cache carried"; return 0; }
-  cat /tmp/acc/jit_cache.tgz.* | tar -xzf - -C "$HOME" || return 0
+  ls $PACK/jit_cache.tgz.* > /dev/null 2>&1 || { echo "no compile cache carried"; return 0; }
+  cat $PACK/jit_cache.tgz.* | tar -xzf - -C "$HOME" || return 0
   # a cache saved while a compile ran: drop a tvm-ffi build without its .so, or with a cut ELF file, to be rebuilt
   python3 - "$HOME/.cache/tvm-ffi" << 'PY'
 import os, shutil, struct, sys
@@ -170,7 +167,7 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   end=$((SECONDS + ${H20_WARMUP_MAX:-900})); while [ ! -e $W/WARMUP_DONE ] && [ $SECONDS -lt $end ]; do sleep 2; done
   stamp "warm-up done: $(tail -n 1 $W/warmup.log)"
   watchdog >> $W/watchdog.log 2>&1 &
-  stamp train; $PY train.py --recipe h200 --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
+  stamp train; $PY train.py --recipe experiments/h200/h200.txt --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
     $(overrides) || echo "FAILED train"
   touch $W/TRAIN_DONE; stamp report
   report

@@ -53,8 +53,15 @@ VOCAB_HI = 100000 if PRESET != "tiny" else 250
 PARITY_GOAL = 0.05   # issue 6: mean |dlogp| below this
 
 
+# The experiment's model (h200.txt): `small` cut to 4 layers (sliding, C4, C128, C4), 1 hash layer, no MTP
+H200_MODEL = {"n_layers": 4, "n_hash_layers": 1, "n_mtp_layers": 0, "compress_ratios": (0, 4, 128, 4)}
+
+
 def small_cfg(**kw) -> ModelConfig:
-    """The `small` preset without MTP (SGLang's main model ignores mtp.*), hash routing on."""
+    """The `small` preset (or NF_CHECK_PRESET: tiny, or h200 = small cut to the experiment's 4 layers) without
+    MTP (SGLang's main model ignores mtp.*), hash routing on."""
+    if PRESET == "h200":
+        return preset("small", **{**H200_MODEL, **kw})
     base = preset(PRESET)
     if os.environ.get("NF_VOCAB"):   # e.g. tiny with the V4 tokenizer's 129280 ids (experiments/h200/grpo_h200.sh dry)
         kw.setdefault("vocab_size", int(os.environ["NF_VOCAB"]))

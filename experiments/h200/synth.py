@@ -125,7 +125,7 @@ def rows(spec: str) -> list[dict]:
     if len(parts) != 2:
         raise ValueError(f"{spec!r}: a synthetic data set is named <family>:<split>, e.g. "
                          f"py:experiments.h200.synth:sum4:train")
-    return [{"prompt": p.prompt, "answer": p.answer} for p in problems(parts[1], parts[2])]
+    return [{"prompt": p.prompt, "answer": p.answer} for p in problems(parts[0], parts[1])]
 
 
 def glance(prompt: str, rng: random.Random) -> str:

@@ -3,6 +3,7 @@
 The whole pipeline runs end to end on the CPU in `bash experiments/h200/grpo_h200.sh dry` (minutes: the V4 vocabulary's
 head is slow on two cores); these tests keep each piece honest in seconds, against naive references.
 """
+import importlib
 import math
 import random
 import re
@@ -26,14 +27,8 @@ T_TOL = 2e-3       # Cornish-Fisher t quantile vs the tabulated value (3 decimal
 
 
 def bench(name: str):
-    """A script of bench/ (not a package) imported as a module."""
-    import importlib
-    import pathlib
-    import sys
-    path = str(pathlib.Path(__file__).parents[1] / "bench")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    return importlib.import_module(name)
+    """One of the experiment's scripts (experiments/h200/<name>.py) imported as a module."""
+    return importlib.import_module(f"experiments.h200.{name}")
 
 
 # ---------------------------------------------------------------------------------------------- task

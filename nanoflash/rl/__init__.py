@@ -1,12 +1,14 @@
 """The RL loop's own modules, in the order a step uses them.
 
-    data, synth      problems and prompt ids (DAPO-Math / AIME / MATH-500 loaders, synthetic tasks, V4 chat format)
-    rollouts         the rollout half: servers, dynamic-sampling collection, weight pushes, eval sampling
+    data             problems and prompt ids (DAPO-Math / AIME / MATH-500 loaders, generated rows, V4 chat format)
+    collector        the rollout half: servers, dynamic-sampling collection into a packed batch, eval sampling
     rewards, plugins answer checking; a user's own `--train.reward module:function`
-    actor            the training half: old log-probs, the GRPO step over the parallel engine, weight streaming
-    evaluate, live   pass@k / avg@n on held-out problems; live checks against the rollout server
-    metrics, plots   one JSON line per event and the run's figures; runstats(_plots) after the run
+    trainer          the training half: `Trainer.step(batch)` -> old log-probs, the GRPO step over the engine
+    evaluate         pass@k / avg@n on held-out problems
+    hooks            the one interface instruments attach through (`--train.hooks module:Class`)
+    metrics, plots   one JSON line per event and the run's figures
 
 GRPO's math itself is `nanoflash/grpo.py` (pure functions, no loop); the engine is `nanoflash/parallel/`, the
-SGLang boundary `nanoflash/rollout/`. Tests: `pytest tests/test_trainer.py tests/test_train_e2e.py -q`.
+SGLang boundary `nanoflash/sglang/`, nanoflash's own server `nanoflash/server/`.
+Tests: `pytest tests/test_trainer.py tests/test_train_e2e.py -q`.
 """

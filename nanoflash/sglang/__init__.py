@@ -1,18 +1,18 @@
-"""Rollout: the SGLang boundary -- a client, nanoflash's own SGLang-protocol server, and FP8 weight sync.
+"""The SGLang boundary: everything the trainer needs to talk to SGLang servers, and only that.
 
 Reading order:
-    client.py       HTTP client for SGLang's protocol (generate, pause/continue, weight updates, protocol
-                    generation detection, retries, several servers); cannot tell real SGLang from ours
-    layout.py       the name table to SGLang's loader names and what its DeepSeek-V4 `load_weights` does with a
-                    stream (fused pairs, permuted ape, int32 tid2eid) -- the layout both sides checksum
-    weight_sync.py  trainer model -> (rename, FP8 128x128, byte buckets that keep atomic pairs) -> push
-                    (tensor | distributed | disk) with the pause/begin/end/continue protocol and verification
-    engine.py       embedded inference: sampling, incremental decode, log-probs by the trainer's own scoring
-                    (true on-policy), R3 routing records, the pushed weights and their post-processing
-    server.py       `python -m nanoflash.server`: the HTTP layer over the engine
-    mismatch.py     `python -m instruments.mismatch`: |dlogp| statistics and the first diverging block
-    loader_check.py opt-in proof against SGLang's real loader on a CPU (its own environment)
+    client.py      HTTP client for SGLang's protocol (generate, pause/continue, weight updates, protocol
+                   generation detection, retries, several servers); cannot tell real SGLang from nanoflash's server
+    layout.py      the name table to SGLang's loader names and what its DeepSeek-V4 `load_weights` does with a
+                   stream (fused pairs, permuted ape, int32 tid2eid) -- the layout both sides checksum
+    buckets.py     the storage SGLang serves (FP8 128x128 blocks, bf16 for the rest: `served_dtype`,
+                   `served_storage`), atomic units packed into byte buckets, their wire encodings
+    transports.py  one bucket to the servers: tensor (CUDA IPC) | local | disk | distributed (a process group
+                   joined with the servers' ranks); the push protocol of one process and its verification
+    push.py        `StagePusher`: every pipeline stage pushes its own slice (EP peers gathered to the stage's
+                   source), verified by SGLang's own hashes -- the loop's one push path, for any world size
+    probe.py       the behavioural check of a push: the servers' log-probs of fixed tokens against the trainer's
 
-Tests: `pytest tests/test_weight_sync.py tests/test_rollout_client.py tests/test_rollout_server.py
-tests/test_rollout_mismatch.py -q` (opt-in: `pytest -m sglang tests/test_rollout_loader_check.py`).
+nanoflash's own server (the stand-in) is `nanoflash/server/`; README.md here covers both.
+Tests: `pytest tests/test_weight_sync.py tests/test_weight_sync_stage.py tests/test_rollout_client.py -q`.
 """
