@@ -42,6 +42,9 @@ RECIPE_HELP = {
     "h200": "issue 20: GRPO of the h200 preset with live SGLang on one H200 (scripts/grpo_h200.sh; docs/h200/)",
     "flash": "the reference deployment's trainer: V4-Flash, PP4 x EP4, DAPO-Math-17K (use with --dry-run first)",
 }
+# Recipes that only make sense on GPUs: on a machine where torch sees none, startup stops naming what it found
+# (`startup.check_gpu`) instead of running a 284B model or an H200 recipe on the CPU (issue 38).
+GPU_RECIPES = ("flash", "gpu", "h200")
 # Named recipes: lists of overrides applied before the command line.
 RECIPES: dict[str, list[str]] = {
     # CPU demo (docs/demo.md): tiny model; a warm start that copies the last digit ("0527+0=" -> "7", format
@@ -181,6 +184,12 @@ def _pairs(argv: list[str]) -> list[tuple[str, str]]:
         i += 1
         out.append((SHORT.get(key, key[2:]), val))
     return out
+
+
+def recipe_name(argv: list[str]) -> str | None:
+    """The --recipe of a command line (the last one), or None."""
+    names = [val for path, val in _pairs(list(argv)) if path == "recipe"]
+    return names[-1] if names else None
 
 
 def parse_args(argv: list[str]) -> RunConfig:

@@ -30,7 +30,7 @@ import re
 import sys
 
 from nanoflash import config as config_mod
-from nanoflash.cli import dry_run_text, help_text, parse_args, to_dict
+from nanoflash.cli import GPU_RECIPES, dry_run_text, help_text, parse_args, recipe_name, to_dict
 from nanoflash.config import ModelConfig, RunConfig, preset, run_preset
 
 # Fields a resumed run may change (everything else must match the run directory's config.json).
@@ -62,6 +62,7 @@ def startup(argv: list[str], prog: str = "train.py"):
         if cfg.train.dry_run:
             print(dry_run_text(cfg))
             raise SystemExit(0)
+        check_gpu(cfg, recipe_name(argv))
         check_config(cfg)
         mcfg = model_config(cfg)
         from nanoflash.rl import rollouts
@@ -79,6 +80,33 @@ def _check_file(path: str, field: str) -> None:
     default = getattr(config_mod, "TrainConfig" if field.startswith("train") else "EvalConfig")().data
     why = f"; {DATA_HELP}" if path == default else ""
     raise ValueError(f"{field}={path!r}: no such file (relative to {os.getcwd()}){why}; pass --{field} PATH")
+
+
+def torch_build() -> str:
+    """'torch 2.13.0+cpu (no CUDA/ROCm build)', 'torch 2.9.1+rocm6.4 (ROCm 6.4 build)', ... for error lines."""
+    import torch
+    if torch.version.hip:
+        kind = f"ROCm {torch.version.hip} build"
+    elif torch.version.cuda:
+        kind = f"CUDA {torch.version.cuda} build"
+    else:
+        kind = "no CUDA/ROCm build"
+    return f"torch {torch.__version__} ({kind})"
+
+
+def check_gpu(cfg: RunConfig, recipe: str | None, gpu_count=None) -> None:
+    """A run that expects GPUs (a recipe of cli.GPU_RECIPES, or --parallel.device cuda) on a machine where torch
+    sees none stops here, naming the torch it found, instead of falling back to the CPU (`ParallelDims.device`
+    and the gloo backend would). `gpu_count`: a stand-in for torch.cuda.device_count (tests)."""
+    wants = [f"recipe {recipe!r}"] if recipe in GPU_RECIPES else []
+    if cfg.parallel.device == "cuda" and not wants:
+        wants = ["--parallel.device cuda"]
+    if not wants:
+        return
+    import torch
+    if (gpu_count or torch.cuda.device_count)() == 0:   # 0 on a CPU build, or with no GPU visible
+        masks = [f"{v}={os.environ[v]!r}" for v in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES") if v in os.environ]
+        raise ValueError(f"{wants[0]} needs GPUs but {torch_build()} sees none{''.join(', ' + m for m in masks)}")
 
 
 def check_config(cfg: RunConfig) -> None:
