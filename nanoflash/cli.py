@@ -65,6 +65,9 @@ SHORT = {"--preset": "train.preset", "--steps": "train.steps", "--out": "train.o
          "--checkpoint": "train.checkpoint", "--seed": "train.seed"}
 FLAGS = {"--dry-run": ("train.dry_run", "true"), "--no-resume": ("train.resume", "false")}
 
+# Recipes that only make sense on GPUs: on a machine where torch sees none, start-up stops naming what it found
+# (`check_gpu`) instead of running a 284B model or an H200 recipe on the CPU (issue 38).
+GPU_RECIPES = ("flash", "gpu", "h200")
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
 
 
@@ -186,6 +189,18 @@ def _pairs(argv: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def recipe_name(argv: list[str]) -> str | None:
+    """The --recipe of a command line (the last one), or None."""
+    names = [val for path, val in _pairs(list(argv)) if path == "recipe"]
+    return names[-1] if names else None
+
+
+def recipe_name(argv: list[str]) -> str | None:
+    """The --recipe of a command line (the last one, as a name: a file's base name without .txt), or None."""
+    names = [val for path, val in _pairs(list(argv)) if path == "recipe"]
+    return os.path.basename(names[-1]).removesuffix(".txt") if names else None
+
+
 def parse_args(argv: list[str]) -> RunConfig:
     """Defaults, then `--recipe`, then every other override, re-validated by each dataclass' checks."""
     cfg = RunConfig()
@@ -305,6 +320,7 @@ def startup(argv: list[str], prog: str = "train.py"):
         if cfg.train.dry_run:
             print(dry_run_text(cfg))
             raise SystemExit(0)
+        check_gpu(cfg, recipe_name(argv))
         check_config(cfg)
         mcfg = model_config(cfg)
         task = make_task(cfg.train, cfg.eval, mcfg.vocab_size)
@@ -321,6 +337,33 @@ def _check_file(path: str, field: str) -> None:
     default = getattr(config, "TrainConfig" if field.startswith("train") else "EvalConfig")().data
     why = f"; {DATA_HELP}" if path == default else ""
     raise ValueError(f"{field}={path!r}: no such file (relative to {os.getcwd()}){why}; pass --{field} PATH")
+
+
+def torch_build() -> str:
+    """'torch 2.13.0+cpu (no CUDA/ROCm build)', 'torch 2.9.1+rocm6.4 (ROCm 6.4 build)', ... for error lines."""
+    import torch
+    if torch.version.hip:
+        kind = f"ROCm {torch.version.hip} build"
+    elif torch.version.cuda:
+        kind = f"CUDA {torch.version.cuda} build"
+    else:
+        kind = "no CUDA/ROCm build"
+    return f"torch {torch.__version__} ({kind})"
+
+
+def check_gpu(cfg: RunConfig, recipe: str | None, gpu_count=None) -> None:
+    """A run that expects GPUs (a recipe of cli.GPU_RECIPES, or --parallel.device cuda) on a machine where torch
+    sees none stops here, naming the torch it found, instead of falling back to the CPU (`ParallelDims.device`
+    and the gloo backend would). `gpu_count`: a stand-in for torch.cuda.device_count (tests)."""
+    wants = [f"recipe {recipe!r}"] if recipe in GPU_RECIPES else []
+    if cfg.parallel.device == "cuda" and not wants:
+        wants = ["--parallel.device cuda"]
+    if not wants:
+        return
+    import torch
+    if (gpu_count or torch.cuda.device_count)() == 0:   # 0 on a CPU build, or with no GPU visible
+        masks = [f"{v}={os.environ[v]!r}" for v in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES") if v in os.environ]
+        raise ValueError(f"{wants[0]} needs GPUs but {torch_build()} sees none{''.join(', ' + m for m in masks)}")
 
 
 def check_config(cfg: RunConfig) -> None:

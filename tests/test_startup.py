@@ -174,3 +174,42 @@ def test_dry_run_prints_the_plan_and_touches_nothing(capsys, tmp_path, monkeypat
                          "--out", str(tmp_path / "run")])
     assert exc.value.code == 0 and capsys.readouterr().out.strip() == "PLAN flash PP4"
     assert not os.path.exists(tmp_path / "run")
+
+
+# ---------------------------------------------------------------------------------------------- GPU recipes
+@pytest.mark.parametrize("argv,culprit", [
+    (["--recipe", "flash"], "recipe 'flash' needs GPUs"),
+    (["--recipe", "gpu"], "recipe 'gpu' needs GPUs"),
+    (["--recipe", os.path.join(ROOT, "experiments", "h200", "h200.txt")], "recipe 'h200' needs GPUs"),
+    (["--recipe", "demo", "--parallel.device", "cuda"], "--parallel.device cuda needs GPUs"),
+])
+def test_gpu_recipe_without_a_gpu_stops_naming_the_torch_found(capsys, tmp_path, monkeypatch, argv, culprit):
+    """Bug caught (issue 38): a GPU recipe on a machine whose torch sees no GPU (a CPU wheel on a ROCm node)
+    silently running on the CPU (ParallelDims.device -> cpu, gloo). Stubbed to 0 GPUs so it runs anywhere."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    line = fail_line(capsys, argv + ["--out", str(tmp_path / "run")])
+    assert culprit in line and f"torch {torch.__version__}" in line and "sees none" in line, line
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_gpu_check_passes_with_a_gpu_and_ignores_cpu_recipes():
+    """The check's other side: a seen GPU passes, and a CPU recipe never asks (the demo must run on CPU CI)."""
+    startup.check_gpu(cli.parse_args(["--recipe", "flash"]), "flash", gpu_count=lambda: 1)
+    startup.check_gpu(cli.parse_args(["--recipe", "demo"]), "demo", gpu_count=lambda: 0)
+    with pytest.raises(ValueError, match="needs GPUs"):
+        startup.check_gpu(cli.parse_args(["--recipe", "demo", "--parallel.device", "cuda"]), "demo",
+                          gpu_count=lambda: 0)
+
+
+def test_train_py_gpu_recipe_on_this_cpu_is_one_line():
+    """End to end on the CPU CI (torch 2.13.0+cpu): one error line, exit 2, no traceback, no model built."""
+    import torch
+    if torch.cuda.device_count():
+        pytest.skip("this machine has a GPU")
+    p = subprocess.run([sys.executable, "train.py", "--recipe", "flash"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"train.py: error: recipe 'flash' needs GPUs but "
+                                                   f"{startup.torch_build()} sees none"), lines

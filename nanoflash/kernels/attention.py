@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoflash.kernels import target as tgt
+
 LOG2E = math.log2(math.e)
 # Launch configurations (BLOCK_H heads x BLOCK_K keys per step, warps, pipeline stages): the fastest of
 # bench/bench_attention.py's sweep on an H200 at 64 heads x 512 (docs/benchmarks.md K1); small shapes get
@@ -49,6 +51,22 @@ LOG2E = math.log2(math.e)
 FWD_CONFIG = dict(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2)
 BWD_CONFIG = dict(fused=True, dq=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),
                   dkv=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2))
+# AMD, per gfx arch (unknown archs get gfx942's: the smaller LDS). On CDNA a workgroup of num_warps waves must
+# fit one CU (4 SIMDs): 8 waves cap a lane at 256 VGPRs, 4 waves at 512 (256 VGPRs + 256 AGPRs). The H200 configs
+# at head_dim 512 spill there (gfx950: 456 VGPRs spilled / 1,436 bytes of scratch a lane forward, 530 / 1,864
+# backward; gfx942 also overflows its 64 KiB LDS forward) -- so 4 waves and smaller blocks, the largest that
+# compile with no spill and no scratch (tests/test_kernels_compile_targets.py; VGPRs at the flash shapes):
+#   forward   gfx950 64 heads x 32 keys, 1 stage: 453 VGPRs, 64 KiB LDS (64 heads: each key block read once
+#             per query, as on the H200); gfx942 16 x 32, 2 stages: 351 VGPRs, 32 KiB (64 x 32 and 32 x 32
+#             spill there)
+#   backward  16 heads x 16 keys, fused, 1 stage: 385 (gfx950) / 452 (gfx942) VGPRs, 32 KiB; 32-head and
+#             split dq / dkv variants spill on both.
+# Not yet timed on AMD hardware (docs/amd.md): no spill is the floor, not the optimum.
+AMD_FWD_CONFIG = {"gfx950": dict(BLOCK_H=64, BLOCK_K=32, num_warps=4, num_stages=1),
+                  "gfx942": dict(BLOCK_H=16, BLOCK_K=32, num_warps=4, num_stages=2)}
+_AMD_BWD = dict(BLOCK_H=16, BLOCK_K=16, num_warps=4, num_stages=1)
+AMD_BWD_CONFIG = {arch: dict(fused=True, dq=_AMD_BWD, dkv=_AMD_BWD) for arch in ("gfx950", "gfx942")}
+AMD_DEFAULT_ARCH = "gfx942"
 MIN_DOT = 16   # tl.dot needs every dimension >= 16
 
 
@@ -171,21 +189,28 @@ def _strides(q, kv, comp, sel, n_sel):
     return (q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), *cs, *ss, *ns)
 
 
-def _prec(dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"   # fp32 inputs (tests): exact fp32 dots
+def launch_configs(target) -> tuple[dict, dict]:
+    """(forward, backward) launch configs for a Triton target (None: CPU, the CUDA ones). Read at call time,
+    so bench/bench_attention.py's sweep and the tests can set FWD_CONFIG / BWD_CONFIG."""
+    if not tgt.is_amd(target):
+        return FWD_CONFIG, BWD_CONFIG
+    arch = target.arch if target.arch in AMD_FWD_CONFIG else AMD_DEFAULT_ARCH
+    return AMD_FWD_CONFIG[arch], AMD_BWD_CONFIG[arch]
 
 
 def attention_forward(q, kv, comp, sel, n_sel, sink, scale: float, window: int, config=None):
     """Launch `_fwd`. -> o [B,S,H,Dh], lse [B,S,H] fp32 in log2 units"""
     B, S, H, D = q.shape
-    cfg = _blocks(H, D, config or FWD_CONFIG)
+    target = tgt.device_target(q.device)
+    cfg = _blocks(H, D, config or launch_configs(target)[0])
     o = torch.empty_like(q)
     lse = torch.empty(B, S, H, device=q.device, dtype=torch.float32)
     dummy = kv  # never read when there is no selection (HAS_COMP=False)
     grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]))
     _fwd[grid](q, kv, comp if comp is not None else dummy, sel if sel is not None else dummy,
                n_sel if n_sel is not None else dummy, sink, o, lse, *_strides(q, kv, comp, sel, n_sel),
-               S, H, D, window, scale * LOG2E, HAS_COMP=comp is not None, PREC=_prec(q.dtype), **cfg)
+               S, H, D, window, scale * LOG2E, HAS_COMP=comp is not None, PREC=tgt.dot_precision(q.dtype, target),
+               **cfg)
     return o, lse
 
 
@@ -193,7 +218,8 @@ def attention_backward(do, q, kv, comp, sel, n_sel, o, lse, scale: float, window
     """Launch `_bwd`: once fused (config "dq"), or a dq pass then a dkv pass. The dq pass writes delta.
     -> dq, dkv, dcomp (or None), delta [B,S,H]"""
     B, S, H, D = q.shape
-    cfg = config or BWD_CONFIG
+    target = tgt.device_target(q.device)
+    cfg = config or launch_configs(target)[1]
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     dcomp = torch.zeros(comp.shape, device=kv.device, dtype=torch.float32) if comp is not None else None
@@ -206,7 +232,8 @@ def attention_backward(do, q, kv, comp, sel, n_sel, o, lse, scale: float, window
     for name, do_dq, do_dkv in passes:
         blocks = _blocks(H, D, cfg[name])
         _bwd[(B * S, triton.cdiv(H, blocks["BLOCK_H"]))](*args, HAS_COMP=comp is not None, DO_DQ=do_dq,
-                                                          DO_DKV=do_dkv, PREC=_prec(q.dtype), **blocks)
+                                                          DO_DKV=do_dkv, PREC=tgt.dot_precision(q.dtype, target),
+                                                          **blocks)
     return dq, dkv.to(kv.dtype), dcomp.to(comp.dtype) if comp is not None else None, delta
 
 

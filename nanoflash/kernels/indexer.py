@@ -22,7 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoflash.kernels import target as tgt
+
 SCORE_CONFIG = dict(BLOCK_C=64, num_warps=4, num_stages=2)
+AMD_SCORE_CONFIG = dict(BLOCK_C=64, num_warps=4, num_stages=2)   # no scratch on gfx942 / gfx950 (compile test)
 TOPK_CHUNK = 2048   # queries per top-k call: bounds the int64 key tensor to TOPK_CHUNK x C x 8 bytes
 
 
@@ -61,9 +64,10 @@ def index_scores(q, keys, w, start_pos: int = 0, ratio: int = 4, config=None) ->
     out = torch.full((B, S, C), float("-inf"), device=q.device, dtype=torch.float32)
     if C == 0 or S == 0:
         return out
-    cfg = dict(config or SCORE_CONFIG)
+    target = tgt.device_target(q.device)
+    cfg = dict(config or (AMD_SCORE_CONFIG if tgt.is_amd(target) else SCORE_CONFIG))
     cfg["BLOCK_C"] = max(16, min(cfg["BLOCK_C"], triton.next_power_of_2(C)))
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    prec = tgt.dot_precision(q.dtype, target)
     _scores[(B * S,)](q, keys, w, out, q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1),
                       w.stride(0), w.stride(1), out.stride(0), out.stride(1), S, C, HI, DI, start_pos,
                       RATIO=ratio, BLOCK_H=max(16, triton.next_power_of_2(HI)),

@@ -21,9 +21,10 @@ upcasts in registers, and touches it once:
 The arithmetic is the reference's (`model.hc_pre_reference`, `model.hc_post`) in fp32, and the hc_pre gradient
 of h is summed in fp32 once instead of twice rounded to bf16. The three M*D-long dots: fp32 streams use FMA
 dots (input_precision="ieee": summation order only); bf16 streams use tensor cores -- the mixes and dfn as
-bf16 h times an fp32 operand split into three bf16 parts (`split3`: exact products), dh in tf32x3 -- which
-is 4x faster for the mixes but accumulates less exactly (post / comb 5.6e-5 from the reference vs 5.4e-6 on
-the FMA path at real width; tests/test_kernels_mhc.py). Under TRITON_INTERPRET=1 the same kernels run on CPU.
+bf16 h times an fp32 operand split into three bf16 parts (`split3`: exact products), dh in tf32x3 (bf16x6 on
+AMD, which has no tf32x3: `target.py`) -- which is 4x faster for the mixes but accumulates less exactly
+(post / comb 5.6e-5 from the reference vs 5.4e-6 on the FMA path at real width; tests/test_kernels_mhc.py).
+Under TRITON_INTERPRET=1 the same kernels run on CPU.
 
 H200, h [1, 8192, 4, 4096] bf16 (bench/bench_mhc.py, docs/benchmarks.md B14b): fwd+bwd 2.42 ms (eager 13.71,
 compiled 9.00), 0.21 of copy bandwidth at the 8 x |h| byte floor. Per call: _pre_coeff 407 us, _pre_dh 391,
@@ -40,6 +41,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from nanoflash.kernels import target as tgt
 
 BT_MIX, BK_MIX = 32, 128   # token rows x K chunk of the mixes GEMM (tl.dot needs >= 16 on each side; fn
                            # [24,K] is re-read from L2 once per 32 tokens)
@@ -329,7 +332,9 @@ class HcPre(torch.autograd.Function):
         grs = (g * rs[:, None]).contiguous()
         ct = ((g * mix).sum(-1) * rs.square() / K).contiguous()                          # [T]
         dh = torch.empty_like(hc)
-        prec = "tf32x3" if hc.is_cuda and hc.dtype == torch.bfloat16 else "ieee"   # fp32 streams: FMA dot
+        # bf16 streams: fp32 operands on the tensor cores (tf32x3 CUDA, bf16x6 AMD); fp32 streams: FMA dot
+        target = tgt.device_target(hc.device)
+        prec = tgt.split_fp32_precision(target) if target is not None and hc.dtype == torch.bfloat16 else "ieee"
         _pre_dh[(triton.cdiv(T, BT_DH), triton.cdiv(D, BD))](dx, hc, fn, grs, ct, pre, dh, T, D, NMIX, NP, M, BT_DH,
                                                               BD, prec)
         splits = max(1, min(16, T // DFN_MIN_TOKENS))

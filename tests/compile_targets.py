@@ -1,0 +1,217 @@
+"""Compile every Triton kernel of nanoflash for a GPU target on the CPU, and read its registers and shared memory.
+
+How: each launcher (`attention_forward`, `HcPre.forward`, ...) runs on meta tensors of the flash preset's shapes
+with `JITFunction.run` patched to record (kernel, args, kwargs) instead of launching, and `target.device_target`
+patched to return the target -- so the configs and precisions are the ones the launcher picks for that target.
+Each recorded launch is bound with the target's backend exactly as `JITFunction.run` binds it (same
+specialisation: divisibility-16 hints, constexprs) and compiled with `triton.compile(ASTSource(...), target)`:
+the AMD backend ships in the wheel (LLVM AMDGPU -> amdgcn, no ROCm needed), CUDA uses the wheel's ptxas.
+
+Resources read back, per compiled kernel:
+    AMD   the amdgcn's kernel metadata: .vgpr_count (arch VGPRs + AGPRs), .vgpr_spill_count, .sgpr_spill_count,
+          .private_segment_fixed_size (scratch bytes a lane), .group_segment_fixed_size (LDS bytes)
+    CUDA  `cuobjdump --dump-resource-usage` of the cubin: REG, STACK, LOCAL (spill) and SHARED; plus
+          metadata.shared (Triton's dynamic shared memory)
+
+Used by tests/test_kernels_compile_targets.py; `python tests/compile_targets.py [hip:gfx950 ...]` prints the table.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+# Per-block shared memory / LDS limits, bytes.
+SHARED_LIMIT = {
+    ("cuda", 90): 227 * 1024,      # H100/H200: 227 KiB dynamic shared memory per block (opt-in maximum)
+    ("hip", "gfx942"): 64 * 1024,  # MI300X (CDNA3): 64 KiB LDS per workgroup
+    ("hip", "gfx950"): 160 * 1024,  # MI355X (CDNA4): 160 KiB LDS per CU, all of it to one workgroup
+}
+TARGETS = {"cuda:90": ("cuda", 90, 32), "hip:gfx942": ("hip", "gfx942", 64), "hip:gfx950": ("hip", "gfx950", 64)}
+
+# The flash preset's training shapes at one sequence of SEQ tokens (B = 1): big enough that every loop runs
+# and every int argument specialises as in training (multiples of 16).
+SEQ = 4096
+
+
+def gpu_target(name: str):
+    from triton.backends.compiler import GPUTarget
+    return GPUTarget(*TARGETS[name])
+
+
+@contextlib.contextmanager
+def recorded_launches(target):
+    """Within: Triton launches are recorded into the yielded list, not run; kernels see `target`."""
+    from triton.runtime.jit import JITFunction
+
+    from nanoflash.kernels import target as tgt
+    calls = []
+    run, device_target = JITFunction.run, tgt.device_target
+
+    def record(self, *args, grid, warmup, **kwargs):
+        calls.append((self, args, kwargs))
+
+    JITFunction.run, tgt.device_target = record, (lambda device: target)
+    try:
+        yield calls
+    finally:
+        JITFunction.run, tgt.device_target = run, device_target
+
+
+def flash_launches(target, which: str):
+    """[(kernel, args, kwargs)] the launcher `which` makes at the flash shapes for `target`."""
+    from nanoflash.config import preset
+    cfg = preset("flash")
+    meta = dict(device="meta")
+    bf = dict(meta, dtype=torch.bfloat16)
+    S, H, Dh, W = SEQ, cfg.n_heads, cfg.head_dim, cfg.window_size
+    with recorded_launches(target) as calls:
+        if which in ("attention_fwd", "attention_bwd"):
+            from nanoflash.kernels import attention as ka
+            C = S // 4                                          # a C4 layer: S/4 entries, index_topk selected
+            q, kv, comp = torch.empty(1, S, H, Dh, **bf), torch.empty(1, S, Dh, **bf), torch.empty(1, C, Dh, **bf)
+            sel = torch.empty(1, S, cfg.index_topk, dtype=torch.int32, **meta)
+            n_sel = torch.empty(1, S, dtype=torch.int32, **meta)
+            sink = torch.empty(H, dtype=torch.float32, **meta)
+            lse = torch.empty(1, S, H, dtype=torch.float32, **meta)
+            scale = Dh ** -0.5
+            for c, s_, n in ((comp, sel, n_sel), (None, None, None)):      # C4 / C128 layers, sliding layers
+                if which == "attention_fwd":
+                    ka.attention_forward(q, kv, c, s_, n, sink, scale, W)
+                else:
+                    ka.attention_backward(q, q, kv, c, s_, n, q, lse, scale, W)
+        elif which == "indexer":
+            from nanoflash.kernels.indexer import index_scores
+            HI, DI = cfg.index_n_heads, cfg.index_head_dim
+            index_scores(torch.empty(1, S, HI, DI, **bf), torch.empty(1, S // 4, DI, **bf),
+                         torch.empty(1, S, HI, dtype=torch.float32, **meta))
+        elif which in ("mhc_pre", "mhc_post"):
+            from nanoflash.kernels import mhc
+            M, D, NMIX = cfg.hc_mult, cfg.dim, (2 + cfg.hc_mult) * cfg.hc_mult
+            f32 = dict(meta, dtype=torch.float32)
+            if which == "mhc_pre":
+                h = torch.empty(1, S, M, D, **bf)
+                fn, sc, base = torch.empty(NMIX, M * D, **f32), torch.empty(3, **f32), torch.empty(NMIX, **f32)
+
+                class Ctx:   # what HcPre.forward saves, for its backward
+                    def save_for_backward(self, *t):
+                        self.saved_tensors = t
+                ctx = Ctx()
+                mhc.HcPre.forward(ctx, h, fn, sc, base, M, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+                mhc.HcPre.backward(ctx, torch.empty(1, S, D, **bf), torch.empty(1, S, M, **f32),
+                                   torch.empty(1, S, M, M, **f32))
+            else:
+                x, res = torch.empty(1, S, D, **bf), torch.empty(1, S, M, D, **bf)
+                post, comb = torch.empty(1, S, M, **f32), torch.empty(1, S, M, M, **f32)
+
+                class Ctx:
+                    def save_for_backward(self, *t):
+                        self.saved_tensors = t
+                ctx = Ctx()
+                mhc.HcPost.forward(ctx, x, res, post, comb)
+                mhc.HcPost.backward(ctx, torch.empty(1, S, M, D, **bf))
+        elif which == "moe_swiglu":
+            from nanoflash.kernels import moe
+            T, I = S * cfg.n_activated_experts, cfg.moe_inter_dim     # the expert-sorted slot rows of S tokens
+
+            class Ctx:
+                def save_for_backward(self, *t):
+                    self.saved_tensors = t
+            ctx = Ctx()
+            moe._SwiGLU.forward(ctx, torch.empty(T, 2 * I, **bf), torch.empty(T, 1, dtype=torch.float32, **meta),
+                                cfg.swiglu_limit)
+            moe._SwiGLU.backward(ctx, torch.empty(T, I, **bf))
+        elif which == "quant_fp8":
+            from nanoflash import quant
+            D = cfg.dim
+            quant._fp8_block_cuda(torch.empty(D, D, **bf), torch.empty(D, D, dtype=torch.float8_e4m3fn, **meta),
+                                  torch.empty(D // 128, D // 128, dtype=torch.float32, **meta))
+        else:
+            raise ValueError(which)
+    return calls
+
+
+LAUNCHERS = ("attention_fwd", "attention_bwd", "indexer", "mhc_pre", "mhc_post", "moe_swiglu", "quant_fp8")
+
+
+def _key(kernel, kwargs) -> str:
+    flags = ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if k.isupper() and not k.startswith("BLOCK"))
+    return f"{kernel.fn.__name__}({flags})" if flags else kernel.fn.__name__
+
+
+def compile_launch(kernel, args, kwargs, target):
+    """triton.compile of one recorded launch for `target`, bound as JITFunction.run binds it."""
+    import triton
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(kwargs, debug=False)
+    bound, spec, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, options)
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=target, options=options.__dict__)
+
+
+def resources(compiled, target) -> dict:
+    """{regs, spills, scratch, shared} of a compiled kernel (see the module docstring)."""
+    shared = compiled.metadata.shared
+    if target.backend == "hip":
+        asm = compiled.asm["amdgcn"]
+
+        def field(name):
+            m = re.search(rf"\.{name}:\s+(\d+)", asm)
+            return int(m.group(1)) if m else 0
+        return dict(regs=field("vgpr_count"), spills=field("vgpr_spill_count"), sgpr_spills=field("sgpr_spill_count"),
+                    scratch=field("private_segment_fixed_size"), shared=max(shared, field("group_segment_fixed_size")),
+                    mfma="v_mfma" in asm)
+    import triton
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+
+    def field(name):
+        m = re.search(rf"\b{name}:(\d+)", out)
+        return int(m.group(1)) if m else 0
+    return dict(regs=field("REG"), spills=field("LOCAL"), sgpr_spills=0, scratch=field("STACK"),
+                shared=max(shared, field("SHARED")), mfma="mma" in compiled.asm["ptx"])
+
+
+def check_launcher(which: str, target_name: str):
+    """Compile every kernel the launcher makes for the target. -> [(key, resources, seconds)]"""
+    target = gpu_target(target_name)
+    out, seen = [], set()
+    for kernel, args, kwargs in flash_launches(target, which):
+        key = _key(kernel, kwargs)
+        if key in seen:
+            continue
+        seen.add(key)
+        t0 = time.time()
+        compiled = compile_launch(kernel, args, kwargs, target)
+        out.append((key, resources(compiled, target), time.time() - t0))
+    return out
+
+
+def main(argv):
+    names = [a for a in argv if a in TARGETS] or list(TARGETS)
+    which = [a for a in argv if a in LAUNCHERS] or list(LAUNCHERS)
+    print(f"{'target':11} {'kernel':44} {'regs':>5} {'spill':>5} {'scratch':>7} {'shared':>7} {'mma':>4} {'s':>5}")
+    for name in names:
+        for w in which:
+            for key, r, dt in check_launcher(w, name):
+                print(f"{name:11} {key:44} {r['regs']:5} {r['spills']:5} {r['scratch']:7} {r['shared']:7} "
+                      f"{str(r['mfma'])[0]:>4} {dt:5.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main(sys.argv[1:])
