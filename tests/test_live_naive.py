@@ -13,7 +13,7 @@ and dumps the per-token values. No CPU test ran `step`, so a floor measured agai
 the FP8-only sim standing in for the full one) went unnoticed.
 
 Reference: `_naive_*` below, sharing no code with live.py or quant.py: a literal list of the weights SGLang serves
-FP8 (docs/rl_and_sglang.md §4.5: experts, shared experts, wq_a, wq_b, wkv, wo_b, indexer wq_b; wo_a stays bf16),
+FP8 (docs/rl_notes.md §4.5: experts, shared experts, wq_a, wq_b, wkv, wo_b, indexer wq_b; wo_a stays bf16),
 a block loop for the FP8 round trip, and log_softmax(model(ids) / T) gathered at the targets. The rollout side is a
 fake: rollout log-probs recorded as old + a known offset per token, and a fake server answering the prefill with
 recorded values. A tiny fp32 model, whose weights are off the bf16 grid, so floor and floor_fp8 differ.

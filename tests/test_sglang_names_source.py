@@ -14,7 +14,7 @@ test passes; only SGLang would load the gate into the up half. The reference her
   (`wqkv_a = cat([q, kv], 0)`, `compressor.wkv_gate = cat([kv, wgate], 0)`).
 
 Source: sgl-project/sglang `python/sglang/srt/models/deepseek_v4.py` (snapshot 000328a8, read for issue 34;
-the same mapping as the 0.5.16 release's file per docs/rl_and_sglang.md §4.4 and sglang_loader_check.md's table),
+the mapping docs/rl_notes.md §4.4 describes for the 0.5.16 release),
 `DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format` and `.load_weights`; `python/sglang/srt/layers/moe/
 fused_moe_triton/layer.py`, `FusedMoE.make_expert_params_mapping` and `FusedMoE._load_w13`.
 
