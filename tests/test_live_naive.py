@@ -1,0 +1,149 @@
+"""The per-step numbers of the live check (`rl/live.py`, `LiveChecks.step`) against a naive recomputation on CPU.
+
+`LiveChecks.before_update(batch, old, step)` (the live hook, instruments/live.py) logs, over the response tokens (batch.mask > 0):
+    gap        |log p_train - log p_rollout|                      (old: the trainer's recomputed log-probs)
+    floor      |log p_sim - log p_train|, sim = the trainer's weights as the server holds them: FP8-served
+               weights rounded through FP8 128x128 blocks (fp32 scales, Miles' convention), every other float
+               weight rounded to the dtype the push sends (bf16, or fp32 for mHC / sinks / ape / gate bias),
+               forward with the FP8 activation simulation on (qat)
+    floor_fp8  the same with the FP8 rounding only
+    entropy    the trainer's token entropy at the rollout temperature
+    prefill    |log p_train - log p_server_prefill| (the server's one-prefill scores)
+and dumps the per-token values. No CPU test ran `step`, so a floor measured against the rollout's log-probs (or
+the FP8-only sim standing in for the full one) went unnoticed.
+
+Reference: `_naive_*` below, sharing no code with live.py or quant.py: a literal list of the weights SGLang serves
+FP8 (docs/rl_notes.md §4.5: experts, shared experts, wq_a, wq_b, wkv, wo_b, indexer wq_b; wo_a stays bf16),
+a block loop for the FP8 round trip, and log_softmax(model(ids) / T) gathered at the targets. The rollout side is a
+fake: rollout log-probs recorded as old + a known offset per token, and a fake server answering the prefill with
+recorded values. A tiny fp32 model, whose weights are off the bf16 grid, so floor and floor_fp8 differ.
+
+Run: pytest tests/test_live_naive.py -q
+"""
+import dataclasses
+import re
+import types
+
+import pytest
+import torch
+
+from nanoflash.config import preset
+from nanoflash.grpo import Episode, pack
+from nanoflash.model import Transformer
+from instruments.live import LiveChecks
+from nanoflash.rl.hooks import HookContext
+
+T = 0.7               # rollout temperature (not 1, so a dropped temperature shows)
+BLOCK, E4M3_MAX, AMAX_EPS = 128, 448.0, 1e-10
+# same fp32 math in another order (token_logprobs' chunked head vs log_softmax of the full logits): measured
+# worst per-token |difference| 9.5e-7 over three seeds (salts "", s1, s2); 20x that. The numbers compared are
+# of order 1e-2 .. 1, and the smallest planted difference (floor vs floor_fp8) is 2.7e-4
+LOGP_ABS_TOL = 2e-5
+
+FP8_SERVED = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.(experts\.\d+|shared_experts)\.w[123]"
+                        r"|e_proj|h_proj)\.weight$")
+KEPT_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
+
+
+def _naive_fp8_roundtrip(w):
+    """dequant(quant(w)) by 128x128 blocks: S = max(amax, 1e-10)/448, Q = e4m3(clamp(w * (1/S), +-448))."""
+    out = torch.empty_like(w, dtype=torch.float32)
+    wf = w.float()
+    for r in range(0, w.shape[0], BLOCK):
+        for c in range(0, w.shape[1], BLOCK):
+            blk = wf[r:r + BLOCK, c:c + BLOCK]
+            s = torch.maximum(blk.abs().max(), torch.tensor(AMAX_EPS)) / torch.tensor(E4M3_MAX)
+            q = (blk * (torch.tensor(1.0) / s)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            out[r:r + BLOCK, c:c + BLOCK] = q.float() * s
+    return out.to(w.dtype)
+
+
+@torch.no_grad()
+def _naive_sim(trainer, storage: bool):
+    """The trainer's weights as the server holds them (storage=False: the FP8 rounding only), qat forward."""
+    sim = Transformer(dataclasses.replace(trainer.cfg, qat=True))
+    sim.load_state_dict(trainer.state_dict())
+    for name, p in sim.state_dict().items():
+        if not p.is_floating_point():
+            continue
+        if FP8_SERVED.search(name):
+            p.copy_(_naive_fp8_roundtrip(p))
+        elif storage and not KEPT_FP32.search(name):
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    return sim.eval()
+
+
+@torch.no_grad()
+def _naive_logp(model, ids, tgt):
+    logp = torch.log_softmax(model(ids).float() / T, -1)                          # [B,S,V]
+    return logp.gather(-1, tgt[..., None])[..., 0], -(logp.exp() * logp).sum(-1)  # [B,S], entropy [B,S]
+
+
+class _FakeServer:
+    """Answers the live check's prefill request with recorded log-probs (SGLang's input_token_logprobs shape)."""
+    urls = ["http://fake"]
+
+    def __init__(self, recorded):
+        self.recorded = recorded          # one list of L-1 log-probs per sequence
+
+    def post(self, url, path, body):
+        assert path == "/generate" and body["logprob_start_len"] == 0
+        return [{"meta_info": {"input_token_logprobs": [[None, x[0]]] + [[lp, t] for lp, t in zip(rec, x[1:])]}}
+                for x, rec in zip(body["input_ids"], self.recorded)]
+
+
+def _batch(cfg, gen):
+    eps = []
+    for i, (P, R) in enumerate([(5, 7), (3, 12), (8, 4), (6, 9)]):
+        ids = torch.randint(0, cfg.vocab_size, (P + R,), generator=gen).tolist()
+        eps.append(Episode(ids[:P], ids[P:], [0.0] * R, float(i % 2), i // 2))
+    return pack(eps, [0.0] * len(eps))
+
+
+def test_live_step_numbers_match_a_naive_recomputation(tmp_path, gen):
+    """Bugs caught: the FP8 floor measured against the rollout's log-probs (or any log-probs but the trainer's
+    `old`); floor and floor_fp8 swapped, or the storage rounding skipped; the sim without the FP8 rounding; a
+    gap, entropy or prefill gap over the wrong mask, at T = 1, or against the wrong side; gap / floor inverted."""
+    cfg = preset("tiny")
+    trainer = Transformer(cfg).init_weights(0).eval()
+    batch = _batch(cfg, gen)
+    on = batch.mask > 0
+    old, ent = _naive_logp(trainer, batch.input_ids, batch.targets)
+    old = old * batch.mask
+    offset = (0.05 + 0.3 * torch.rand(old.shape, generator=gen)) * torch.where(
+        torch.rand(old.shape, generator=gen) < 0.5, -1.0, 1.0)                      # |offset| in [0.05, 0.35]
+    batch.rollout_logprobs = (old + offset) * batch.mask
+    sim8, _ = _naive_logp(_naive_sim(trainer, storage=False), batch.input_ids, batch.targets)
+    sim, _ = _naive_logp(_naive_sim(trainer, storage=True), batch.input_ids, batch.targets)
+    pre_offset = 0.02 * torch.randn(old.shape, generator=gen)
+    recorded = []
+    for b in range(len(batch)):
+        L = int(batch.prompt_lens[b] + batch.response_lens[b])
+        recorded.append((old[b, :L - 1] + pre_offset[b, :L - 1]).tolist())       # the server's prefill scores
+
+    run_cfg = types.SimpleNamespace(train=types.SimpleNamespace(out_dir=str(tmp_path), seed=0),
+                                    rollout=types.SimpleNamespace(temperature=T))
+    actor = types.SimpleNamespace(model=trainer, device=torch.device("cpu"))
+    task = types.SimpleNamespace(heldout=["1+1"], train=["1+1"], encode=lambda s: [1, 2, 3])
+    ctx = HookContext(run_cfg, cfg, actor, types.SimpleNamespace(client=_FakeServer(recorded)), None, task)
+    out = LiveChecks(ctx).before_update(batch, old, step=3)
+
+    gap, floor, floor8 = offset[on].abs(), (sim - old)[on].abs(), (sim8 - old)[on].abs()
+    prefill = pre_offset[on].abs()
+    assert float(floor.mean()) > 1e-3 and abs(float(floor.mean() - floor8.mean())) > 10 * LOGP_ABS_TOL, \
+        "the test needs a measurable floor, different with and without the storage rounding"
+    want = {"gap_mean": gap.mean(), "gap_max": gap.max(), "floor_mean": floor.mean(), "floor_max": floor.max(),
+            "floor_fp8_mean": floor8.mean(), "entropy_mean": ent[on].mean(),
+            "sim_vs_rollout_mean": (sim - batch.rollout_logprobs)[on].abs().mean(),
+            "prefill_gap_mean": prefill.mean(), "decode_vs_prefill_mean": (pre_offset - offset)[on].abs().mean()}
+    for k, v in want.items():
+        assert out[k] == pytest.approx(float(v), abs=LOGP_ABS_TOL), f"{k}: live.py {out[k]}, naive {float(v)}"
+    assert out["gap_tokens"] == out["floor_tokens"] == int(on.sum())
+    assert out["gap_over_floor"] == pytest.approx(float(gap.mean() / floor.mean()), rel=1e-3)
+    assert out["prefill_errors"] == 0
+
+    dump = torch.load(tmp_path / "live_tokens" / "step_0003.pt")
+    for k, v in {"gap": -offset[on], "floor": floor, "floor_fp8": floor8, "entropy": ent[on],
+                 "prefill_gap": -pre_offset[on]}.items():
+        torch.testing.assert_close(dump[k], v.float(), atol=LOGP_ABS_TOL, rtol=0, msg=k)
+    assert torch.equal(dump["token"], batch.targets[on].int())
