@@ -8,6 +8,7 @@
                       server that answers /nanoflash/trace
     loader_check.py   `python -m instruments.loader_check`: the weight stream through SGLang's real loader on a CPU
 
-nanoflash never imports this package (tests/test_layers.py keeps it so). Tests: tests/test_instruments_*.py,
+nanoflash never imports this package (tests/test_layers.py keeps it so). Tests: tests/test_live_naive.py,
+tests/test_rollout_mismatch.py, tests/test_rollout_loader_check.py,
 experiments/h200/test_h200_pieces.py.
 """

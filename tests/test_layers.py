@@ -1,4 +1,4 @@
-"""The package's layers run downhill (style.md §3), checked on the import graph with Python's `ast`.
+"""The package's layers run downhill (style.md, section 3), checked on the import graph with Python's `ast`.
 
 Floors, from the ground up; a module may import its own floor's modules (without cycles) and the floors below,
 plus the exceptions named in ALLOWED:
