@@ -14,15 +14,18 @@ class Recorder(Hook):
         with open(os.path.join(self.ctx.cfg.train.out_dir, "hook_calls.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
 
+    def _weights(self) -> float:
+        return float(sum(p.double().sum() for p in self.ctx.trainer.model.parameters()))
+
     def after_push(self, version):
-        self._write(call="after_push", version=version)
+        self._write(call="after_push", version=version, weights_sum=self._weights())
         return {"recorder_push": version}
 
     def before_update(self, batch, old, step):
         on = batch.mask > 0   # old: the trainer's log-probs of the weights that sampled the batch (pre-update)
         gap = float((old - batch.rollout_logprobs)[on].abs().mean())
         self._write(call="before_update", step=step, rows=len(batch), gap=gap,
-                    weights_sum=float(sum(p.double().sum() for p in self.ctx.trainer.model.parameters())))
+                    weights_sum=self._weights())
         return {"recorder_gap": gap}
 
     def after_eval(self, at, acc, gen_for):

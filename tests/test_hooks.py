@@ -62,10 +62,13 @@ def test_train_py_calls_every_hook_point_in_order(tmp_path):
     assert kinds[-1] == "close", kinds
     steps = [c for c in calls if c["call"] == "before_update"]
     assert [c["step"] for c in steps] == [1, 2], kinds
-    for c in steps:   # each before_update is followed by the push of that step
+    for c in steps:   # each before_update sees the weights of the previous push, then the step's push follows
         i = calls.index(c)
-        assert calls[i + 1] == {"call": "after_push", "version": c["step"]}, calls[i:i + 2]
-    assert steps[0]["weights_sum"] != steps[1]["weights_sum"]   # step 1's update landed between the two
+        prev, nxt = [p for p in calls[:i] if p["call"] == "after_push"][-1], calls[i + 1]
+        assert prev["call"] == "after_push" and prev["version"] == c["step"] - 1, calls[i - 1:i + 2]
+        assert c["weights_sum"] == prev["weights_sum"], "before_update ran after the update"
+        assert nxt["call"] == "after_push" and nxt["version"] == c["step"], calls[i:i + 2]
+        assert nxt["weights_sum"] != c["weights_sum"], "the step's push carries the updated weights"
     assert [c["at"] for c in calls if c["call"] == "after_eval"] == [0, 2]   # eval.before_train, then step 2
     recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     train = [r for r in recs if r.get("kind") == "train" or r.get("event") == "train"]
