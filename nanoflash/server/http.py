@@ -58,7 +58,7 @@ from nanoflash.server.http_guard import BoundedHTTPServer, HTTPError, HTTPLimits
 from nanoflash.server.trace import trace
 from nanoflash.server.update_guard import GroupPolicy, check_group, disk_files, own_hosts
 from nanoflash.sglang.transports import (FLAT_FORMAT, LOCAL_FORMAT, SAFE_FORMAT, decode_blob, decode_tensors,
-                                           encode_tensors, join_receivers, receive_bucket, take_over)
+                                           encode_tensors, join_receivers, leave_group, receive_bucket, take_over)
 
 VERSION = "0.5.16"   # the SGLang release whose request/response shapes this server follows
 COMMON = {"/health": "GET", "/health_generate": "GET", "/get_server_info": "GET", "/server_info": "GET",
@@ -224,8 +224,10 @@ class RolloutServer:
     def r_init_weights_update_group(self, body):
         """Join the group with this server's `tp_size` ranks, `rank_offset + tp_rank` as SGLang does; every
         parameter is checked first (`update_guard.check_group`)."""
-        others = [n for n in self.groups if n != body.get("group_name")]  # re-joining a name replaces it
-        g = check_group(body, self.tp_size, self.group_policy, len(others))
+        g = check_group(body, self.tp_size, self.group_policy, len(self.groups))
+        if g["group_name"] in self.groups:  # SGLang 0.5.16: torch refuses a name created twice (-> 400)
+            raise BadRequest(f"Failed to initialize custom process group: group {g['group_name']!r} already "
+                             "exists; POST /destroy_weights_update_group first")
         pgs = join_receivers(g["master_address"], g["master_port"], g["ranks"], g["world"], g["group_name"],
                              g["backend"], g["timeout_s"], self.engine.device)
         self.groups[g["group_name"]] = (pgs, g["backend"])
@@ -233,8 +235,12 @@ class RolloutServer:
                                             f"{g['ranks'].stop - 1}"}
 
     def r_destroy_weights_update_group(self, body):
-        self.groups.pop(body.get("group_name"), None)
-        return {"success": True}
+        group = self.groups.pop(body.get("group_name"), None)
+        if group is None:  # SGLang 0.5.16 answers 400 too
+            raise BadRequest("The group to be destroyed does not exist.")
+        for pg in group[0]:
+            leave_group(pg)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def r_update_weights_from_distributed(self, body):
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")

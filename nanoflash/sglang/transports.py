@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import threading
 
 import torch
@@ -67,20 +68,89 @@ def sglang_flattened_payload(bucket, tp_size: int = 1) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- transports
+# SGLang 0.5.16 joins an update group in `init_custom_process_group` (python/sglang/srt/utils/common.py L2424-2492),
+# called by `WeightUpdater.init_weights_update_group` (srt/model_executor/model_runner_components/weight_updater.py
+# L48-92) with init_method=NetworkAddress(master_address, master_port).to_tcp(), rank=rank_offset + tp_rank,
+# world_size, group_name, backend and no timeout (torch's default_pg_timeout, 30 min):
+#     store, rank, world = next(rendezvous("tcp://host:port", rank, world, timeout)); store.set_timeout(timeout)
+#     store = PrefixStore(group_name, store)
+#     pg, _ = _new_process_group_helper(world, rank, [], Backend(backend), store, group_name=group_name,
+#                                       backend_options=None (pg_options before torch 2.6), timeout=timeout,
+#                                       device_id=None)
+#     _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+# torch's helper nests two more prefixes, "<group_name>/" and "<device>/" (gloo: its one backend under "cpu/";
+# NCCL: "cuda/"), and refuses a group name this process already created (so SGLang refuses a re-init of a name
+# until /destroy_weights_update_group). `join_group` makes the same calls; tests/test_update_group_sglang.py meets
+# a copy of SGLang's function written from its source.
+_OPTIONS_KW = "backend_options" if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 6) \
+    else "pg_options"   # renamed in torch 2.6 (SGLang picks the name the same way)
+
+
+def tcp_url(host: str, port: int) -> str:
+    """SGLang's `NetworkAddress.to_tcp()`: tcp://host:port, an IPv6 host in brackets."""
+    return f"tcp://[{host}]:{int(port)}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{int(port)}"
+
+
+def _rendezvous(url: str, host: str, port: int, rank: int, world: int, timeout) -> tuple:
+    """torch's `rendezvous(url, rank, world, timeout)`, as SGLang calls it. Under torchrun (the trainer's launcher)
+    torch's tcp:// handler makes every rank a client of torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE),
+    and nobody would host the group's store: there we build what the handler builds outside torchrun
+    (`rendezvous._create_c10d_store`: rank 0 hosts a multi-tenant TCPStore, libuv unless USE_LIBUV=0)."""
+    from torch.distributed.rendezvous import _torchelastic_use_agent_store, rendezvous
+    if not _torchelastic_use_agent_store():
+        return next(rendezvous(url, rank, world, timeout=timeout))
+    store = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=timeout, multi_tenant=True,
+                          use_libuv=os.environ.get("USE_LIBUV", "1") == "1")
+    return store, rank, world
+
+
 def join_group(master_address: str, master_port: int, rank: int, world: int, group_name: str, backend: str,
-               timeout_s: float, device=None):
-    """A process group of its own (no default group needed): rank 0 hosts the TCP store. -> (pg, store)"""
+               timeout_s: float, device=None, register: bool = True):
+    """One member of an update group, built as SGLang 0.5.16 builds its own (see above); rank 0 hosts the TCP store.
+    `register=False`: the same store keys and backend without torch's group-name registry (the embedded server's
+    ranks, which share a process with each other and often with the trainer, and so cannot each register the
+    name). -> (pg, store)"""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+    if register and dist.is_initialized() and dist.distributed_c10d._get_default_group().bound_device_id is not None:
+        raise ValueError("the default process group is bound to a device (eager NCCL init): torch would split the "
+                         "update group from it, which holds none of the servers' ranks; init it without device_id")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world, is_master=rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world, timeout), store
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device or "cuda"))
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world, opts), store
-    raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+    store, rank, world = _rendezvous(tcp_url(master_address, master_port), master_address, master_port, rank, world,
+                                     timeout)
+    store.set_timeout(timeout)
+    prefixed = PrefixStore(group_name, store)
+    if register:
+        pg, _ = _new_process_group_helper(world, rank, [], Backend(backend), prefixed, group_name=group_name,
+                                          **{_OPTIONS_KW: None}, timeout=timeout, device_id=None)
+        _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+        return pg, store
+    inner = PrefixStore(f"{'cpu' if backend == 'gloo' else 'cuda'}/", PrefixStore(f"{group_name}/", prefixed))
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(inner, rank, world, timeout), store
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout, opts.is_high_priority_stream = timeout, False
+    return dist.ProcessGroupNCCL(inner, rank, world, opts), store
+
+
+def drop_local_group(group_name: str) -> int:
+    """Destroy the groups this process registered under `group_name` (a Broadcaster that was never closed: torch,
+    like SGLang's, refuses to create a name twice). -> how many were dropped"""
+    from torch.distributed.distributed_c10d import _world
+    stale = [pg for pg, name in list(_world.pg_names.items()) if name == group_name]
+    for pg in stale:
+        dist.destroy_process_group(pg)
+    return len(stale)
+
+
+def leave_group(pg) -> None:
+    """Drop a member: a registered one through torch (which frees its name for a later join), others as they are."""
+    from torch.distributed.distributed_c10d import _world
+    if pg is not None and pg in _world.pg_names:
+        dist.destroy_process_group(pg)
 
 
 def _wire(t: torch.Tensor, backend: str) -> torch.Tensor:
@@ -112,10 +182,15 @@ def recv_tensor(pg, backend: str, dtype: torch.dtype, shape: list, device, opts)
 
 def join_receivers(master_address: str, master_port: int, ranks, world: int, group_name: str, backend: str,
                    timeout_s: float, device=None) -> list:
-    """A server's side of a group: one member per rank in `ranks` (its TP ranks), joined concurrently."""
+    """A server's side of a group: one member per rank in `ranks` (its TP ranks), joined concurrently, each as
+    SGLang's scheduler of that TP rank joins (`join_group`: the same rendezvous, store prefixes and backend), none
+    registered with torch: SGLang's schedulers are processes of their own, while the embedded servers (and often
+    the trainer) of a test share one, whose registry takes a name once. The server refuses a second join of a
+    name itself, as SGLang's torch does."""
     ranks, joined = list(ranks), {}
     threads, errors = _threads({f"rank {r}": (lambda r=r: joined.__setitem__(r, join_group(
-        master_address, master_port, r, world, group_name, backend, timeout_s, device)[0])) for r in ranks})
+        master_address, master_port, r, world, group_name, backend, timeout_s, device, register=False)[0]))
+        for r in ranks})
     for th in threads:
         th.join()
     if errors:
@@ -183,6 +258,7 @@ class Broadcaster:
         self.flat_ok = all(client.supports_flattened(u) for u in client.urls)
         threads, errors = _threads({u: (lambda u=u, o=o: client.init_weights_update_group(
             u, master_address, master_port, o, self.world, group_name, backend)) for u, o in zip(client.urls, offsets)})
+        drop_local_group(group_name)
         try:
             self.pg, self._store = join_group(master_address, master_port, 0, self.world, group_name, backend,
                                               timeout_s, device)
@@ -226,6 +302,7 @@ class Broadcaster:
                 self.client.post(u, "/destroy_weights_update_group", {"group_name": self.group_name}, retry_s=0.0)
             except Exception:  # the server may be the reason we close; the group dies with our side anyway
                 pass
+        leave_group(self.pg)  # frees the name in torch's registry: a later Broadcaster may join it again
         self.pg = self._store = None
 
 
