@@ -209,7 +209,8 @@ snapshot() {  # everything from here on runs from its own copy: a later device c
   # reads scripts as it goes); .h20src (git archive of a tested commit, experiments/h200/README.md) before the checkout
   # (the dry run copies the checkout itself: it tests the code as it is)
   local src=$R/.h20src; [ -d $src/nanoflash ] && [ "${1:-}" != checkout ] || src=$R
-  rm -rf $W/repo && mkdir -p $W/repo && cp -r $src/nanoflash $src/bench $src/scripts $src/train.py $W/repo/ || exit 1
+  rm -rf $W/repo && mkdir -p $W/repo && cp -r $src/nanoflash $src/bench $src/scripts $src/instruments $src/experiments \
+    $src/train.py $W/repo/ || exit 1
   cp -r $src/tests $src/pyproject.toml $W/repo/ 2>/dev/null  # for bench/gpu_round3.sh's GPU tests, when present
 }
 jit_only() {  # $1: seconds; a hold that only fills the compile caches (no SFT, no GRPO): random init, SGLang, the
