@@ -93,7 +93,7 @@ def cmd_sft(a, overrides):
         torch.set_num_threads(cfg.train.threads)
     mcfg = run_preset(cfg)
     task = collector.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
-    family, tok = cfg.train.data.split(":")[1], _tokenizer()
+    family, tok = cfg.train.data.split(":")[-2], _tokenizer()   # py:experiments.h200.synth:<family>:train
     think_end = tok.encode(data.THINK_END)
     if len(think_end) != 1:
         raise ValueError(f"{data.THINK_END!r} is {think_end} in this tokenizer; P(worked) needs it as one token")
