@@ -355,6 +355,8 @@ def check_gpu(cfg: RunConfig, recipe: str | None, gpu_count=None) -> None:
     """A run that expects GPUs (a recipe of cli.GPU_RECIPES, or --parallel.device cuda) on a machine where torch
     sees none stops here, naming the torch it found, instead of falling back to the CPU (`ParallelDims.device`
     and the gloo backend would). `gpu_count`: a stand-in for torch.cuda.device_count (tests)."""
+    if cfg.parallel.device == "cpu":   # asked for the CPU in so many words (a dry run of a GPU recipe)
+        return
     wants = [f"recipe {recipe!r}"] if recipe in GPU_RECIPES else []
     if cfg.parallel.device == "cuda" and not wants:
         wants = ["--parallel.device cuda"]

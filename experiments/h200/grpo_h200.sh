@@ -39,7 +39,7 @@ overrides() {
          "${H20_LR_WARMUP:+--train.lr_warmup_steps $H20_LR_WARMUP} --train.progress false"
     return
   fi
-  echo "--train.preset tiny --model.vocab_size 129280 --model.n_mtp_layers 0 --model.compress_ratios 0,4,8,4" \
+  echo "--train.preset tiny --model.vocab_size 129280 --model.n_mtp_layers 0 --model.n_hash_layers 2 --model.compress_ratios 0,4,8,4" \
        "--parallel.device cpu --train.dtype fp32 --train.threads 1" \
        "--train.steps ${H20_STEPS:-3} --grpo.n_prompts 2 --grpo.group_size 4 --grpo.over_sampling_batch_size 2" \
        "--grpo.dynamic_sampling false --rollout.max_rounds 2 --rollout.max_workers 2 --rollout.max_new_tokens 8 --eval.every 2" \
