@@ -169,9 +169,9 @@ streak = total_skipped = 0  # consecutive / all skipped (non-finite) steps
 while step < tc.steps:
     t0 = time.time()
     batch, m = collector.next_batch(step + 1) if rank0 else (None, {})
-    header = {"pos": collector.pos if rank0 else None, "resync": m.get("resync", False)}
-    head, tm = trainer.step(batch, header, step + 1, before_update=lambda b, old: hooks.before_update(b, old, step + 1))
-    if head["resync"]:  # a server restarted with other weights: every rank re-pushes, then the step is redone
+    resync, tm = trainer.step(batch, step + 1, m.get("resync", False),
+                              before_update=lambda b, old: hooks.before_update(b, old, step + 1))
+    if resync:  # a server restarted with other weights: every rank re-pushes, then the step is redone
         pusher.reconnect(restarted=True)   # from the same data position, so with the same prompts and seeds
         log.log("server_restart", step + 1, {**push(step), "server_restarts": m.get("server_restarts")})
         continue

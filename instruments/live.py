@@ -15,7 +15,7 @@ Four things the loop's own metrics do not show, each a hook point of `nanoflash.
    activation simulation on (`ModelConfig.qat`). floor_t = |log p_sim(y_t) - log p_train(y_t)| is what the
    served format costs; gap/floor near 1 says the server adds nothing beyond it. `floor_fp8` is the same with
    the FP8 rounding only (the fp32 weights kept): runs 3-6 measured that one. The two agree while those weights
-   hold bf16 values -- always with `optim.round_to_served` (the default: `actor.served_storage`), and at a warm
+   hold bf16 values -- always with `optim.round_to_served` (the default: `buckets.served_storage`), and at a warm
    start read from a release-format checkpoint -- and part once training moves them off the bf16 grid.
    The same tokens are also scored again by the server in one prefill (`probe.prefill_logprobs`, SGLang's
    `logprob_start_len=0`, no prefix cache): prefill_t = |log p_train - log p_server_prefill|. The rollout's
@@ -74,7 +74,7 @@ def fp8_roundtrip_(model, cfg) -> None:
 @torch.no_grad()
 def storage_roundtrip_(model, cfg) -> bool:
     """In place: every weight the FP8 push sends unquantized is rounded to the dtype it is sent in (the
-    release's storage, `stream.served_dtype`: the trainer's fp32 norms, head and compressors become bf16 values);
+    release's storage, `buckets.served_dtype`: the trainer's fp32 norms, head and compressors become bf16 values);
     FP8-served weights are left to `fp8_roundtrip_`. After both, the model holds what the server holds.
     Returns whether any value changed (not with `optim.round_to_served`: they hold bf16 values already)."""
     changed = False

@@ -20,7 +20,7 @@ What it does, inside that environment:
    on its own side (`layout.LoaderState`: fused wqkv_a / wkv_gate, permuted ape, int32 tid2eid, experts
    stacked), cast to the parameter's dtype where SGLang stores a different one (e.g. compressor norms fp32);
 4. perturbs the weights and pushes again (two updates in a row), this time through SGLang's own colocated
-   payload (`weight_sync.sglang_flattened_payload` -> SGLang's safe unpickler -> `reconstruct_tensors`),
+   payload (`transports.sglang_flattened_payload` -> SGLang's safe unpickler -> `reconstruct_tensors`),
    and compares again;
 5. lists every SGLang parameter the push did not cover (there must be none besides attention KV scales);
 6. runs SGLang's own `gpu_tensor_hash` Triton kernels (Triton's interpreter, on the CPU) and its FP8

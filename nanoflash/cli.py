@@ -25,7 +25,7 @@ Start-up (`startup`), what `train.py` does first with its command line: --help, 
 overrides (`cli.parse_args`), runs the checks that need no model (`check_config`: data and checkpoint paths,
 server URLs, knob combinations; the config dataclasses refuse bad values and the knobs nothing reads), resolves
 the model config (`model_config`: a checkpoint's own, or the preset, plus `--model.*`), loads the task's data
-and reward plug-in (`rollouts.make_task`: the tokenizer/vocabulary check, field names, `train.reward`), and
+and reward plug-in (`collector.make_task`: the tokenizer/vocabulary check, field names, `train.reward`), and
 prepares the run directory. A user error anywhere in there is ONE line on stderr (`train.py: error: ...`)
 and exit code 2, before any model is built (`NANOFLASH_TRACEBACK=1` shows the traceback instead).
 

@@ -206,7 +206,7 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 
 # ---------------------------------------------------------------------------------------------- the run
-TRANSPORTS = ("tensor", "local", "disk", "distributed")  # weight push (rollout/weight_sync.py)
+TRANSPORTS = ("tensor", "local", "disk", "distributed")  # weight push (rollout/transports.py)
 
 @dataclass
 class GRPOConfig:
@@ -295,7 +295,7 @@ class OptimConfig:
     grad_clip: float = 1.0            # global gradient-norm clip across all ranks (0 = off)
     train_mtp: bool = False           # also train the MTP block (frozen in the V4 RL recipe)
     round_to_served: bool = True      # with rollout.weights=fp8: fp32 weights the push sends bf16 (norms, head,
-                                      # compressors) hold bf16 values, their fp32 master the updates (actor.py)
+                                      # compressors) hold bf16 values, their fp32 master the updates (rl/trainer.py)
 
 
 @dataclass

@@ -26,7 +26,7 @@ scored token at its generation's first EOS: what a rollout scores, and the `igno
 with Miles' fp32 `weight_scale_inv`) with SGLang's own FlattenedTensorBucket payload (colocated CUDA IPC), in the
 protocol the client detects, twice in a row, and verifies each push by behaviour (SGLang's log-probs on fixed
 tokens vs nanoflash's for the new weights) and by `/weights_checker` through the library
-(`weight_sync.verify_real_server` on `layout.sglang_partials`): every tensor SGLang's GPU hash can be reproduced
+(`transports.verify_real_server` on `layout.sglang_partials`): every tensor SGLang's GPU hash can be reproduced
 for is compared exactly -- FP8 dequantized to bf16, the fused experts `mlp.experts.w13_weight` / `w2_weight`
 stacked from their per-expert slabs -- and the rest (a raw tensor SGLang stores in another dtype) must change
 on the second push exactly when what was sent changed. It also shows that the client refuses a bucket that
@@ -355,7 +355,7 @@ def behaviour(client, model, prompt, new_tokens=32):
 
 
 def verify_checksums(client, buckets, n_experts: int, prev, transport):
-    """The library's check of a real server (`weight_sync.verify_real_server`: SGLang's own hash where it can be
+    """The library's check of a real server (`transports.verify_real_server`: SGLang's own hash where it can be
     reproduced at TP 1, fused experts included; change sets for the rest); the embedded server: raw sha256."""
     from nanoflash.sglang.layout import compare_checksums, expected_checksums
     from nanoflash.sglang.transports import verify_real_server

@@ -22,7 +22,7 @@ Per rank (pp_rank, ep_rank; DP replicas are equal) it counts, from the parameter
     opt step    fp32 gradient casts: on device a batch of >= one chunk (`optim.HOST_CHUNK_ELEMS`) plus its last
                 tensor; offloaded one piece (<= a chunk) at a time
     nccl        NCCL_COMM_BYTES per communicator the rank joins (assumption: not measurable on one GPU)
-    push        a push source (dp 0, ep 0 of each stage) or EP peer: `stage_push.live_budget` buckets
+    push        a push source (dp 0, ep 0 of each stage) or EP peer: `planner.live_budget` buckets
     engine      an embedded rollout engine on rank 0's GPU (the `gpu` recipe): its fp32 (bf16) model copy,
                 the loader store of the pushed layout (built on the GPU at start-up; HTTP pushes then land
                 it on the host, so it is counted on both; transport=local keeps it on the GPU), its decode
@@ -31,7 +31,7 @@ Per rank (pp_rank, ep_rank; DP replicas are equal) it counts, from the parameter
 Host, per rank: the offloaded optimizer state (pageable), its pinned staging (2 slots per direction of one
 chunk), push payloads (transport=tensor to embedded servers: safetensors + base64 + JSON on both ends;
 disk: blob + base64; gloo: the bucket), the embedded engine's loader store (HTTP pushes land on the host) or
-whole engine on a CPU, rank 0's TEMPORARY full fp32 copy (`actor.gather_full_state` + shadow model, world
+whole engine on a CPU, rank 0's TEMPORARY full fp32 copy (`trainer.gather_full_state` + shadow model, world
 > 1) and HOST_PROCESS_BYTES of Python / torch / CUDA runtime. Per node: the ranks of the grid order
 (grid = arange(world).view(pp, dp, ep)) that share `gpus_per_host`.
 

@@ -1,4 +1,4 @@
-"""The rollout side of the GRPO loop: tasks, embedded servers, dynamic sampling, R3 records, weight push, eval.
+"""The rollout half of the GRPO loop: tasks, embedded servers, dynamic sampling into a packed batch, R3, eval.
 
 One rollout step (`collect`), as Miles' `inference_rollout_train` does it, synchronously:
 
@@ -21,7 +21,7 @@ the per-prompt seeds of `eval_seeds`, on one of two paths (`eval.path`): through
 the rollout client, one /generate per prompt, the servers' KV caches; SGLang and at scale), or, for embedded
 servers on one machine, in-process on the first engine's model (`sample_batched`: forwards batched over all
 prompts of one length, no HTTP, which costs >= 0.2 s a request on the 2-core CPU demo). Both draw prompt i's
-samples with the engine's sampler (`rollout.engine.sample`) from a generator seeded seeds[i], so on the same
+samples with the engine's sampler (`server.engine.sample`) from a generator seeded seeds[i], so on the same
 weights they give the same samples and the same pass@k (`tests/test_eval_servers.py`).
 
 Tests: `pytest tests/test_train_e2e.py -q`.

@@ -10,7 +10,9 @@ layout-independent (`Transformer.init_weights` seeds every tensor by its officia
 master from the weights as they are at that moment. With FP8 pushes (`rollout.weights=fp8`, and
 `optim.round_to_served`) the fp32 weights the push sends in bf16 -- norms, head, compressors, kept fp32 for
 their arithmetic as in the official model -- hold bf16 values from then on (`served_storage`): the trainer
-scores and steps the very weights the servers run, and the updates accumulate in the fp32 master.
+scores and steps the very weights the servers run, and the updates accumulate in the fp32 master. Which
+weights those are is SGLang's rule, not the trainer's: the loop hands it in (`Trainer(served_storage=)`,
+`sglang.buckets.optimizer_storage`).
 
 One GRPO step on this rank's data shard (`grpo.RolloutBatch` rows [d B / D, (d+1) B / D) of data rank d of
 D = DP x EP, held only by first pipeline stages; later stages receive everything through the pipeline):
@@ -120,8 +122,9 @@ def _template(batch: grpo.RolloutBatch, fields) -> dict:
 class Trainer:
     """This rank's trainer: model stage on its device, the `ParallelDims` grid, the optimizer.
 
-        actor.logprobs(shard) -> old_logp [b,S]     actor.train(shard) -> global metrics
-        actor.state_iter()    -> (official name, device tensor) of what this rank holds
+        trainer.step(batch, step) -> (resync, metrics)   scatter -> old log-probs -> the GRPO step at lr_at(step)
+        trainer.logprobs(shard)   -> old_logp [b,S]      trainer.train(shard) -> global metrics
+        trainer.state_iter()      -> (official name, device tensor) of what this rank holds
 
     `shard` is this data rank's `grpo.RolloutBatch` on first pipeline stages and None on the others.
     Shapes: [b,S] rows of the shard; S its padded length.
@@ -189,14 +192,14 @@ class Trainer:
         w = self.cfg.train.lr_warmup_steps
         return self.oc.lr * min(1.0, step / w) if w else self.oc.lr
 
-    def step(self, batch, header: dict, step: int, before_update=None) -> tuple[dict, dict]:
+    def step(self, batch, step: int, resync: bool = False, before_update=None) -> tuple[bool, dict]:
         """One GRPO step on every rank: rank 0's packed global `batch` is scattered (each data rank's first
-        stage gets its shard, every rank the `header`), the old log-probs are taken, `before_update(batch,
-        old)` (rank 0: the loop's hooks) sees them, and one optimizer step runs at `lr_at(step)`.
-        -> (header as received, metrics). A header with `resync` or no rows takes no step."""
-        shard, head = scatter_shards(batch, self.dims, header)
+        stage gets its shard; every rank learns rank 0's `resync`), the old log-probs are taken,
+        `before_update(batch, old)` (rank 0: the loop's hooks) sees them, and one optimizer step runs at
+        `lr_at(step)`. -> (resync, metrics). With resync (a server came back: re-push, redo) or no rows, no step."""
+        shard, head = scatter_shards(batch, self.dims, {"resync": resync})
         if head["resync"] or not head["rows"]:
-            return head, {}
+            return head["resync"], {}
         t0 = time.time()
         old = self.logprobs(shard)
         m = {"logprobs_s": time.time() - t0}
@@ -209,7 +212,7 @@ class Trainer:
         n_tok = float(batch.mask.sum()) if batch is not None else 0.0
         m.update(train_s=time.time() - t0, train_tokens_per_s=n_tok / (time.time() - t0),
                  optim_s=self.optimizer.last_step_s)
-        return head, m
+        return False, m
 
     @torch.no_grad()
     def logprobs(self, shard) -> torch.Tensor | None:
@@ -281,7 +284,7 @@ def _answer_ids(task, problem) -> list:
 def scatter_shards(batch: grpo.RolloutBatch | None, dims, header: dict) -> tuple[grpo.RolloutBatch | None, dict]:
     """Rank 0's global batch -> each first-stage rank receives only its data shard's rows, as tensors, over
     the gloo side group (whose long timeout lets the others wait out a minutes-long rollout). `header` (a
-    small dict: data position, counters) reaches every rank. Returns (this rank's shard or None, header)."""
+    small dict: the resync flag) reaches every rank. Returns (this rank's shard or None, header)."""
     header = dict(header, rows=len(batch) if batch is not None else 0)
     if dims.world_size == 1:
         return batch, header

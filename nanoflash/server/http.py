@@ -31,7 +31,7 @@ request of the largest n); `/update_weights_from_disk` reads only below `--disk-
 (`update_guard.py`). `/update_weights_from_tensor` accepts only
 `load_format="nanoflash_safetensors"` (base64 safetensors) -- SGLang's own payload is a pickle of CUDA-IPC
 handles, and this server never unpickles network bytes (400) -- or, from the trainer in the server's own
-process, `"nanoflash_in_process"` with a handle to tensors it parked (`stream.hand_over`: no bytes on the wire,
+process, `"nanoflash_in_process"` with a handle to tensors it parked (`buckets.hand_over`: no bytes on the wire,
 the GPU tensors as they are; a handle this process never parked is a 400). `/weights_checker` adds the hash
 of the weights the model runs with (`derived_checksum`: every parameter in fp32, costly) only when asked
 (`"derived": true`). Any malformed request gets 400 with a message

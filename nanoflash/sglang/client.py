@@ -157,7 +157,7 @@ class SGLangClient:
         self._protocols: dict = {}
         self._embedded: dict = {}
         self._info: dict = {}
-        self.weight_version = 0           # bumped by every weight_sync.push_weights
+        self.weight_version = 0           # bumped by every transports.push_weights
 
     # ------------------------------------------------------------------ transport
     def request(self, url: str, method: str, path: str, body=None, timeout: float | None = None,

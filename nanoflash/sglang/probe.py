@@ -1,6 +1,6 @@
 """Behavioural check of a weight push: does the server now predict what the trainer predicts?
 
-Checksums (`weight_sync.verify_real_server`) say the bytes landed; they cannot say the server *computes* with
+Checksums (`transports.verify_real_server`) say the bytes landed; they cannot say the server *computes* with
 them as the trainer does (a tensor read in the wrong layout hashes fine). The probe asks for that:
 
     server:  y = sample(prompt; T, fixed sampling seed, PROBE_TOKENS tokens, EOS ignored), r_t = its log-probs

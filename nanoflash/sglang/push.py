@@ -33,7 +33,7 @@ Transports: "distributed" as above; "tensor" (one host: colocated) posts each bu
 SGLang's CUDA-IPC `FlattenedTensorBucket` (the embedded server: safetensors); "disk" writes one fresh
 directory per source and push (`{disk_dir}/v{version}/pp{s}`) and has every server load it; "local" (one
 process, embedded servers in it: the `gpu` recipe) posts a handle to the bucket's GPU tensors
-(`weight_sync.send_local_payload`).
+(`transports.send_local_payload`).
 
 Verification (rank 0), from each source's ledger: every expected SGLang name sent exactly once (a missing or
 doubled bucket is named); embedded servers: their checksums equal the loader layout each source derived from

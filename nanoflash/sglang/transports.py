@@ -1,4 +1,4 @@
-"""Weight sync: the push of a weight stream (`stream.py`) into live rollout servers, and its transports.
+"""Transports: the push of a weight stream (`buckets.py`) into live rollout servers, and its verification.
 
 The push of one process (`push_weights`), per SGLang's documented order (rl_notes §4.2, §8 item 4):
 
@@ -10,7 +10,7 @@ The push of one process (`push_weights`), per SGLang's documented order (rl_note
 Transports: "tensor" sends a safetensors payload to the embedded server and SGLang's own pickled
 `FlattenedTensorBucket` of the (GPU) flat buffer to real SGLang (`sglang_flattened_payload`: CUDA IPC, so one
 host only); "local" hands an embedded server in the trainer's own process a handle to the tensors
-(`stream.hand_over`: no serialization, the GPU tensors as they are, the same HTTP calls around them); "distributed" (`Broadcaster`) is rank 0 of a gloo/NCCL group with every receiving rank of every
+(`buckets.hand_over`: no serialization, the GPU tensors as they are, the same HTTP calls around them); "distributed" (`Broadcaster`) is rank 0 of a gloo/NCCL group with every receiving rank of every
 server (as many per server as it reports: SGLang joins `rank_offset + tp_rank`) and broadcasts while the
 server's `/update_weights_from_distributed` call receives: one flat uint8 buffer per bucket with
 load_format="flattened_bucket" where the server supports it (SGLang >= 0.5.16's
@@ -18,7 +18,7 @@ load_format="flattened_bucket" where the server supports it (SGLang >= 0.5.16's
 order (gloo moves raw bytes, NCCL the real dtype); "disk" writes one safetensors file per bucket and calls
 `/update_weights_from_disk`.
 
-A sharded trainer (PP x EP) pushes with `stage_push.StagePusher`: one source per pipeline stage, built on the
+A sharded trainer (PP x EP) pushes with `push.StagePusher`: one source per pipeline stage, built on the
 pieces here.
 
 Tests: `pytest tests/test_weight_sync.py tests/test_weight_sync_stage.py tests/test_rollout_server.py -q`.
@@ -46,7 +46,7 @@ def iter_sglang_buckets(model, dims=None, *, fp8: bool, bucket_bytes: int):
     """Yield buckets `[(name, tensor), ...]` exactly as pushed, for a model held whole by one process."""
     if dims is not None and getattr(dims, "world_size", 1) > 1:
         raise ValueError(f"iter_sglang_buckets streams one process's model; a sharded trainer ({dims}) pushes "
-                         "through stage_push.StagePusher, one source per pipeline stage")
+                         "through push.StagePusher, one source per pipeline stage")
     for fb in stream_buckets(model.state_dict().items(), model.cfg, fp8=fp8, bucket_bytes=bucket_bytes):
         yield fb.tensors()
 
@@ -359,7 +359,7 @@ def push_weights(client, buckets, *, version=None, transport: str = "tensor", br
     {"buckets", "tensors", "checksums", "verified"}. `version`: the weight_version the servers report
     afterwards (default: the client's counter, bumped). `verify`: compare each server's `/weights_checker`
     checksums with the layout derived from `buckets`; `full_push`: a tensor the server holds but was not
-    sent is an error. Sharded trainers push with `stage_push.StagePusher` instead."""
+    sent is an error. Sharded trainers push with `push.StagePusher` instead."""
     buckets = [named_of(b) for b in buckets]
     if version is None:
         client.weight_version += 1
@@ -397,7 +397,7 @@ def push_weights(client, buckets, *, version=None, transport: str = "tensor", br
 def verify_push(client, expected: dict, full_push: bool = True) -> list:
     """Embedded servers: their checksums must equal the layout derived here (sha256 of the same bytes).
     Real SGLang hashes its own way; here every server must at least report the same checksums as the others
-    (the per-stage push, `stage_push`, also reproduces SGLang's own hash). -> [(url, how)]"""
+    (the per-stage push, `sglang.push`, also reproduces SGLang's own hash). -> [(url, how)]"""
     done, real = [], {}
     for url in client.urls:
         if client.is_embedded(url):
