@@ -188,7 +188,8 @@ GLOO_NO_FP8 = True
 def _tensors(gen) -> list:
     """A bucket of the dtypes a push carries: FP8 weights, fp32 scales, bf16 norms."""
     w = (torch.randn(8, 16, generator=gen) * 100).to(torch.float8_e4m3fn)
-    return [("model.layers.0.mlp.w.weight", w), ("model.layers.0.mlp.w.weight_scale_inv", torch.rand(1, 2, generator=gen)),
+    return [("model.layers.0.mlp.w.weight", w),
+            ("model.layers.0.mlp.w.weight_scale_inv", torch.rand(1, 2, generator=gen)),
             ("model.norm.weight", torch.randn(5, 3, generator=gen).to(torch.bfloat16))]
 
 
