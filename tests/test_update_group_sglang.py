@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import free_port
+from nanoflash.rollout.client import RequestRejected
 from nanoflash.rollout.stream import FlatBucket, Slot
 from nanoflash.rollout.weight_sync import Broadcaster, join_receivers, leave_group, receive_bucket
 
@@ -148,6 +149,8 @@ class SGLangStandIn:
 
     def post(self, url, path, body, **kw):
         if path == "/destroy_weights_update_group":
+            if not any(p.is_alive() for p in self.procs):   # SGLang 0.5.16: 400, "does not exist"
+                raise RequestRejected(url + path, 400, "The group to be destroyed does not exist.")
             body = {"destroy": True}
         elif path != "/update_weights_from_distributed":
             raise AssertionError(f"unexpected POST {path}")
