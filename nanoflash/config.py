@@ -321,6 +321,8 @@ class RolloutConfig:
     max_rounds: int = 8               # over-sampling rounds per step before training on what was kept
     health_timeout_s: float = 900.0   # wait this long for every external server's /health before the first push
     retry_s: float = 30.0             # connection retries of one request (backoff) before its server counts as gone
+    update_timeout_s: float = 3600.0  # read timeout of one weight-update call (a bucket's load); a sent POST is never
+                                      # re-sent, so this is how long a push waits for a server that took one
     max_server_restarts: int = 0      # a server that dies mid-rollout: wait health_timeout_s for it to come back (its
                                       # supervisor restarts it), re-push, redo the step -- this many times a run; 0 = stop
     api_key: str = ""                 # the servers' --api-key (sent as Bearer; also set on embedded ones); env:VAR reads $VAR

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import free_port
+from nanoflash.sglang.client import RequestRejected
 from nanoflash.sglang.buckets import FlatBucket, Slot
 from nanoflash.sglang.transports import Broadcaster, join_receivers, leave_group, receive_bucket
 
@@ -148,6 +149,8 @@ class SGLangStandIn:
 
     def post(self, url, path, body, **kw):
         if path == "/destroy_weights_update_group":
+            if not any(p.is_alive() for p in self.procs):   # SGLang 0.5.16: 400, "does not exist"
+                raise RequestRejected(url + path, 400, "The group to be destroyed does not exist.")
             body = {"destroy": True}
         elif path != "/update_weights_from_distributed":
             raise AssertionError(f"unexpected POST {path}")
@@ -188,7 +191,8 @@ GLOO_NO_FP8 = True
 def _tensors(gen) -> list:
     """A bucket of the dtypes a push carries: FP8 weights, fp32 scales, bf16 norms."""
     w = (torch.randn(8, 16, generator=gen) * 100).to(torch.float8_e4m3fn)
-    return [("model.layers.0.mlp.w.weight", w), ("model.layers.0.mlp.w.weight_scale_inv", torch.rand(1, 2, generator=gen)),
+    return [("model.layers.0.mlp.w.weight", w),
+            ("model.layers.0.mlp.w.weight_scale_inv", torch.rand(1, 2, generator=gen)),
             ("model.norm.weight", torch.randn(5, 3, generator=gen).to(torch.bfloat16))]
 
 

@@ -187,7 +187,8 @@ class Collector:
         self.pos, self.restarts = pos, 0
         if rc.urls:
             self.client, self.engines, self.httpds = SGLangClient(list(rc.urls), api_key=rc.key(),
-                                                                  retry_s=rc.retry_s), [], []
+                                                                  retry_s=rc.retry_s,
+                                                                  update_timeout=rc.update_timeout_s), [], []
             wait_for_servers(self.client, rc.health_timeout_s)  # a cold SGLang start outlasts the client's retries
         else:  # disk pushes land below the run directory; groups: the sync host (any, if not loopback)
             host = rc.sync_addr.rpartition(":")[0]

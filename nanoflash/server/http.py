@@ -58,7 +58,7 @@ from nanoflash.server.http_guard import BoundedHTTPServer, HTTPError, HTTPLimits
 from nanoflash.server.trace import trace
 from nanoflash.server.update_guard import GroupPolicy, check_group, disk_files, own_hosts
 from nanoflash.sglang.transports import (FLAT_FORMAT, LOCAL_FORMAT, SAFE_FORMAT, decode_blob, decode_tensors,
-                                           encode_tensors, join_receivers, leave_group, receive_bucket, take_over)
+                                           encode_tensors, join_receivers, receive_bucket, take_over)
 
 VERSION = "0.5.16"   # the SGLang release whose request/response shapes this server follows
 COMMON = {"/health": "GET", "/health_generate": "GET", "/get_server_info": "GET", "/server_info": "GET",
@@ -235,11 +235,8 @@ class RolloutServer:
                                             f"{g['ranks'].stop - 1}"}
 
     def r_destroy_weights_update_group(self, body):
-        group = self.groups.pop(body.get("group_name"), None)
-        if group is None:  # SGLang 0.5.16 answers 400 too
-            raise BadRequest("The group to be destroyed does not exist.")
-        for pg in group[0]:
-            leave_group(pg)
+        if self.groups.pop(body.get("group_name"), None) is None:  # dropped: its members are unregistered
+            raise BadRequest("The group to be destroyed does not exist.")  # SGLang 0.5.16 answers 400 too
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def r_update_weights_from_distributed(self, body):

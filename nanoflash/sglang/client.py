@@ -31,9 +31,12 @@ Protocol generations (how weight updates are bracketed), detected without side e
     "post_process" sglang-miles before 2026-06: POST /post_process_weights before (restore) and after (quantize)
     "session"      PR #28001 and sglang >= 0.5.23: POST /begin_weight_update ... POST /end_weight_update
 
-Robustness: connection errors are retried with exponential backoff (`retry_s` in total); a server that stays
-unreachable raises `ServerGoneError` naming it; HTTP 4xx raises `RequestRejected` at once (never retried;
-`.too_long`: a prompt over the context length). `api_key`: `Authorization: Bearer KEY` on every request.
+Robustness: a connection that fails before the request is sent is retried with exponential backoff
+(`retry_s` in total); a server that stays unreachable raises `ServerGoneError` naming it. A POST that was sent is
+never re-sent: no answer (read timeout: `timeout`, `update_timeout` for weight updates) raises
+`RequestUnanswered`, and a `/generate` left so is aborted by its rid (`/abort_request {"rid"}`). HTTP 4xx
+raises `RequestRejected` at once (never retried; `.too_long`: a prompt over the context length).
+`api_key`: `Authorization: Bearer KEY` on every request.
 `generate` without a `url` goes to the server with the fewest requests in flight (the loop's thread pool spreads).
 
 Differences from production (Miles' `SGLangEngine`): synchronous threads, not asyncio; no router; pushing to
@@ -52,16 +55,36 @@ import socket
 import threading
 import time
 import urllib.parse
+import uuid
 from dataclasses import dataclass, field
 
 # The first SGLang release with /begin_weight_update and /end_weight_update (rl_notes §4.7).
 SESSION_MIN_VERSION = (0, 5, 23)
 # The first release whose update_weights_from_distributed takes load_format="flattened_bucket" that we pinned.
 FLAT_MIN_VERSION = (0, 5, 16)
+# Weight-update calls return when the server has loaded (a distributed one: after the whole broadcast of the
+# bucket, on every TP rank); a 1 GiB bucket of a cold SGLang, or a group join waiting for every rank, outlasts
+# the 600 s that bounds a /generate. Their own default; RolloutConfig.update_timeout_s overrides it.
+UPDATE_TIMEOUT_S = 3600.0
+# An abort is answered at once (SGLang queues it); a server that cannot answer that fast is gone anyway.
+ABORT_TIMEOUT_S = 10.0
+UPDATE_PATHS = frozenset({"/init_weights_update_group", "/update_weights_from_distributed",
+                          "/update_weights_from_tensor", "/update_weights_from_disk", "/begin_weight_update",
+                          "/end_weight_update", "/post_process_weights"})
 
 
 class ServerGoneError(ConnectionError):
     """A server stayed unreachable through every retry."""
+
+
+class RequestUnanswered(ServerGoneError):
+    """A request was sent and no answer came (timeout, or the connection dropped after the send). A POST is never
+    re-sent: the server may be running it (a second /generate samples twice, a second weight update loads a
+    bucket whose broadcast never comes)."""
+
+
+class _NotSent(Exception):
+    """The connection failed before any byte of the request left (refused, unreachable): safe to retry."""
 
 
 class RequestRejected(RuntimeError):
@@ -146,11 +169,12 @@ class SGLangClient:
     """Talks to one or more SGLang-protocol servers (`urls`), with retries, spreading and fail-over."""
 
     def __init__(self, urls, api_key: str | None = None, timeout: float = 600.0, retry_s: float = 30.0,
-                 backoff_s: float = 0.1, max_backoff_s: float = 4.0):
+                 backoff_s: float = 0.1, max_backoff_s: float = 4.0, update_timeout: float = UPDATE_TIMEOUT_S):
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
             raise ValueError("SGLangClient needs at least one server url")
         self.api_key, self.timeout, self.retry_s = api_key, timeout, retry_s
+        self.update_timeout = update_timeout      # the read timeout of UPDATE_PATHS (`timeout`: every other call)
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._inflight = {u: 0 for u in self.urls}
         self._lock = threading.Lock()
@@ -162,14 +186,22 @@ class SGLangClient:
     # ------------------------------------------------------------------ transport
     def request(self, url: str, method: str, path: str, body=None, timeout: float | None = None,
                 retry_s: float | None = None):
-        """One HTTP call with JSON in and out; connection errors retried with backoff until `retry_s`."""
+        """One HTTP call with JSON in and out. A connection that fails before the request is sent is retried with
+        backoff until `retry_s`; after the send, a GET is retried the same way, a POST never (RequestUnanswered).
+        `timeout`: the read timeout (default: `update_timeout` for UPDATE_PATHS, else `timeout`)."""
         deadline = time.monotonic() + (self.retry_s if retry_s is None else retry_s)
         delay, attempt = self.backoff_s, 0
+        timeout = timeout or (self.update_timeout if path in UPDATE_PATHS else self.timeout)
         while True:
             attempt += 1
             try:
-                return self._once(url, method, path, body, timeout or self.timeout)
-            except (ConnectionError, socket.timeout, OSError, http.client.HTTPException) as e:
+                return self._once(url, method, path, body, timeout)
+            except (_NotSent, ConnectionError, socket.timeout, OSError, http.client.HTTPException) as e:
+                if method != "GET" and not isinstance(e, _NotSent):
+                    raise RequestUnanswered(f"{url}{path}: sent, then {type(e).__name__}: {e} (read timeout "
+                                            f"{timeout:g}s); not re-sent") from e
+                if isinstance(e, _NotSent):
+                    e = e.__cause__ or e
                 if isinstance(e, ServerGoneError) or time.monotonic() + delay > deadline:
                     raise ServerGoneError(f"{url}{path}: server unreachable after {attempt} attempt(s) "
                                           f"over {self.retry_s if retry_s is None else retry_s:.1f}s: "
@@ -185,6 +217,10 @@ class SGLangClient:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = None if body is None else json.dumps(body).encode()
         try:
+            try:
+                conn.connect()   # nothing sent yet: a failure here is the only one a POST may retry
+            except OSError as e:
+                raise _NotSent(f"{type(e).__name__}: {e}") from e
             conn.request(method, path, body=data, headers=headers)
             resp = conn.getresponse()
             raw = resp.read()
@@ -245,6 +281,14 @@ class SGLangClient:
 
     def flush_cache(self):
         return self.broadcast("/flush_cache", method="GET")
+
+    def abort(self, url: str, rid: str) -> bool:
+        """`POST /abort_request {"rid"}` (SGLang 0.5.16 `AbortReq`), best effort; -> whether the server took it."""
+        try:
+            self.post(url, "/abort_request", {"rid": rid}, timeout=ABORT_TIMEOUT_S, retry_s=0.0)
+            return True
+        except (ServerGoneError, RequestRejected):
+            return False
 
     def abort_all(self):
         """Abort every in-flight request (dynamic sampling's over-sampling tail)."""
@@ -315,14 +359,23 @@ class SGLangClient:
         if not input_ids or not all(isinstance(t, int) for t in input_ids):
             raise ValueError(f"input_ids must be a non-empty list of ints, got {str(input_ids)[:80]}")
         url = url or self._pick()
+        rid = uuid.uuid4().hex  # names the request, so that one left without an answer can be aborted
         body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
-                "return_logprob": return_logprob}
+                "return_logprob": return_logprob, "rid": rid}
         if return_routed_experts:
             body["return_routed_experts"] = True
         with self._lock:
             self._inflight[url] += 1
         try:
             out = self.post(url, "/generate", body, retry_s=retry_s)
+        except RequestUnanswered:
+            # the server may still be sampling it: stop it (never sample it twice). SGLang 0.5.16 names the n > 1
+            # samples "{rid}_{i}" (io_struct `_normalize_rid`) and its tokenizer ignores an abort of an rid it
+            # does not hold, so each is named too.
+            n = int(sampling_params.get("n", 1) or 1)
+            for r in [rid] + ([f"{rid}_{i}" for i in range(n)] if n > 1 else []):
+                self.abort(url, r)
+            raise
         finally:
             with self._lock:
                 self._inflight[url] -= 1

@@ -129,7 +129,8 @@ class StagePusher:
             dist.broadcast_object_list(box, src=0, group=self.dims.side_group)
         info = box[0]
         if self.dims.rank != 0 and self.is_source:
-            self.client = SGLangClient(info["urls"], api_key=info["api_key"])
+            self.client = SGLangClient(info["urls"], api_key=info["api_key"],
+                                       update_timeout=self.rc.update_timeout_s)
         self.embedded = [u for u, e in zip(info["urls"], info["embedded"]) if e]
         self.real = [u for u, e in zip(info["urls"], info["embedded"]) if not e]
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from nanoflash.names import official_inventory, to_sglang
 from nanoflash.config import TRANSPORTS
+from nanoflash.sglang.client import RequestRejected
 from nanoflash.sglang.layout import compare_checksums, expected_checksums, sglang_fp8
 from nanoflash.sglang.buckets import (ATOMIC, FLAT_FORMAT, LOCAL_FORMAT, SAFE_FORMAT, FlatBucket, Item,  # noqa: F401
                                       Slot, convert_items, decode_blob, decode_tensors, drop_handed, encode_blob,
@@ -244,6 +245,18 @@ def _threads(calls: dict) -> tuple[list, list]:
     return threads, errors
 
 
+def clear_stale_group(client, url: str, group_name: str) -> bool:
+    """A launch's first act on a server: destroy a group of this name a previous launch left (it crashed, or was
+    killed, before `close`). SGLang 0.5.16 refuses to init a name it still holds (torch's "group name has already
+    been created"), so without this a re-launch against running servers fails until they restart; the embedded
+    server refuses the same way. A 400 is the usual answer: no such group. -> whether one was destroyed"""
+    try:
+        client.post(url, "/destroy_weights_update_group", {"group_name": group_name}, retry_s=0.0)
+        return True
+    except RequestRejected:
+        return False
+
+
 class Broadcaster:
     """One source of `update_weights_from_distributed`: rank 0 of a group `group_name` with every receiving
     rank of every server. A server's rank count comes from itself (`client.server_ranks`: SGLang joins
@@ -256,6 +269,8 @@ class Broadcaster:
         ranks = [client.server_ranks(u) if ranks_per_server is None else ranks_per_server for u in client.urls]
         self.world, offsets = 1 + sum(ranks), [1 + sum(ranks[:i]) for i in range(len(ranks))]
         self.flat_ok = all(client.supports_flattened(u) for u in client.urls)
+        for u in client.urls:
+            clear_stale_group(client, u, group_name)
         threads, errors = _threads({u: (lambda u=u, o=o: client.init_weights_update_group(
             u, master_address, master_port, o, self.world, group_name, backend)) for u, o in zip(client.urls, offsets)})
         drop_local_group(group_name)
