@@ -85,3 +85,21 @@ def test_single_process_dims_are_trivial(gen):
     assert dims.is_first_stage and dims.is_last_stage and dims.prev_rank is None and dims.next_rank is None
     x = torch.randn(5, 2, generator=gen)
     assert all_to_all(x, [5], [5], None) is x
+
+
+GROUP_TIMEOUT_S = 77   # distinct from every default (torch's 600 s, INIT_TIMEOUT_S, the launcher's)
+
+
+def _group_timeouts(rank, world):
+    dims = ParallelDims(pp=2, ep=2, timeout_s=GROUP_TIMEOUT_S, wait_timeout_s=99)
+    cpu = torch.device("cpu")
+    return {name: getattr(dims, name)._get_backend(cpu).options._timeout.total_seconds()
+            for name in ("pp_group", "ep_group", "data_group", "side_group")}
+
+
+def test_every_subgroup_gets_the_training_timeout():
+    """Bug caught (issue 37): the PP / EP / data groups created without `timeout=`, so they ran under torch's
+    10-minute default instead of `--parallel.timeout_s` (read back from each group's backend)."""
+    for res in run_ranks(_group_timeouts, 4):
+        assert res == {"pp_group": GROUP_TIMEOUT_S, "ep_group": GROUP_TIMEOUT_S, "data_group": GROUP_TIMEOUT_S,
+                       "side_group": 99}, res

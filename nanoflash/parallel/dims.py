@@ -16,7 +16,9 @@ consumes `dp * ep` batch shards, numbered `data_rank = dp_rank * ep + ep_rank`.
 Waiting for rank 0: rank 0 alone drives the rollout servers (and evaluates and pushes), which can take
 minutes; the other ranks wait for its data on `side_group`, a gloo group of the whole world created with a
 long timeout (`wait_timeout_s`), instead of sitting inside an NCCL collective whose watchdog would kill the
-job. Both timeouts are `ParallelConfig` fields.
+job. Both timeouts are `ParallelConfig` fields; the training timeout (`timeout_s`) is every subgroup's too
+(PP, EP, DP, data: torch's `new_group` would otherwise give them its 10-minute default, which a push -- EP
+peers waiting while their stage's source loads a bucket into a cold server -- can outlast).
 
 `ParallelDims` is passed around explicitly; there are no module-level singletons (unlike Megatron's
 `parallel_state` or picotron's process-group manager). With world size 1 every group is `None` and every
@@ -48,7 +50,8 @@ class ParallelDims:
     Shapes: grid [pp, dp, ep] of global ranks.
     """
 
-    def __init__(self, pp: int = 1, ep: int = 1, dp: int | None = None, wait_timeout_s: float = WAIT_TIMEOUT_S):
+    def __init__(self, pp: int = 1, ep: int = 1, dp: int | None = None, wait_timeout_s: float = WAIT_TIMEOUT_S,
+                 timeout_s: float = INIT_TIMEOUT_S):
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         if dp is None:
@@ -56,6 +59,7 @@ class ParallelDims:
             dp = world // (pp * ep)
         assert pp * dp * ep == world, f"world size ({world}) != PP ({pp}) * DP ({dp}) * EP ({ep})"
         self.pp, self.dp, self.ep, self.world_size, self.rank = pp, dp, ep, world, rank
+        self.timeout = datetime.timedelta(seconds=timeout_s)   # every subgroup's (torch's new_group default: 10 min)
         self.grid = torch.arange(world).view(pp, dp, ep)  # [pp, dp, ep]
         coords = (self.grid == rank).nonzero()[0].tolist()
         self.pp_rank, self.dp_rank, self.ep_rank = coords
@@ -74,7 +78,7 @@ class ParallelDims:
             return None
         mine = None
         for row in rows.tolist():
-            group = dist.new_group(row)
+            group = dist.new_group(row, timeout=self.timeout)
             if self.rank in row:
                 mine = group
         return mine
@@ -131,7 +135,7 @@ def init_distributed(pp: int = 1, ep: int = 1, dp: int | None = None, timeout_s:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return ParallelDims(pp=pp, ep=ep, dp=dp, wait_timeout_s=wait_timeout_s)
+    return ParallelDims(pp=pp, ep=ep, dp=dp, wait_timeout_s=wait_timeout_s, timeout_s=timeout_s)
 
 
 def print0(*args, dims: ParallelDims | None = None, **kwargs) -> None:
