@@ -54,6 +54,7 @@ import shutil
 import socket
 import threading
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -85,12 +86,27 @@ def layout_digest(checksums: dict) -> str | None:
         if checksums else None
 
 
-def source_host(sync_host: str) -> str:
-    """The address servers reach this source at: loopback stays loopback (one host); else $NANOFLASH_SYNC_HOST
-    or this host's name (each stage's source sits on its own node)."""
+def route_address(url: str) -> str:
+    """This host's address on the route to `url`'s host: a UDP socket connected there (no packet is sent) and
+    its local end. Not the host name's address, which a default Debian /etc/hosts maps to 127.0.1.1."""
+    parts = urlsplit(url)
+    with socket.socket(socket.AF_INET6 if ":" in (parts.hostname or "") else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((parts.hostname, parts.port or 80))
+        return s.getsockname()[0]
+
+
+def source_host(sync_host: str, server_urls=()) -> str:
+    """The address the servers reach this source at: loopback stays loopback (one host); else
+    $NANOFLASH_SYNC_HOST; else this host's address on the route to the first server (each stage's source sits
+    on its own node, so the address is its own, whatever rollout.sync_addr names)."""
     if sync_host in ("127.0.0.1", "localhost"):
         return sync_host
-    return os.environ.get("NANOFLASH_SYNC_HOST") or socket.gethostbyname(socket.gethostname())
+    if os.environ.get("NANOFLASH_SYNC_HOST"):
+        return os.environ["NANOFLASH_SYNC_HOST"]
+    if not server_urls:
+        raise ValueError("rollout.sync_addr is not loopback but no server is known to route to; set "
+                         "NANOFLASH_SYNC_HOST to this host's address on the servers' network")
+    return route_address(server_urls[0])
 
 
 def shift_expert(name: str, delta: int) -> str:
@@ -165,7 +181,7 @@ class StagePusher:
         def open_mine():
             if self.is_source:
                 s = self.dims.pp_rank
-                self.broadcaster = Broadcaster(self.client, source_host(host),
+                self.broadcaster = Broadcaster(self.client, source_host(host, self.client.urls),
                                                int(port) + s + self.dims.pp * self.generation, backend,
                                                GROUP.format(stage=s), timeout_s=self.timeout_s,
                                                device=self.dims.device)
