@@ -48,3 +48,58 @@ def test_servers_without_a_version_are_not_refused():
     collector.check_versions(gens, 4)  # an older protocol that reports nothing: nothing to compare
     with pytest.raises(collector.StaleServerError):
         collector.check_versions([type("G", (), {"weight_version": "2", "server": "http://x"})()], 4)
+
+
+def test_routing_records_are_compact_and_dropped_with_their_group():
+    """Bugs caught (issue 37): R3 records kept as int64 [T, n_layers, K] for every sample seen (~24 GiB a round
+    on rank 0 at flash scale), and kept for groups dynamic sampling dropped. The ids must survive exactly."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    from nanoflash.rl.collector import _episodes, expert_id_dtype
+    from nanoflash.sglang.client import Generation
+    assert expert_id_dtype(256) == torch.uint8 and expert_id_dtype(257) == torch.int16
+    assert expert_id_dtype(40_000) == torch.int32
+    ids = np.array([[[0, 255], [7, 200]], [[3, 4], [250, 1]]], dtype=np.int32)            # [T=2, layers=2, K=2]
+    meta = {"routed_experts": base64.b64encode(ids.tobytes()).decode()}
+    gens = [Generation([1, 2], [5], [-0.1], "stop", meta_info=meta)]
+
+    class _Task:
+        reward = staticmethod(lambda probs, outs: [1.0] * len(outs))
+    (ep,) = _episodes(gens, [1, 2], 0, _Task, None, 2, 2, 256)
+    assert ep.routed_experts.dtype == torch.uint8 and ep.routed_experts.tolist() == ids.tolist()
+
+
+def test_collect_drops_the_routing_records_of_dropped_groups():
+    """A group whose rewards are all equal is dropped by dynamic sampling; its episodes stay in the metrics
+    (`seen`) without their R3 records; kept groups keep theirs."""
+    import base64
+    import types
+
+    import numpy as np
+
+    from nanoflash.config import RunConfig, preset
+    from nanoflash.rl.collector import collect
+    from nanoflash.sglang.client import Generation
+    mcfg = preset("tiny")
+    K, L = mcfg.n_activated_experts, mcfg.n_layers
+    rec = {"routed_experts": base64.b64encode(np.zeros((2, L, K), np.int32).tobytes()).decode()}
+
+    class _Client:
+        weight_version = None
+
+        def generate(self, ids, sp, return_routed_experts=False):
+            return [Generation(ids, [5], [-0.1], "stop", meta_info=rec) for _ in range(sp["n"])]
+    flips = iter(range(10 ** 6))
+    task = types.SimpleNamespace(train=["same", "mixed"], encode=lambda p: [1, 2], stop_ids=[0],
+                                 reward=lambda probs, outs: [0.0 if probs[0] == "same" else float(next(flips) % 2)
+                                                             for _ in outs])
+    cfg = RunConfig()
+    cfg.grpo.n_prompts, cfg.grpo.group_size, cfg.grpo.over_sampling_batch_size = 1, 2, 2
+    cfg.rollout.routing_replay, cfg.rollout.max_rounds = True, 1
+    kept, seen, _, _ = collect(_Client(), task, 0, cfg, mcfg)
+    assert len(seen) == 4 and len(kept) == 2
+    assert all(e.routed_experts is not None for e in kept)
+    assert all(e.routed_experts is None for e in seen if all(e is not k for k in kept))

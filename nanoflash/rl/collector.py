@@ -281,13 +281,19 @@ def reward_counts(task: Task) -> dict:
     return dict(getattr(task.reward, "counts", None) or {})
 
 
-def _episodes(gens, prompt_ids, position, task, problem, n_layers: int, topk: int) -> list:
+def expert_id_dtype(n_experts: int) -> torch.dtype:
+    """The smallest integer type that holds every expert id: an R3 record is [tokens, n_layers, K] per sample
+    (flash: 43 x 6 ids a token, held on rank 0 for every sample of a round), 8x smaller in uint8 than int64."""
+    return torch.uint8 if n_experts <= 256 else torch.int16 if n_experts <= 2 ** 15 else torch.int32
+
+
+def _episodes(gens, prompt_ids, position, task, problem, n_layers: int, topk: int, n_experts: int) -> list:
     rs = task.reward([problem] * len(gens), [g.output_ids for g in gens])
     out = []
     for g, r in zip(gens, rs):
         rx = None
         if "routed_experts" in g.meta_info:  # R3: the experts the engine chose, per input position and layer
-            rx = decode_routed_experts(g.meta_info, n_layers, topk)
+            rx = decode_routed_experts(g.meta_info, n_layers, topk).to(expert_id_dtype(n_experts))
         out.append(grpo.Episode(prompt_ids, g.output_ids, g.logprobs, float(r), position, g.finish_reason or "stop",
                                 rx))
     return out
@@ -319,9 +325,11 @@ def collect(client, task: Task, pos: int, cfg, mcfg, bar=None) -> tuple[list, li
                     too_long.append(e.message)
                     continue
                 check_versions(gens, getattr(client, "weight_version", None))
-                eps = _episodes(gens, i, p, task, prob, n_layers, topk)
+                eps = _episodes(gens, i, p, task, prob, n_layers, topk, mcfg.n_routed_experts)
                 seen += eps
                 good = grpo.filter_groups(eps, n) if gc.dynamic_sampling else eps
+                for e in eps if not good else ():   # a dropped group (one prompt's samples): its R3 records are
+                    e.routed_experts = None          # never trained; rank 0 holds only what it will train
                 kept += good
                 if bar is not None and good and len(kept) <= G * n:
                     bar.update(1)  # the bar counts kept groups against the target G
