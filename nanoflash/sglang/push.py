@@ -62,8 +62,8 @@ from nanoflash.names import fill_pattern, name_pattern
 from nanoflash.parallel.expert import expert_range, is_expert_param
 from nanoflash.sglang.client import SGLangClient
 from nanoflash.sglang.layout import LoaderState, compare_checksums, sglang_checksums, sglang_partials
-from nanoflash.sglang.transports import (SENDERS, Broadcaster, FlatBucket, PushFailed, expected_names,
-                                           stream_buckets, verify_real_server, write_disk_bucket)
+from nanoflash.sglang.transports import (SENDERS, Broadcaster, FlatBucket, PushFailed, end_stale_session,
+                                           expected_names, stream_buckets, verify_real_server, write_disk_bucket)
 
 GROUP = "nanoflash-pp{stage}"   # one weight-update group per pipeline stage (Miles: "miles-pp_{pp_rank}")
 
@@ -116,10 +116,20 @@ class StagePusher:
             raise ValueError(f"rollout.transport=local hands tensors to embedded servers inside one process; this "
                              f"trainer has {dims.world_size} ranks (use tensor, distributed or disk)")
         self._learn_servers()
+        if dims.rank == 0:
+            self._clear_stale_sessions()
         if rc.transport == "distributed":
             self._open_groups()
 
     # ------------------------------------------------------------------ servers and groups
+    def _clear_stale_sessions(self):
+        """A previous launch killed mid-push left a server paused inside an open update session: end it (else
+        every push of this launch is refused) and let the server generate again."""
+        ended = [u for u in self.client.urls if end_stale_session(self.client, u)]
+        if ended:
+            print(f"ended the weight-update session a previous launch left open on {', '.join(ended)}", flush=True)
+            self.client.continue_generation()
+
     def _learn_servers(self):
         """Rank 0 tells every rank the servers and their kind; each source gets a client of its own."""
         c = self.client
