@@ -38,7 +38,7 @@ def test_relaunch_pushes_after_a_trainer_died_inside_an_update_session():
         assert not httpd.rollout.engine.paused, "a stale pause left at start: nothing generates until a push"
         info = pusher.push(lambda: model.state_dict().items(), version=3)  # the bug: "session is already open"
         assert info["version"] == 3 and set(info["verified"].values()) == {"checksums"}
-        assert httpd.rollout.engine.weight_version == "3" and not httpd.rollout.session_open
+        assert httpd.rollout.engine.weight_version == pusher.tag(3) and not httpd.rollout.session_open
         out = client.generate([1, 2, 3], {"max_new_tokens": GEN_TOKENS, "temperature": 0.0})
         assert len(out[0].output_ids) == GEN_TOKENS
     finally:

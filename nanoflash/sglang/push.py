@@ -65,6 +65,7 @@ from nanoflash.sglang.layout import LoaderState, compare_checksums, sglang_check
 from nanoflash.sglang.transports import (SENDERS, Broadcaster, FlatBucket, PushFailed, end_stale_session,
                                            expected_names, stream_buckets, verify_real_server, write_disk_bucket)
 
+LAUNCH_BYTES = 4  # the launch nonce of a pushed weight version: 8 hex digits, a 1 in 4e9 collision
 GROUP = "nanoflash-pp{stage}"   # one weight-update group per pipeline stage (Miles: "miles-pp_{pp_rank}")
 
 
@@ -111,6 +112,7 @@ class StagePusher:
         self.src_rank = int(dims.grid[dims.pp_rank, 0, 0])
         self.is_source, self.in_stage = dims.rank == self.src_rank, dims.dp_rank == 0
         self.broadcaster, self.begun, self.last, self.summary = None, set(), {}, {}
+        self.launch = os.urandom(LAUNCH_BYTES).hex()  # rank 0's names every version this launch pushes
         self.client = client
         if rc.transport == "local" and dims.world_size > 1:
             raise ValueError(f"rollout.transport=local hands tensors to embedded servers inside one process; this "
@@ -120,6 +122,13 @@ class StagePusher:
             self._clear_stale_sessions()
         if rc.transport == "distributed":
             self._open_groups()
+
+    def tag(self, version: int) -> str:
+        """The weight version the servers report after push `version`: `{version}-{launch nonce}`. A fresh
+        server reports its own initial version ("0" embedded, "default" SGLang), so a server restarted between
+        the first push (version 0) and step 1 is told apart from the pushed weights (`check_versions`); so is a
+        server that another launch pushed the same step into."""
+        return f"{version}-{self.launch}"
 
     # ------------------------------------------------------------------ servers and groups
     def _clear_stale_sessions(self):
@@ -311,9 +320,9 @@ class StagePusher:
             c.end_update(u)
             self.begun.discard(u)
         checks = self._verify(ledgers) if self.rc.verify else {}
-        c.update_weight_version(str(version))
+        c.update_weight_version(self.tag(version))
         c.continue_generation()
-        c.weight_version = int(version)
+        c.weight_version = self.tag(version)
         src = [L for L in ledgers if L.buckets]
         self.summary = {"version": version, "buckets": sum(L.buckets for L in src), "bytes": sum(L.bytes for L in src),
                         "tensors": sum(len(L.names) for L in src), "verified": checks,
