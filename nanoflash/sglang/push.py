@@ -213,7 +213,9 @@ class StagePusher:
         returning one, called again on a retry). Collective. Returns rank 0's summary ({} elsewhere)."""
         for attempt in range(self.max_retries + 1):
             try:
-                return self._push_once(state() if callable(state) else state, version)
+                out = self._push_once(state() if callable(state) else state, version)
+                self._prune_disk(version)
+                return out
             except PushFailed as e:
                 if attempt == self.max_retries or not callable(state):
                     raise SystemExit(f"weight push v{version} failed after {attempt + 1} attempt(s); servers "
@@ -239,6 +241,20 @@ class StagePusher:
         if any(errs):
             raise PushFailed(next(e for e in errs if e), self._failed_urls(errs))
         return self.summary if rank0 else {}
+
+    def _prune_disk(self, version: int):
+        """Disk transport, after a verified push (every rank knows it): each source deletes its stage's older
+        pushes (`{disk_dir}/v*/pp{s}`, then the emptied `v*`), so `sync/` holds one copy of the weights, not
+        one per step. A failed push never gets here: the servers' last good push stays."""
+        if self.rc.transport != "disk" or not self.is_source or not os.path.isdir(self.disk_dir):
+            return
+        for v in os.listdir(self.disk_dir):
+            if v.startswith("v") and v != f"v{version}":
+                shutil.rmtree(os.path.join(self.disk_dir, v, f"pp{self.dims.pp_rank}"), ignore_errors=True)
+                try:
+                    os.rmdir(os.path.join(self.disk_dir, v))  # the last stage out removes the version's folder
+                except OSError:
+                    pass
 
     def _guard(self, fn) -> str:
         try:
