@@ -31,7 +31,8 @@ from scratch on re-created groups `max_retries` times, then the run stops naming
 
 Transports: "distributed" as above; "tensor" (one host: colocated) posts each bucket's flat GPU buffer as
 SGLang's CUDA-IPC `FlattenedTensorBucket` (the embedded server: safetensors); "disk" writes one fresh
-directory per source and push (`{disk_dir}/v{version}/pp{s}`) and has every server load it; "local" (one
+directory per source and push (`{disk_dir}/v{version}/pp{s}`; only the last verified one is kept) and has
+every server load it; "local" (one
 process, embedded servers in it: the `gpu` recipe) posts a handle to the bucket's GPU tensors
 (`transports.send_local_payload`).
 
