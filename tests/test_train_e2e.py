@@ -294,7 +294,8 @@ def test_a_server_that_dies_mid_run_is_waited_for_and_re_pushed(tmp_path):
                                   stdout=subprocess.DEVNULL)
         log = trainer.communicate(timeout=240)[0]
         assert trainer.returncode == 0, log[-3000:]
-        assert "ServerGoneError" in log and "restart 1 of 1" in log
+        # the request in flight when it died: RequestUnanswered (a ServerGoneError: sent, never re-sent, issue 36)
+        assert ("ServerGoneError" in log or "RequestUnanswered" in log) and "restart 1 of 1" in log
         recs = read_jsonl(os.path.join(out, "metrics.jsonl"))
         assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2]
         restart = [r for r in recs if r["kind"] == "server_restart"]
