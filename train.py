@@ -42,13 +42,14 @@ from nanoflash.cli import startup, to_dict
 from nanoflash.model import Transformer
 from nanoflash.parallel.dcp import latest_checkpoint
 from nanoflash.parallel.dims import init_distributed, print0
-from nanoflash.rl.collector import Collector, eval_seeds
+from nanoflash.rl.collector import Collector, StaleServerError, eval_seeds
 from nanoflash.rl.evaluate import evaluate
 from nanoflash.rl.hooks import HookContext, Hooks
 from nanoflash.rl.metrics import MetricsLog
 from nanoflash.rl.plots import write_plots
 from nanoflash.rl.trainer import Trainer, gather_full_state, make_optimizer
 from nanoflash.sglang.buckets import optimizer_storage
+from nanoflash.sglang.client import ServerGoneError
 from nanoflash.sglang.push import StagePusher
 
 # ---------------------------------------------------------------------------------------------- config
@@ -134,7 +135,10 @@ def run_eval(at: int) -> None:
     if not rank0 or not ec.every:
         return
     t0 = time.time()
-    res = evaluate(task.heldout, gen_at(at), ec.k_samples, task.reward, ec.max_new_tokens, task.encode)
+    try:  # a server that restarted (or died) since the push is never scored: one line, stop (resume re-pushes)
+        res = evaluate(task.heldout, gen_at(at), ec.k_samples, task.reward, ec.max_new_tokens, task.encode)
+    except (ServerGoneError, StaleServerError) as e:
+        raise SystemExit(f"eval at step {at} failed: {type(e).__name__}: {e}") from None
     acc = torch.tensor(res.pop("per_problem_correct"), dtype=torch.float64) / ec.k_samples  # [P] per problem
     res["pass@1_se"] = float(acc.std() / len(acc) ** 0.5) if len(acc) > 1 else 0.0  # standard error over problems
     print0(f"eval step {at}: " + " ".join(f"{k}={v:.3f}" for k, v in res.items() if k.startswith("pass@")))

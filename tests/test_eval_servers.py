@@ -79,3 +79,22 @@ def test_eval_seeds_are_per_prompt_and_per_step():
     a, b = collector.eval_seeds(1, 0, 5), collector.eval_seeds(1, 1, 5)
     assert len(set(a)) == 5 and not set(a) & set(b) and a == collector.eval_seeds(1, 0, 5)
     assert all(isinstance(s, int) and 0 <= s < collector.SEED_MOD for s in a + b)
+
+
+@pytest.mark.parametrize("path", ["servers", "batched"])
+def test_eval_refuses_a_server_that_lost_the_pushed_weights(rollouts, path):
+    """Issue 39 item 4. Bug caught: eval never compared the servers' weight version with the last verified push,
+    so after a server restart it scored the initial weights as the step's. It now checks like the rollout."""
+    engine, client = rollouts.engines[0], rollouts.client
+    before = (engine.weight_version, client.weight_version)
+    client.weight_version = engine.weight_version = "5-launch"   # a verified push of step 5 (StagePusher.tag)
+    seeds = collector.eval_seeds(1234, 5, 2)
+    prompts = [rollouts.task.encode(p) for p in rollouts.task.heldout[:2]]
+    try:
+        rollouts.cfg.eval.path = path
+        assert len(rollouts.eval_generate(prompts, 1, seeds)) == 2
+        engine.weight_version = "0"                      # restarted: its initial weights, its initial version
+        with pytest.raises(collector.StaleServerError, match="generated with weight version 0, but version 5-launch"):
+            rollouts.eval_generate(prompts, 1, seeds)
+    finally:
+        engine.weight_version, client.weight_version = before

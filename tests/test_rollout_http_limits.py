@@ -226,7 +226,7 @@ def test_the_key_is_needed_on_every_route_and_train_passes_it(server, monkeypatc
     rollouts = Collector(cfg, None, model.cfg, None)
     pusher = StagePusher(ParallelDims(), rollouts.client, cfg.rollout, model.cfg, disk_dir=str(tmp_path / "sync"))
     pusher.push(lambda: model.state_dict().items(), 1)  # the loop's push (world 1), verified with the key: no 401
-    assert httpd.rollout.engine.weight_version == "1"
+    assert httpd.rollout.engine.weight_version == pusher.tag(1)
     with pytest.raises(ValueError, match="NF_UNSET_KEY"):
         RolloutConfig(api_key="env:NF_UNSET_KEY")
     with pytest.raises(RequestRejected, match="401"):

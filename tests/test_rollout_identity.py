@@ -6,6 +6,8 @@ embedded engine reporting its initial version again after a verified push.
 
 Run: pytest tests/test_rollout_identity.py -q
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ from nanoflash.rl import collector
 from nanoflash.cli import parse_args
 from nanoflash.config import preset
 from nanoflash.model import Transformer
+from nanoflash.parallel.dims import ParallelDims
+from nanoflash.sglang.push import StagePusher
 from nanoflash.sglang.transports import iter_sglang_buckets, push_weights
 
 
@@ -103,3 +107,30 @@ def test_collect_drops_the_routing_records_of_dropped_groups():
     assert len(seen) == 4 and len(kept) == 2
     assert all(e.routed_experts is not None for e in kept)
     assert all(e.routed_experts is None for e in seen if all(e is not k for k in kept))
+def test_a_server_restarted_right_after_the_first_push_is_refused(served):
+    """Issue 39 item 3. Bug caught: the first push is version 0 (step 0), which is also what a fresh server
+    reports, so a server restarted between the first push and step 1 passed the check and step 1 trained on
+    its initial weights. The pusher's versions carry a launch nonce (`StagePusher.tag`)."""
+    cfg, mcfg, model, client, engine, task = served
+    rc = dataclasses.replace(cfg.rollout, transport="tensor", weights="fp32", sync_addr="127.0.0.1:1")
+    pusher = StagePusher(ParallelDims(), client, rc, mcfg, max_retries=0)
+    pusher.push(lambda: model.state_dict().items(), version=0)   # train.py's first push: version = step = 0
+    _collect(cfg, mcfg, client, task)                              # its samples are accepted
+    assert engine.weight_version == client.weight_version == pusher.tag(0) != "0"
+    engine.weight_version = "0"  # the same URL after a restart: its initial weights, its initial version
+    with pytest.raises(collector.StaleServerError, match=r"generated with weight version 0, but version 0-"):
+        _collect(cfg, mcfg, client, task)
+
+
+def test_two_launches_never_share_a_version():
+    """Bug caught: a nonce drawn from the seeded torch/python generators (every launch of a run the same)."""
+    rc = parse_args(["--recipe", "smoke"]).rollout
+    a, b = (StagePusher(ParallelDims(), _NoServers(), rc, preset("tiny")) for _ in range(2))
+    assert a.tag(3) != b.tag(3) and a.tag(3).startswith("3-")
+
+
+class _NoServers:
+    urls, api_key = [], None
+
+    def is_embedded(self, url):
+        return True

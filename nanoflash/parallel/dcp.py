@@ -20,7 +20,7 @@ runs only after the new checkpoint is committed and verified, so the last verifi
 
 Atomicity: everything is written into `step_N.tmp/` (DCP fsyncs its files), then rank 0 fsyncs meta.json
 and the directory, and renames `step_N.tmp -> step_N` (atomic on POSIX) after a barrier. A crash before the
-rename leaves a `.tmp` directory that `latest_checkpoint` ignores and the next save deletes; the last good
+rename leaves a `.tmp` directory that `latest_checkpoint` ignores and the next start (`tidy`) or save deletes; the last good
 checkpoint is never touched. Old checkpoints beyond `keep` are deleted only after the new one is committed.
 
 How this differs from production: no async save (DCP `async_save`) and no staging to pinned memory.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import zlib
 
@@ -43,7 +44,8 @@ from nanoflash.checkpoint import save_hf_checkpoint
 from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 
-STEP_PREFIX, TMP_SUFFIX, META = "step_", ".tmp", "meta.json"
+STEP_PREFIX, TMP_SUFFIX, META, CORRUPT_SUFFIX = "step_", ".tmp", "meta.json", ".corrupt-"
+STEP_DIR = re.compile(r"step_\d{8}")  # a checkpoint's own name: never step_N.tmp or step_N.corrupt-<k>
 CRC_CHUNK = 16 << 20  # bytes read per crc32 update
 
 
@@ -116,13 +118,26 @@ def _set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state(st["cuda"])
 
 
+def _step_dirs(root: str) -> list[str]:
+    """Names of the checkpoints under root, committed or not (step_N; never .tmp or moved-aside), oldest first."""
+    return sorted(d for d in os.listdir(root) if STEP_DIR.fullmatch(d)) if os.path.isdir(root) else []
+
+
 def latest_checkpoint(root: str) -> str | None:
     """Path of the newest committed checkpoint under root (None if there is none)."""
-    if not os.path.isdir(root):
-        return None
-    done = [d for d in os.listdir(root) if d.startswith(STEP_PREFIX) and not d.endswith(TMP_SUFFIX)
-            and os.path.exists(os.path.join(root, d, META))]
-    return os.path.join(root, max(done)) if done else None
+    done = [d for d in _step_dirs(root) if os.path.exists(os.path.join(root, d, META))]
+    return os.path.join(root, done[-1]) if done else None
+
+
+def move_aside(path: str) -> str:
+    """Rename an unusable checkpoint to `step_N.corrupt-<k>` (the first k free), never deleting it: its files
+    are the evidence, and its name is free again for the run to commit step N when it gets there."""
+    k = 1
+    while os.path.exists(f"{path}{CORRUPT_SUFFIX}{k}"):
+        k += 1
+    os.rename(path, f"{path}{CORRUPT_SUFFIX}{k}")
+    _fsync_path(os.path.dirname(path) or ".")
+    return f"{path}{CORRUPT_SUFFIX}{k}"
 
 
 def _commit(tmp: str, final: str, root: str) -> None:
@@ -165,7 +180,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, dims: ParallelDims, 
 
 
 def _prune(root: str, keep: int) -> None:
-    done = sorted(d for d in os.listdir(root) if d.startswith(STEP_PREFIX) and not d.endswith(TMP_SUFFIX))
+    done = _step_dirs(root)  # moved-aside checkpoints are never pruned (nor counted)
     for d in done[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
@@ -194,23 +209,47 @@ def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
     return meta
 
 
+def tidy(root: str, unusable: dict, newer_than: str, dims: ParallelDims, log=print) -> None:
+    """Rank 0, at start-up: move aside every unusable checkpoint newer than the one resumed ({path: why}; one
+    line each, naming where it went: `move_aside`) and remove a crashed save's `.tmp` debris; every rank meets
+    after. Left in place, an unusable `step_N/` makes the commit of step N, when the run reaches it again, fail
+    ("Directory not empty") on every restart."""
+    if dims.rank == 0 and os.path.isdir(root):
+        for bad in sorted(p for p in unusable if p > newer_than):
+            log(f"checkpoint {bad} is unusable ({unusable[bad]}); moved aside to {move_aside(bad)} (kept, never "
+                f"read again){'; resuming from ' + newer_than if newer_than else ''}")
+        for t in sorted(t for t in os.listdir(root) if t.startswith(STEP_PREFIX) and t.endswith(TMP_SUFFIX)):
+            shutil.rmtree(os.path.join(root, t), ignore_errors=True)
+            log(f"removed {os.path.join(root, t)}: the debris of a save that did not finish")
+    _barrier(dims)
+
+
 def load_latest(root: str, model, optimizer, dims: ParallelDims, log=print) -> tuple[str | None, dict | None]:
     """Resume from the newest checkpoint under root that verifies and loads; a corrupt or unreadable one is
     reported and the previous one tried. Returns (path, meta), or (None, None) if root has none. If every
-    checkpoint fails, the last error is raised (nothing usable is silently skipped into a fresh start)."""
-    done = sorted(d for d in os.listdir(root) if d.startswith(STEP_PREFIX) and not d.endswith(TMP_SUFFIX)
-                  and os.path.exists(os.path.join(root, d, META))) if os.path.isdir(root) else []
-    err = None
+    checkpoint fails, each is reported and the last error raised (nothing usable is silently skipped into a
+    fresh start, and nothing is moved: the next start fails the same way).
+
+    Once one loads (or when root has no committed checkpoint at all), every newer `step_N/` -- unusable, or
+    without meta.json (never committed by a save) -- is moved aside and `.tmp` debris removed (`tidy`)."""
+    names = _step_dirs(root)
+    done = [d for d in names if os.path.exists(os.path.join(root, d, META))]
+    err, unusable = None, {os.path.join(root, d): f"no {META}: never committed" for d in names if d not in done}
     for d in reversed(done):
         path = os.path.join(root, d)
         try:
-            return path, load_checkpoint(path, model, optimizer, dims)
+            meta = load_checkpoint(path, model, optimizer, dims)
         except ValueError as e:  # CheckpointCorrupt or a DCP read error: fall back to the previous one
-            err = e
-            if dims.rank == 0:
-                log(f"checkpoint {path} is unusable ({e}); trying the previous one")
+            err, unusable[path] = e, str(e)
+            continue
+        tidy(root, unusable, path, dims, log)
+        return path, meta
     if err is not None:
+        if dims.rank == 0:
+            for bad in sorted(unusable):
+                log(f"checkpoint {bad} is unusable ({unusable[bad]})")
         raise err
+    tidy(root, unusable, "", dims, log)
     return None, None
 
 

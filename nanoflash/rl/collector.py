@@ -41,7 +41,8 @@ from nanoflash.rl import data, plugins, rewards
 from nanoflash.rl.metrics import progress, step_metrics
 from nanoflash.rl.rewards import VerifierUnavailable
 from nanoflash import grpo
-from nanoflash.sglang.client import RequestRejected, ServerGoneError, SGLangClient, decode_routed_experts
+from nanoflash.sglang.client import (Generation, RequestRejected, ServerGoneError, SGLangClient,
+                                     decode_routed_experts)
 from nanoflash.server.engine import RolloutEngine, sample
 from nanoflash.server.http import serve
 
@@ -243,11 +244,13 @@ class Collector:
                                  "use eval.path=servers (or auto)")
             engine = self.engines[0]
             with engine.lock:  # no weight update while it samples
+                check_versions([Generation([], [], [], "", engine.weight_version, self.client.urls[0])],
+                               self.client.weight_version)  # as its server reports it (a restart resets it)
                 return sample_batched(engine.model, prompts, n, ec.max_new_tokens, ec.temperature,
                                       list(self.task.stop_ids), seeds, top_p=ec.top_p)
         sp = {"n": n, "temperature": ec.temperature, "top_p": ec.top_p, "max_new_tokens": ec.max_new_tokens,
               "stop_token_ids": list(self.task.stop_ids)}
-        return sample_servers(self.client, prompts, sp, seeds, self.cfg.rollout.max_workers)
+        return sample_servers(self.client, prompts, sp, seeds, self.cfg.rollout.max_workers, check=True)
 
     def close(self) -> None:
         for httpd in self.httpds:
@@ -386,9 +389,11 @@ def sample_batched(model, prompts: list, n: int, max_new: int, temperature: floa
     return out
 
 
-def sample_servers(client, prompts: list, sp: dict, seeds: list, max_workers: int) -> list:
+def sample_servers(client, prompts: list, sp: dict, seeds: list, max_workers: int, check: bool = False) -> list:
     """One /generate request per prompt (n = sp["n"] samples, sampling_seed seeds[i]) through the rollout
-    client, spread over its servers, their KV caches doing the decoding. -> per prompt [(ids, reason)] * n"""
+    client, spread over its servers, their KV caches doing the decoding. -> per prompt [(ids, reason)] * n.
+    `check`: every sample must come from the last verified push (`check_versions`, as the rollout's): a server
+    restarted since would be scored on its initial weights."""
     if len(seeds) != len(prompts):
         raise ValueError(f"sample_servers: {len(seeds)} seeds for {len(prompts)} prompts")
     with ThreadPoolExecutor(max_workers=max_workers) as pool:
@@ -397,6 +402,8 @@ def sample_servers(client, prompts: list, sp: dict, seeds: list, max_workers: in
         gens = [f.result() for f in futs]
     out = []
     for i, group in enumerate(gens):
+        if check:
+            check_versions(group, getattr(client, "weight_version", None))
         bad = [g.finish_reason for g in group if g.finish_reason not in ("stop", "length")]
         if bad or len(group) != sp["n"]:
             raise ValueError(f"eval prompt {i}: {group[0].server if group else 'a server'} returned "

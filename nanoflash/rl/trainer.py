@@ -167,8 +167,8 @@ class Trainer:
     def resume(self, root: str) -> tuple[str | None, dict | None]:
         """Model + optimizer state (and RNG) from the newest checkpoint under `root` that verifies (a corrupt
         one is reported and the previous one used). Returns (path, meta), (None, None) when there is none."""
-        if latest_checkpoint(root) is None:
-            return None, None  # a fresh run: the optimizer is taken after any warm-up instead
+        if latest_checkpoint(root) is None:  # a fresh run: the optimizer is taken after any warm-up instead
+            return load_latest(root, None, None, self.dims)  # loads nothing; moves aside a step_N without meta
         if self.optimizer is None:
             self.start_optimizer()
         return load_latest(root, self.model, self.optimizer, self.dims)

@@ -31,7 +31,8 @@ from scratch on re-created groups `max_retries` times, then the run stops naming
 
 Transports: "distributed" as above; "tensor" (one host: colocated) posts each bucket's flat GPU buffer as
 SGLang's CUDA-IPC `FlattenedTensorBucket` (the embedded server: safetensors); "disk" writes one fresh
-directory per source and push (`{disk_dir}/v{version}/pp{s}`) and has every server load it; "local" (one
+directory per source and push (`{disk_dir}/v{version}/pp{s}`; only the last verified one is kept) and has
+every server load it; "local" (one
 process, embedded servers in it: the `gpu` recipe) posts a handle to the bucket's GPU tensors
 (`transports.send_local_payload`).
 
@@ -63,9 +64,10 @@ from nanoflash.names import fill_pattern, name_pattern
 from nanoflash.parallel.expert import expert_range, is_expert_param
 from nanoflash.sglang.client import SGLangClient
 from nanoflash.sglang.layout import LoaderState, compare_checksums, sglang_checksums, sglang_partials
-from nanoflash.sglang.transports import (SENDERS, Broadcaster, FlatBucket, PushFailed, expected_names,
-                                           stream_buckets, verify_real_server, write_disk_bucket)
+from nanoflash.sglang.transports import (SENDERS, Broadcaster, FlatBucket, PushFailed, end_stale_session,
+                                           expected_names, stream_buckets, verify_real_server, write_disk_bucket)
 
+LAUNCH_BYTES = 4  # the launch nonce of a pushed weight version: 8 hex digits, a 1 in 4e9 collision
 GROUP = "nanoflash-pp{stage}"   # one weight-update group per pipeline stage (Miles: "miles-pp_{pp_rank}")
 
 
@@ -127,15 +129,33 @@ class StagePusher:
         self.src_rank = int(dims.grid[dims.pp_rank, 0, 0])
         self.is_source, self.in_stage = dims.rank == self.src_rank, dims.dp_rank == 0
         self.broadcaster, self.begun, self.last, self.summary = None, set(), {}, {}
+        self.launch = os.urandom(LAUNCH_BYTES).hex()  # rank 0's names every version this launch pushes
         self.client = client
         if rc.transport == "local" and dims.world_size > 1:
             raise ValueError(f"rollout.transport=local hands tensors to embedded servers inside one process; this "
                              f"trainer has {dims.world_size} ranks (use tensor, distributed or disk)")
         self._learn_servers()
+        if dims.rank == 0:
+            self._clear_stale_sessions()
         if rc.transport == "distributed":
             self._open_groups()
 
+    def tag(self, version: int) -> str:
+        """The weight version the servers report after push `version`: `{version}-{launch nonce}`. A fresh
+        server reports its own initial version ("0" embedded, "default" SGLang), so a server restarted between
+        the first push (version 0) and step 1 is told apart from the pushed weights (`check_versions`); so is a
+        server that another launch pushed the same step into."""
+        return f"{version}-{self.launch}"
+
     # ------------------------------------------------------------------ servers and groups
+    def _clear_stale_sessions(self):
+        """A previous launch killed mid-push left a server paused inside an open update session: end it (else
+        every push of this launch is refused) and let the server generate again."""
+        ended = [u for u in self.client.urls if end_stale_session(self.client, u)]
+        if ended:
+            print(f"ended the weight-update session a previous launch left open on {', '.join(ended)}", flush=True)
+            self.client.continue_generation()
+
     def _learn_servers(self):
         """Rank 0 tells every rank the servers and their kind; each source gets a client of its own."""
         c = self.client
@@ -210,7 +230,9 @@ class StagePusher:
         returning one, called again on a retry). Collective. Returns rank 0's summary ({} elsewhere)."""
         for attempt in range(self.max_retries + 1):
             try:
-                return self._push_once(state() if callable(state) else state, version)
+                out = self._push_once(state() if callable(state) else state, version)
+                self._prune_disk(version)
+                return out
             except PushFailed as e:
                 if attempt == self.max_retries or not callable(state):
                     raise SystemExit(f"weight push v{version} failed after {attempt + 1} attempt(s); servers "
@@ -236,6 +258,20 @@ class StagePusher:
         if any(errs):
             raise PushFailed(next(e for e in errs if e), self._failed_urls(errs))
         return self.summary if rank0 else {}
+
+    def _prune_disk(self, version: int):
+        """Disk transport, after a verified push (every rank knows it): each source deletes its stage's older
+        pushes (`{disk_dir}/v*/pp{s}`, then the emptied `v*`), so `sync/` holds one copy of the weights, not
+        one per step. A failed push never gets here: the servers' last good push stays."""
+        if self.rc.transport != "disk" or not self.is_source or not os.path.isdir(self.disk_dir):
+            return
+        for v in os.listdir(self.disk_dir):
+            if v.startswith("v") and v != f"v{version}":
+                shutil.rmtree(os.path.join(self.disk_dir, v, f"pp{self.dims.pp_rank}"), ignore_errors=True)
+                try:
+                    os.rmdir(os.path.join(self.disk_dir, v))  # the last stage out removes the version's folder
+                except OSError:
+                    pass
 
     def _guard(self, fn) -> str:
         try:
@@ -317,9 +353,9 @@ class StagePusher:
             c.end_update(u)
             self.begun.discard(u)
         checks = self._verify(ledgers) if self.rc.verify else {}
-        c.update_weight_version(str(version))
+        c.update_weight_version(self.tag(version))
         c.continue_generation()
-        c.weight_version = int(version)
+        c.weight_version = self.tag(version)
         src = [L for L in ledgers if L.buckets]
         self.summary = {"version": version, "buckets": sum(L.buckets for L in src), "bytes": sum(L.bytes for L in src),
                         "tensors": sum(len(L.names) for L in src), "verified": checks,

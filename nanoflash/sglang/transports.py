@@ -257,6 +257,23 @@ def clear_stale_group(client, url: str, group_name: str) -> bool:
         return False
 
 
+def end_stale_session(client, url: str) -> bool:
+    """A launch's first act on a `session`-protocol server: end a weight-update session a previous launch left
+    open (killed between /begin_weight_update and /end_weight_update). The server refuses every later begin
+    ("a weight-update session is already open") until it restarts, so without this a re-launch cannot push.
+    Ending it re-derives the quantisation state of the half-pushed weights; the launch's first push replaces them
+    all. A 400 is the usual answer: no session open. -> whether one was ended"""
+    if client.protocol(url) != "session":
+        return False
+    try:
+        client.post(url, "/end_weight_update", {}, retry_s=0.0)
+        return True
+    except RequestRejected as e:
+        if e.status != 400:
+            raise
+        return False
+
+
 class Broadcaster:
     """One source of `update_weights_from_distributed`: rank 0 of a group `group_name` with every receiving
     rank of every server. A server's rank count comes from itself (`client.server_ranks`: SGLang joins
