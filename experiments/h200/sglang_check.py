@@ -428,7 +428,7 @@ def cmd_push(a):
     from nanoflash.sglang.layout import LoaderState
     from nanoflash.sglang.transports import iter_sglang_buckets
     client = SGLangClient([URL], timeout=1200)
-    client.wait_healthy(timeout=60)
+    client.wait_healthy(timeout=a.wait)   # a cold SGLang start: ~275 s on the H200
     model = load_model(a)
     prompt = torch.randint(3, VOCAB_HI, (48,), generator=torch.Generator().manual_seed(7)).tolist()
     res = {"protocol": client.protocol(URL), "transport": a.transport, "before": behaviour(client, model, prompt)}
