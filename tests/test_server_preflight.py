@@ -71,6 +71,7 @@ def test_expert_storage_is_decided_as_sglang_decides(ckpts):
         held(ckpts["fp8"], {FP4_ENV: "1"})
     assert held("nanoflash", {}, "dummy", engine="nanoflash", weights="fp8") == "fp8"   # seeded embedded server
     assert held("nanoflash", {}, "dummy", engine="nanoflash", weights="fp32") == "unquantized"
+    assert held("nanoflash", {FP4_ENV: "0"}, "dummy", engine="nanoflash", weights="fp32") == "unquantized"
 
 
 def test_an_embedded_server_reports_what_sglang_reports(ckpts):

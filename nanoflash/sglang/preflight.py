@@ -20,7 +20,7 @@ disk, SGLANG_DSV4_FP4_EXPERTS=0: convert it with `python -m nanoflash.export --f
 server started with another value of the variable than the trainer's; the first push's verification
 (`transports.verify_real_server`: the FP8 experts' own hashes) catches that. nanoflash's embedded server reports
 the same fields (its `--checkpoint` as model_path, load_format "dummy" for a seeded preset); with no checkpoint
-it holds experts as its `--weights` says.
+it holds experts as its `--weights` says (it reads no variable).
 
 **torch and NCCL.** A distributed push is one process group across both sides: torch's store protocol and
 NCCL's wire format are not promised across versions. SGLang 0.5.16's /server_info reports SGLang's version and
@@ -102,6 +102,9 @@ def served_experts(info: dict, env=os.environ) -> tuple[str, str]:
     on_disk = {"U8": "fp4", "I8": "fp4", "F4": "fp4", "F8_E4M3": "fp8"}.get(dtype)
     if dtype and not on_disk:   # BF16 experts on disk: an unquantized checkpoint
         return "unquantized", f"routed experts stored {dtype} in {path}"
+    if info.get("engine") == "nanoflash" and not dtype:   # a seeded embedded server (it reads no variable):
+        return ("fp8" if info.get("weights") == "fp8" else "unquantized"), \
+            f"embedded server --weights {info.get('weights')}"    # it holds what its --weights say
     if var is not None:
         said = "fp4" if var else "fp8"
         if on_disk and on_disk != said and fmt != "dummy":
@@ -113,9 +116,6 @@ def served_experts(info: dict, env=os.environ) -> tuple[str, str]:
         return (said if _quantized(info) else "unquantized"), f"{FP4_ENV}={env[FP4_ENV]}"
     if on_disk:
         return on_disk, f"routed experts stored {dtype} in {path}"
-    if info.get("engine") == "nanoflash":   # the embedded server, seeded: it holds what its --weights say
-        return ("fp8" if info.get("weights") == "fp8" else "unquantized"), f"embedded server --weights " \
-                                                                              f"{info.get('weights')}"
     return "fp4", (f"SGLang's default: {FP4_ENV} unset here and no checkpoint readable at {path!r}; "
                    f"export {FP4_ENV}=0 on both sides for FP8 experts")
 
