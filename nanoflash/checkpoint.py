@@ -27,6 +27,9 @@ stored FP8: the official converter and SGLang (with SGLANG_OPT_FP8_WO_A_GEMM=0) 
 they load it, so one file serves both. FP8 experts are quantized straight from the model's weights rather than
 through FP4 (`quant.fp4_to_fp8`), which only loses less.
 
+`repack_release_fp8_experts(src, dst)` turns the official release (FP4 experts) into that FP8-expert re-pack,
+shard by shard, each converted expert checked exact (`python -m nanoflash.export --from-release SRC DST`).
+
 Differences from production loaders: no tensor-parallel slicing (nanoflash has no TP), no fused or
 permuted in-memory layouts (SGLang's `wkv_gate`, its `ape` hotfix), plain fp32 dequantization on the CPU.
 
@@ -38,6 +41,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 
 import torch
 from safetensors import safe_open
@@ -324,3 +328,80 @@ def _finish(path: str, shards: list, config: dict) -> dict:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return index
+
+
+# ---------------------------------------------------------------------------- release -> FP8 experts
+def _fp4_expert(name: str, stored: str) -> bool:
+    """Is `name` a routed expert's packed FP4 weight (the one kind the re-pack changes)?"""
+    if not name.endswith(".weight") or stored not in ("I8", "U8"):
+        return False
+    try:
+        return release_kind(name) == "fp4"
+    except KeyError:   # a name outside the table (none in the release) is copied as it is
+        return False
+
+
+def _fp8_expert_config(path: str) -> dict:
+    """The release's config.json with the experts' storage said FP8 (the `nanoflash` block and a top-level
+    `expert_dtype`, where present); its FP8 `quantization_config` is what SGLang reads and stays as it is."""
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    if "quantization_config" not in hf:
+        raise CheckpointError(f"{path}/config.json has no quantization_config: not an FP8/FP4 release")
+    if "expert_dtype" in hf:
+        hf["expert_dtype"] = "fp8"
+    if isinstance(hf.get("nanoflash"), dict):
+        hf["nanoflash"]["expert_dtype"] = "fp8"
+    return hf
+
+
+@torch.no_grad()
+def repack_release_fp8_experts(src: str, dst: str) -> dict:
+    """The official release (packed FP4 routed experts) -> the same checkpoint with FP8 experts, the layout SGLang
+    serves them from on Hopper (SGLANG_DSV4_FP4_EXPERTS=0; the official `convert.py --expert-dtype fp8`).
+
+    One source shard at a time (its tensors, then its output shard; never more than one shard in memory): every
+    routed-expert weight stored as packed FP4 (I8/U8 + an E8M0 1x32 `.scale`) becomes F8_E4M3 + an E8M0 128x128
+    `.scale` (`quant.fp4_to_fp8`), in the shard that held the weight, and is checked exact: its dequantized
+    values must equal the FP4 ones (a tile whose scales span more than 2^14 would not be; CheckpointError names
+    it). Every other tensor is copied as it is. config.json: the release's, experts said FP8 (`_fp8_expert_config`);
+    other files (tokenizer, ...) are copied. Returns {"shards", "converted", "copied"}."""
+    weight_map, config = read_weight_map(src), _fp8_expert_config(src)
+    os.makedirs(dst, exist_ok=True)
+    by_file: dict[str, list] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, []).append(name)
+    converted, copied, shards = 0, 0, []
+    with contextlib.ExitStack() as stack:
+        cache = _Shards(stack)   # memory-mapped shards: headers first, then one tensor at a time
+        fp4 = {n for n, file in weight_map.items() if _fp4_expert(n, cache.header(n, file)[0])}
+        old_scales = {n[: -len("weight")] + "scale" for n in fp4}   # replaced, written beside their weights
+        for k, file in enumerate(sorted(by_file)):
+            out = {}
+            for name in sorted(by_file[file]):
+                if name in old_scales:
+                    continue
+                if name not in fp4:
+                    out[name] = cache.get(file).get_tensor(name)
+                    copied += 1
+                    continue
+                sname = name[: -len("weight")] + "scale"
+                if sname not in weight_map:
+                    raise CheckpointError(f"FP4 expert {name!r} in {file} has no '.scale' sibling")
+                packed = cache.get(file).get_tensor(name).view(torch.int8)
+                s32 = cache.get(weight_map[sname]).get_tensor(sname)
+                q, s = quant.fp4_to_fp8(packed, s32)
+                if not torch.equal(quant.dequantize_fp8_block(q, s, torch.float32),
+                                   quant.dequantize_fp4(packed, s32, torch.float32)):
+                    raise CheckpointError(f"{name} in {file}: FP4 -> FP8 is not exact (a 128x128 tile's FP4 scales "
+                                          f"span more than 2^14); it cannot be re-packed losslessly")
+                out[name], out[sname] = q, s
+                converted += 1
+            shards.append(_write_shard(dst, k, out))
+            del out
+    for f in os.listdir(src):
+        full = os.path.join(src, f)
+        if os.path.isfile(full) and not f.endswith(".safetensors") and f not in (INDEX_FILE, "config.json"):
+            shutil.copyfile(full, os.path.join(dst, f))
+    _finish(dst, shards, config)
+    return {"shards": len(shards), "converted": converted, "copied": copied}

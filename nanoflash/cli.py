@@ -279,11 +279,13 @@ def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2)
         plan = planner.main(argv)
     n_train = par.pp * par.ep * (par.dp or 1)
     w, w_push = planner.rollout_weight_bytes(mcfg), planner.rollout_weight_bytes(mcfg, push=True)
+    w_served = planner.rollout_weight_bytes(dataclasses.replace(mcfg, expert_dtype="fp8"))  # --from-release re-pack
     lines = [f"dry run: {tc.preset} | trainer {n_train} GPUs = PP{par.pp} x EP{par.ep} x DP{par.dp or 1} (TP1) on "
              f"{-(-n_train // gpus_per_node)} node(s) | rollout: {rollout_nodes} node(s) x {gpus_per_node} GPUs "
              f"serving SGLang", "", "trainer, per GPU (parallel.planner):", plan, "",
-             f"rollout, per engine: release weights {w / 2**30:.1f} GiB (FP8 linears, FP4 experts) -> "
-             f"{w / gpus_per_node / 2**30:.1f} GiB per GPU at TP/EP {gpus_per_node}; the rest is KV cache "
+             f"rollout, per engine: the release re-packed with FP8 experts (python -m nanoflash.export "
+             f"--from-release; release weights {w / 2**30:.1f} GiB with FP4 experts) {w_served / 2**30:.1f} GiB -> "
+             f"{w_served / gpus_per_node / 2**30:.1f} GiB per GPU at TP/EP {gpus_per_node}; the rest is KV cache "
              f"(SGLang --mem-fraction-static)",
              f"weight sync per step: {w_push / 2**30:.1f} GiB (FP8 blocks, experts re-packed FP8, no MTP) "
              f"to each of {rollout_nodes} engines in {cfg.rollout.bucket_bytes / 2**30:.2f} GiB buckets"]

@@ -2,6 +2,8 @@
 
     python -m nanoflash.export runs/demo runs/demo-hf                 # newest checkpoint of a run, BF16 linears
     python -m nanoflash.export runs/demo/checkpoints/step_00000080 out --weights fp8   # FP8 + FP4, the release's
+    python -m nanoflash.export runs/demo out --weights fp8 --experts fp8               # what SGLang serves (Hopper)
+    python -m nanoflash.export --from-release /ckpt/DeepSeek-V4-Flash /ckpt/V4-Flash-fp8e --experts fp8
 
 SOURCE is a run directory (its newest committed checkpoint) or one `checkpoints/step_N` directory. The model
 config comes from the checkpoint itself (`meta.json` -> `extra.model_config`, which `train.py` writes into every
@@ -15,13 +17,24 @@ norms / mHC / sinks in FP32; fp8 writes the release's FP8 128x128 blocks and FP4
 re-pack SGLang serves on Hopper). `--dtype bf16` rebuilds the model in BF16 (half the host memory; the FP32
 tensors are then rounded too).
 
+The serving checkpoint of the reference deployment (docs/demo.md): SGLang 0.5.16 started with
+SGLANG_DSV4_FP4_EXPERTS=0 builds FP8 expert parameters (`Fp8MoEMethod.create_weights`, srt/layers/quantization/
+fp8.py) and so needs FP8 experts on disk; the official release has FP4 ones. `--from-release DIR --experts fp8`
+converts the release (`checkpoint.repack_release_fp8_experts`): one shard at a time, FP4 -> FP8 exact per tensor
+(`quant.fp4_to_fp8`, checked), every other tensor copied, config.json kept (its FP8 `quantization_config`:
+quant_method fp8, activation_scheme, weight_block_size [128, 128], which SGLang's `Fp8Config.from_config` reads)
+with the experts' storage said FP8. A training checkpoint exported with `--weights fp8 --experts fp8` has the same
+layout (its experts quantized straight from the weights, not through FP4). Either way SGLang's own probe of the
+first routed-expert header (`try_detect_fp4_experts`) finds F8_E4M3, so even a server started without the
+variable serves it FP8.
+
 Who reads the result: `checkpoint.load_hf_checkpoint` (and `train.py --train.checkpoint OUT_DIR`),
 transformers' `DeepseekV4ForCausalLM.from_pretrained` (its conversion mapping reads the official names), and
 SGLang (`experiments/h200/sglang_h200.sh` serves directories written by the same writer; docs/sglang.md).
 
 Errors (missing checkpoint, no model config, unwritable output) are one line and exit code 2.
 
-Tests: `pytest tests/test_export.py -q`.
+Tests: `pytest tests/test_export.py tests/test_export_fp8_experts.py -q`.
 """
 from __future__ import annotations
 
@@ -33,6 +46,7 @@ import sys
 
 import torch
 
+from nanoflash.checkpoint import repack_release_fp8_experts
 from nanoflash.config import ModelConfig, preset
 from nanoflash.parallel.dcp import META, export_hf, latest_checkpoint
 
@@ -94,17 +108,39 @@ def export(source: str, out_dir: str, weights: str = "bf16", experts: str | None
     return {"checkpoint": ckpt, "tensors": len(index["weight_map"]), "out_dir": out_dir}
 
 
+def from_release(release: str, out_dir: str, experts: str | None) -> dict:
+    """The official release at `release` -> `out_dir` with FP8 experts (the one conversion there is)."""
+    if experts != "fp8":
+        raise ValueError(f"--from-release converts the release's FP4 experts to FP8: pass --experts fp8 "
+                         f"(got {experts or 'none'})")
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ValueError(f"{out_dir} exists and is not empty; export into a new directory")
+    if os.path.abspath(out_dir) == os.path.abspath(release):
+        raise ValueError("--from-release writes a new directory; OUT_DIR is the release itself")
+    info = repack_release_fp8_experts(release, out_dir)
+    return {"checkpoint": release, "tensors": info["converted"] + info["copied"], "out_dir": out_dir, **info}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nanoflash.export", description=__doc__.split("\n\n")[0])
-    ap.add_argument("source", help="run directory (newest checkpoint) or checkpoints/step_N directory")
-    ap.add_argument("out_dir", help="new directory for the HF-layout checkpoint")
+    ap.add_argument("paths", nargs="+", metavar="SOURCE OUT_DIR",
+                    help="run directory (newest checkpoint) or checkpoints/step_N directory, then a new directory "
+                         "for the HF-layout checkpoint; with --from-release only OUT_DIR")
+    ap.add_argument("--from-release", default=None, metavar="DIR",
+                    help="convert the official release in DIR (FP4 experts) instead: with --experts fp8")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="FP8-kind linears (default bf16)")
     ap.add_argument("--experts", choices=("fp4", "fp8", "bf16"), default=None,
                     help="routed experts (default: bf16 with --weights bf16, fp4 with --weights fp8)")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="dtype of the rebuilt model (default fp32)")
     args = ap.parse_args(argv)
+    want = 1 if args.from_release else 2
+    if len(args.paths) != want:
+        ap.error(f"expected {'OUT_DIR (with --from-release)' if want == 1 else 'SOURCE OUT_DIR'}, got {args.paths}")
     try:
-        info = export(args.source, args.out_dir, args.weights, args.experts, args.dtype)
+        if args.from_release:
+            info = from_release(args.from_release, args.paths[0], args.experts)
+        else:
+            info = export(*args.paths, args.weights, args.experts, args.dtype)
     except (ValueError, OSError) as e:
         print(f"nanoflash.export: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ Phases (run in order on the GPU machine; `experiments/h200/sglang_h200.sh` gives
     python experiments/h200/sglang_check.py ckpt   --dir /tmp/nf_small      # small preset, seed 0, FP8 128x128 + FP8 experts
     python experiments/h200/sglang_check.py parity --dir /tmp/nf_small --out $OUT/parity.json
     python experiments/h200/sglang_check.py push   --dir /tmp/nf_small --out $OUT/push.json
+    python experiments/h200/sglang_check.py push   --dir /tmp/nf_small --transport distributed --pushes 3 --out ...
 
 `parity` samples completions from SGLang (temperature 1, return_logprob) and scores exactly those tokens with
 nanoflash's own forward on the same GPU, in BF16 and in QAT-simulation mode (FP8 activation quantization before
@@ -31,6 +32,19 @@ for is compared exactly -- FP8 dequantized to bf16, the fused experts `mlp.exper
 stacked from their per-expert slabs -- and the rest (a raw tensor SGLang stores in another dtype) must change
 on the second push exactly when what was sent changed. It also shows that the client refuses a bucket that
 splits an atomic pair, before anything is sent.
+
+`push --transport distributed` is the trainer's distributed path into live SGLang (issue 36, item 8): after the
+start-up checks the trainer runs (`sglang.preflight.check_servers`: FP8 experts, torch pinned equal), a
+`transports.Broadcaster` with backend `--backend` (gloo) joins SGLang's own group through
+`/init_weights_update_group` (rank 0 here, SGLang's TP ranks after it) and every bucket travels as one flat uint8
+broadcast with load_format="flattened_bucket" (gloo refuses float8, so FP8 reaches SGLang only that way); each of
+`--pushes` pushes of changed weights (halves of the layers in turn) is verified by `/weights_checker` as above and
+by behaviour, and timed (`prepare_s`: quantize into buckets; `send_s`, `gb`, `gb_per_s`: pause .. continue).
+CPU dry run against the embedded server (NF_DEVICE=cpu NF_CHECK_PRESET=tiny):
+
+    python experiments/h200/sglang_check.py ckpt --dir /tmp/nf_tiny
+    python -m nanoflash.server --checkpoint /tmp/nf_tiny --weights fp8 --port 30000 &
+    python experiments/h200/sglang_check.py push --dir /tmp/nf_tiny --transport distributed --pushes 3 --out x.json
 
 Experts: FP8 (`SGLANG_DSV4_FP4_EXPERTS=0`), `wo_a` BF16 (`SGLANG_OPT_FP8_WO_A_GEMM=0`), as Miles runs it.
 """
@@ -281,10 +295,11 @@ def write_parity(a, res, rows, head, samples):
 # ---------------------------------------------------------------------------------------------- pushes
 def fake_quant_(model):
     """Make the trainer hold exactly what SGLang will hold: dequant(quant(w)) for every FP8-served weight."""
+    from nanoflash.names import official_parameters
     from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
     from nanoflash.sglang.layout import sglang_fp8
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in official_parameters(model):   # stacked experts as per-expert views (official names)
             if sglang_fp8(name, model.cfg):
                 q, s = quantize_fp8_block(p.float(), fmt="fp32")
                 p.copy_(dequantize_fp8_block(q, s, dtype=torch.float32).to(p.dtype))
@@ -346,6 +361,48 @@ def push_once(client, model, version: str, bucket_bytes: int, transport: str) ->
             "prepare_s": round(t1 - t0, 3), "send_s": round(t2 - t1, 3), "buckets_sent": buckets}
 
 
+def push_distributed(client, model, version: str, bucket_bytes: int, bc) -> dict:
+    """One push through the Broadcaster `bc`, the loop's protocol: FP8 flat buckets (`buckets.stream_buckets`),
+    pause -> flush -> [begin] -> one flattened broadcast per bucket -> [end] -> continue."""
+    from nanoflash.sglang.buckets import stream_buckets
+    from nanoflash.sglang.layout import LoaderState
+    t0 = time.time()
+    fbs = list(stream_buckets(model.state_dict().items(), model.cfg, fp8=True, bucket_bytes=bucket_bytes))
+    buckets = [fb.tensors() for fb in fbs]
+    for b in buckets:                       # derive the loader layout first: a split pair raises before sending
+        LoaderState().load(b)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    t1 = time.time()
+    client.pause_generation()
+    client.flush_cache()
+    client.begin_update(URL)
+    for fb in fbs:
+        bc.send(fb, version)                # load_format="flattened_bucket": one uint8 broadcast per bucket
+    client.end_update(URL)
+    client.continue_generation()
+    t2 = time.time()
+    nbytes = sum(fb.nbytes for fb in fbs)
+    return {"buckets": len(fbs), "tensors": sum(len(b) for b in buckets), "bytes": nbytes,
+            "gb": round(nbytes / 1e9, 4), "prepare_s": round(t1 - t0, 3), "send_s": round(t2 - t1, 3),
+            "gb_per_s": round(nbytes / 1e9 / max(t2 - t1, 1e-9), 3), "buckets_sent": buckets}
+
+
+def open_broadcaster(client, a, res):
+    """The trainer's start-up checks, then rank 0 of an update group with the server (SGLang joins it itself)."""
+    from nanoflash.sglang.preflight import check_servers
+    from nanoflash.sglang.transports import Broadcaster
+    res["preflight_notes"] = check_servers(client, "fp8", distributed=True)
+    t = time.time()
+    bc = Broadcaster(client, "127.0.0.1", a.sync_port, backend=a.backend, group_name="nanoflash-check",
+                     timeout_s=a.join_timeout)
+    res["group"] = {"backend": a.backend, "world": bc.world, "flattened": bc.flat_ok,
+                    "join_s": round(time.time() - t, 2)}
+    if not bc.flat_ok:
+        raise SystemExit(f"{URL} does not take flattened buckets; gloo cannot broadcast FP8 one tensor at a time")
+    return bc
+
+
 def behaviour(client, model, prompt, new_tokens=32):
     """Greedy-generate on the server; score the same tokens with the trainer's model: |dlogp| mean/max."""
     g = client.generate(prompt, {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}, url=URL)[0]
@@ -359,7 +416,7 @@ def verify_checksums(client, buckets, n_experts: int, prev, transport):
     reproduced at TP 1, fused experts included; change sets for the rest); the embedded server: raw sha256."""
     from nanoflash.sglang.layout import compare_checksums, expected_checksums
     from nanoflash.sglang.transports import verify_real_server
-    if transport != "sglang":
+    if client.is_embedded(URL):
         compare_checksums(expected_checksums(buckets), client.weights_checksums(URL), URL)
         return {"embedded": "checksums"}, None
     out = verify_real_server(client, URL, sglang_expected(buckets, n_experts), prev)
@@ -371,20 +428,31 @@ def cmd_push(a):
     from nanoflash.sglang.layout import LoaderState
     from nanoflash.sglang.transports import iter_sglang_buckets
     client = SGLangClient([URL], timeout=1200)
-    client.wait_healthy(timeout=60)
+    client.wait_healthy(timeout=a.wait)   # a cold SGLang start: ~275 s on the H200
     model = load_model(a)
     prompt = torch.randint(3, VOCAB_HI, (48,), generator=torch.Generator().manual_seed(7)).tolist()
-    res = {"protocol": client.protocol(URL), "before": behaviour(client, model, prompt)}
+    res = {"protocol": client.protocol(URL), "transport": a.transport, "before": behaviour(client, model, prompt)}
+    bc = open_broadcaster(client, a, res) if a.transport == "distributed" else None
     prev = None                           # the first push is checked exactly where the hash is reproducible
-    for i, which in enumerate(("even", "odd")):
-        perturb_(model, which, seed=10 + i)
-        fake_quant_(model)
-        p = push_once(client, model, str(i + 1), a.bucket_mb << 20, a.transport)
-        buckets = p.pop("buckets_sent")
-        p["behaviour"] = behaviour(client, model, prompt)
-        p["checksums"], prev = verify_checksums(client, buckets, model.cfg.n_routed_experts, prev, a.transport)
-        res[f"push{i + 1}"] = p
-        print(json.dumps({f"push{i + 1}": p}, indent=1), flush=True)
+    try:
+        for i in range(a.pushes):
+            perturb_(model, ("even", "odd")[i % 2], seed=10 + i)
+            fake_quant_(model)
+            p = push_distributed(client, model, str(i + 1), a.bucket_mb << 20, bc) if bc is not None else \
+                push_once(client, model, str(i + 1), a.bucket_mb << 20, a.transport)
+            buckets = p.pop("buckets_sent")
+            t = time.time()
+            p["behaviour"] = behaviour(client, model, prompt)
+            p["checksums"], prev = verify_checksums(client, buckets, model.cfg.n_routed_experts, prev, a.transport)
+            p["verify_s"] = round(time.time() - t, 3)
+            p["version_ok"] = p["behaviour"]["version"] == str(i + 1)   # the server generates with this push
+            res[f"push{i + 1}"] = p
+            print(json.dumps({f"push{i + 1}": p}, indent=1), flush=True)
+            with open(a.out, "w") as f:   # kept after every push: a run cut short keeps what it measured
+                json.dump(res, f, indent=1)
+    finally:
+        if bc is not None:
+            bc.close()
     bad = [[(n, t) for n, t in b if not n.endswith("self_attn.wkv.weight")] for b in
            iter_sglang_buckets(model, fp8=True, bucket_bytes=a.bucket_mb << 20)]
     try:
@@ -395,7 +463,8 @@ def cmd_push(a):
     except ValueError as e:
         res["atomic_split_refused"] = str(e)[:200]
     flash_fp8_bytes = 284.3e9 * 1.01           # FP8 payload (+ fp32 scales per 128x128 block) of V4-Flash
-    per_byte = res["push2"]["send_s"] / res["push2"]["bytes"]
+    last = res[f"push{a.pushes}"]         # a later push: no first-load compile in it
+    per_byte = last["send_s"] / last["bytes"]
     res["extrapolated_flash_push_s"] = round(flash_fp8_bytes * per_byte, 1)
     print(json.dumps(res, indent=1))
     with open(a.out, "w") as f:
@@ -415,7 +484,12 @@ def main():
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--modes", default="bf16,qat,fp32")
     ap.add_argument("--planted", type=int, default=1)
-    ap.add_argument("--transport", default="sglang", choices=["sglang", "embedded"])
+    ap.add_argument("--transport", default="sglang", choices=["sglang", "embedded", "distributed"],
+                    help="push: SGLang's CUDA-IPC payload | the embedded server's safetensors | a Broadcaster group")
+    ap.add_argument("--pushes", type=int, default=2, help="push: how many pushes of changed weights")
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="push --transport distributed")
+    ap.add_argument("--sync-port", type=int, default=29611, help="push --transport distributed: the group's port")
+    ap.add_argument("--join-timeout", type=float, default=600, help="push --transport distributed: group join, s")
     ap.add_argument("--prompt-len-max", type=int, default=0, help="prompt lengths spread over prompt-len..this")
     ap.add_argument("--synth", type=int, default=0, help="prompts of held-out synth problems (a trained model)")
     ap.add_argument("--restore", type=int, default=0, help="/update_weights_from_disk --dir before sampling")

@@ -43,6 +43,7 @@ from nanoflash.rl.rewards import VerifierUnavailable
 from nanoflash import grpo
 from nanoflash.sglang.client import (Generation, RequestRejected, ServerGoneError, SGLangClient,
                                      decode_routed_experts)
+from nanoflash.sglang.preflight import ServerMismatch, check_servers
 from nanoflash.server.engine import RolloutEngine, sample
 from nanoflash.server.http import serve
 
@@ -172,6 +173,16 @@ def wait_for_servers(client, timeout_s: float) -> None:
                          f"loading?)") from None
 
 
+def preflight(client, rc) -> None:
+    """The servers at rollout.urls hold experts as the push sends them and, for a distributed push, run the
+    trainer's torch (and NCCL): `sglang.preflight`; else one line, stop, before the first push."""
+    try:
+        for note in check_servers(client, rc.weights, rc.transport == "distributed"):
+            print(f"rollout.urls: {note}", flush=True)
+    except ServerMismatch as e:
+        raise SystemExit(f"rollout.urls: {e}") from None
+
+
 class Collector:
     """The rollout half of the loop, on rank 0: the client, the servers (embedded ones it starts itself, or
     SGLang at `rollout.urls`), the task and the data position.
@@ -191,6 +202,7 @@ class Collector:
                                                                   retry_s=rc.retry_s,
                                                                   update_timeout=rc.update_timeout_s), [], []
             wait_for_servers(self.client, rc.health_timeout_s)  # a cold SGLang start outlasts the client's retries
+            preflight(self.client, rc)
         else:  # disk pushes land below the run directory; groups: the sync host (any, if not loopback)
             host = rc.sync_addr.rpartition(":")[0]
             self.client, self.engines, self.httpds = start_embedded(

@@ -57,6 +57,7 @@ from nanoflash.server.engine import MAX_N, BadRequest, RolloutEngine, check_ids,
 from nanoflash.server.http_guard import BoundedHTTPServer, HTTPError, HTTPLimits, make_handler
 from nanoflash.server.trace import trace
 from nanoflash.server.update_guard import GroupPolicy, check_group, disk_files, own_hosts
+from nanoflash.sglang.preflight import local_versions
 from nanoflash.sglang.transports import (FLAT_FORMAT, LOCAL_FORMAT, SAFE_FORMAT, decode_blob, decode_tensors,
                                            encode_tensors, join_receivers, receive_bucket, take_over)
 
@@ -75,17 +76,19 @@ EXTRA = {"stock": {}, "post_process": {"/post_process_weights": "POST"},
 
 class RolloutServer:
     """Route handlers over one `RolloutEngine`: `check(method, path)` (404/405 before any body is read), then
-    `handle(method, path, body) -> (status, json)`. `disk_root`, `group_policy`: update_guard.py."""
+    `handle(method, path, body) -> (status, json)`. `disk_root`, `group_policy`: update_guard.py. `model_path`: the
+    checkpoint it was loaded from (None: seeded), reported as SGLang reports its own (sglang.preflight)."""
 
     def __init__(self, engine: RolloutEngine, protocol: str = "stock", api_key: str | None = None, tp_size: int = 1,
                  disk_root: str | None = None, group_policy: GroupPolicy | None = None,
-                 max_request_tokens: int | None = None):
+                 max_request_tokens: int | None = None, model_path: str | None = None):
         if protocol not in EXTRA:
             raise ValueError(f"protocol must be one of {sorted(EXTRA)}, got {protocol!r}")
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.engine, self.protocol, self.api_key, self.tp_size = engine, protocol, api_key, tp_size
         self.disk_root, self.group_policy = disk_root, group_policy or GroupPolicy()
+        self.model_path, self.versions = model_path, local_versions()   # tests may make either say otherwise
         self.max_request_tokens = max_request_tokens or MAX_N * engine.cfg.max_seq_len
         self.routes = {**COMMON, **EXTRA[protocol]}
         self.session_open = False
@@ -124,13 +127,16 @@ class RolloutServer:
     def r_server_info(self, body):
         return self.r_get_server_info(body)
 
-    def r_get_server_info(self, _):
+    def r_get_server_info(self, _):   # SGLang's own fields (model_path, load_format, quantization: its server_args)
         return {"version": VERSION, "engine": "nanoflash", "protocol": self.protocol, "tp_size": self.tp_size,
-                "dp_size": 1, "pp_size": 1,
-                "weights": self.engine.weights, "weight_version": self.engine.weight_version}
+                "dp_size": 1, "pp_size": 1, "model_path": self.model_path or "nanoflash", "quantization": None,
+                "load_format": "auto" if self.model_path else "dummy", "torch_version": self.versions["torch"],
+                "nccl_version": self.versions["nccl"], "weights": self.engine.weights,
+                "weight_version": self.engine.weight_version}
 
     def r_get_model_info(self, _):
-        return {"model_path": "nanoflash", "is_generation": True, "weight_version": self.engine.weight_version}
+        return {"model_path": self.model_path or "nanoflash", "is_generation": True,
+                "weight_version": self.engine.weight_version}
 
     def r_get_weight_version(self, _):
         return {"weight_version": self.engine.weight_version}
@@ -325,11 +331,12 @@ class RolloutServer:
 
 def make_httpd(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, protocol: str = "stock",
                api_key: str | None = None, tp_size: int = 1, disk_root: str | None = None, group_hosts=None,
-               limits: HTTPLimits | None = None, max_request_tokens: int | None = None):
+               limits: HTTPLimits | None = None, max_request_tokens: int | None = None, model_path: str | None = None):
     """The bound (not yet serving) HTTP server; `httpd.rollout` is its RolloutServer. group_hosts: allowed
     master addresses besides loopback and `host` (("*",) = any)."""
     hosts = ("*",) if group_hosts and "*" in group_hosts else own_hosts(host, group_hosts or ())
-    rs = RolloutServer(engine, protocol, api_key, tp_size, disk_root, GroupPolicy(hosts=hosts), max_request_tokens)
+    rs = RolloutServer(engine, protocol, api_key, tp_size, disk_root, GroupPolicy(hosts=hosts), max_request_tokens,
+                       model_path)
     limits = limits or HTTPLimits()
     httpd = BoundedHTTPServer((host, port), make_handler(rs, limits), limits.max_connections)
     httpd.rollout = rs
@@ -340,7 +347,7 @@ def serve(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, protoco
           api_key: str | None = None, tp_size: int = 1, **kw):
     """Start serving in a background thread; returns (httpd, url). `port=0` picks a free port. `tp_size`: how
     many ranks it joins into a weight-update group (each receives every bucket, as SGLang's TP ranks do);
-    `kw`: make_httpd's disk_root, group_hosts, limits, max_request_tokens."""
+    `kw`: make_httpd's disk_root, group_hosts, limits, max_request_tokens, model_path."""
     httpd = make_httpd(engine, host, port, protocol, api_key, tp_size, **kw)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd, f"http://{host}:{httpd.server_address[1]}"
@@ -389,7 +396,8 @@ def main(argv=None):
     engine = build_engine(args)
     limits = HTTPLimits(read_timeout_s=args.read_timeout, max_connections=args.max_connections)
     httpd = make_httpd(engine, args.host, args.port, args.protocol, args.api_key, args.tp_size, args.disk_root,
-                       [h for h in args.group_hosts.split(",") if h], limits, args.max_request_tokens or None)
+                       [h for h in args.group_hosts.split(",") if h], limits, args.max_request_tokens or None,
+                       args.checkpoint)
     print(f"nanoflash rollout server on http://{args.host}:{httpd.server_address[1]} "
           f"(protocol {args.protocol}, weights {args.weights}, cache decode {engine.use_cache})", flush=True)
     httpd.serve_forever()

@@ -12,6 +12,8 @@ Reading order:
     push.py        `StagePusher`: every pipeline stage pushes its own slice (EP peers gathered to the stage's
                    source), verified by SGLang's own hashes -- the loop's one push path, for any world size
     probe.py       the behavioural check of a push: the servers' log-probs of fixed tokens against the trainer's
+    preflight.py   before the first push: each server holds experts as the stream sends them (decided as SGLang
+                   decides, from what it reports), and a distributed push's two sides run one torch / NCCL
 
 nanoflash's own server (the stand-in) is `nanoflash/server/`; README.md here covers both.
 Tests: `pytest tests/test_weight_sync.py tests/test_weight_sync_stage.py tests/test_rollout_client.py -q`.
