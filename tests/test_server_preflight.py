@@ -113,7 +113,7 @@ def test_the_fp8_repack_is_accepted_and_a_push_verifies(ckpts, monkeypatch, tmp_
         model = Transformer(ModelConfig.from_hf_config(ckpts["fp8"])).init_weights(9)
         pusher = StagePusher(ParallelDims(), client, rc, model.cfg, disk_dir=str(tmp_path))
         pusher.push(lambda: model.state_dict().items(), 1)
-        assert httpd.rollout.engine.weight_version == "1"
+        assert httpd.rollout.engine.weight_version == pusher.tag(1)   # the step and the launch nonce (issue 39)
         with pytest.raises(SystemExit, match="holds routed experts FP8.*rollout.weights=fp32 sends them UNQUANTIZED"):
             preflight(client, RolloutConfig(urls=(url,), weights="fp32"))
     finally:
