@@ -166,7 +166,8 @@ log.log("startup", step, phases)
 if not latest:
     if ec.before_train:
         run_eval(0)
-    save(0)
+    if not tc.checkpoint or tc.warmup_steps:  # a start loaded as it is from --train.checkpoint is on disk already
+        save(0)                               # (flash: no 3.9 TB save of it); a resume before step 1 reloads it
 
 # ---------------------------------------------------------------------------------------------- loop
 streak = total_skipped = 0  # consecutive / all skipped (non-finite) steps

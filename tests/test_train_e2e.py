@@ -236,6 +236,8 @@ def test_checkpoint_start_bf16_offload_lr0_keeps_the_loaded_weights(tmp_path):
               "--optim.lr", "0", "--steps", "1", "--eval.every", "0", "--grpo.dynamic_sampling", "false"]
     run_train(str(tmp_path / "cold"), *common, "--train.warmup_steps", "0")
     assert "grad_norm" in read_jsonl(str(tmp_path / "cold" / "metrics.jsonl"), "train")[0]
+    saved = sorted(os.listdir(tmp_path / "cold" / "checkpoints"))
+    assert saved == ["step_00000001"], saved   # the loaded start is on disk already: no step-0 copy of it
     after = _ckpt_weights(str(tmp_path / "cold"), 1)
     for k, v in loaded.items():
         assert torch.equal(after[k], v), k
