@@ -83,17 +83,19 @@ def verify_checkpoint(path: str, meta: dict, dims: ParallelDims) -> None:
     files = sorted(meta.get("files", {}))
     bad = [f for i, f in enumerate(files) if i % dims.world_size == dims.rank
            and (not os.path.exists(os.path.join(path, f)) or file_crc32(os.path.join(path, f)) != meta["files"][f])]
-    n = torch.tensor([len(bad)], device=dims.device)
+    n = torch.tensor([len(bad)])
     if dims.world_size > 1:
-        dist.all_reduce(n)
+        dist.all_reduce(n, group=dims.side_group)   # CPU, gloo: the save's and load's checks all on the side group
     if int(n):
         raise CheckpointCorrupt(f"{path}: {int(n)} file(s) do not match their checksums"
                                 f"{' (' + ', '.join(bad) + ')' if bad else ''}")
 
 
 def _barrier(dims: ParallelDims) -> None:
+    """The save's meeting points run on the gloo side group (long timeout, no NCCL communicator held up by a
+    rank writing terabytes), as does DCP's own coordination (`process_group=`)."""
     if dims.world_size > 1:
-        dist.barrier()
+        dist.barrier(group=dims.side_group)
 
 
 def _fsync_path(path: str) -> None:
@@ -160,7 +162,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, dims: ParallelDims, 
         os.makedirs(tmp)
     _barrier(dims)
     dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=tmp,
-             no_dist=dims.world_size == 1)
+             no_dist=dims.world_size == 1, process_group=dims.side_group)
     rng_path = os.path.join(tmp, f"rng_rank{dims.rank}.pt")
     torch.save(_rng_state(), rng_path)
     _fsync_path(rng_path)
@@ -197,7 +199,7 @@ def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
     if optimizer is not None:
         state["optim"] = optimizer.state_dict()
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=dims.world_size == 1)
+        dcp.load(state, checkpoint_id=path, no_dist=dims.world_size == 1, process_group=dims.side_group)
     except (Exception, CheckpointException) as e:  # DCP names the bad key; add the checkpoint (a BaseException)
         raise ValueError(f"cannot load {path} into this model/optimizer: {e}") from e
     model.load_state_dict(state["model"])
