@@ -5,7 +5,8 @@
 patches torch.distributed's collective and point-to-point entry points (`TRACED` below, plus `new_group` and
 `P2POp`), then runs `train.py` with `runpy` as `__main__` (argv and sys.path[0] as `python train.py` would
 have them). Each rank appends one JSON line per call to `OUTDIR/rank{r}.jsonl`, written and flushed BEFORE the
-call runs, so a run that hangs or crashes still leaves the call it stopped in:
+call runs (new_group's after it: the record names the group it made), so a run that hangs or crashes still
+leaves the call it stopped in:
 
     {"seq", "op", "group", "ranks", "backend", "explicit", "tensors": {arg: {"shape", "dtype", "device"}},
      "root" | "peer" (global ranks), "reduce", "splits", "n_objects", "tag", "async", "site", "at"}

@@ -377,4 +377,17 @@ def _replay(traces: dict, comms: dict) -> dict:
                         break
                     pos[r] += 1
                 progress = True
-    return {r: _where(steps[r][pos[r]][3]) for r in steps if pos[r] < len(steps[r])}
+    stuck = {}
+    for r in steps:
+        if pos[r] < len(steps[r]):
+            st = steps[r][pos[r]]
+            stuck[r] = _where(st[3])
+            if st[0] == "p2p":   # which messages have no partner posted
+                partner = {"send": "recv", "recv": "send"}
+                waits = [f"{d} #{n - 1} {key[1]}->{key[2]}" for d, key, n in st[2] if (partner[d], key, n) not in posted]
+                stuck[r] += f" waiting on {', '.join(waits[:4])}{' ...' if len(waits) > 4 else ''}"
+            else:
+                group = members.get(st[1], ())
+                absent = [m for m in group if not (m in steps and pos[m] < len(steps[m]) and steps[m][pos[m]][1:3] == st[1:3])]
+                stuck[r] += f" (collective #{st[2] - 1} of {st[1]}) waiting for ranks {absent}"
+    return stuck
