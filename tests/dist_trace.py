@@ -133,7 +133,7 @@ class Tracer:
             if fn != os.path.abspath(__file__) and not fn.endswith(PASS_THROUGH_FILES):
                 where = f"{_rel(fn)}:{f.f_lineno} {f.f_code.co_name}"
                 site = site or where
-                if at is None and fn.startswith(ROOT + os.sep):
+                if at is None and fn.startswith(ROOT + os.sep) and "site-packages" not in fn:   # a .venv inside
                     at = where
             f = f.f_back
         return {"site": site, "at": at}

@@ -208,7 +208,7 @@ def test_tracer_records_every_entry_point(tmp_path):
         {"op": "recv", "peer": 0, "tag": 0, "shape": [2, 3], "dtype": "float16", "device": "cpu"}]
     assert by_op["all_to_all_single"]["splits"] == {"out": [4, 3], "in": [2, 3]}
     dcp_sites = {x["site"].split(":")[0] for x in traces[1] if "checkpoint/" in (x.get("site") or "")}
-    assert "torch/distributed/checkpoint/utils.py" in dcp_sites, dcp_sites
+    assert any(s.endswith("torch/distributed/checkpoint/utils.py") for s in dcp_sites), dcp_sites   # .venv anywhere
     assert traces[0][-1] == {"seq": len(traces[0]) - 1, "op": "exit", "code": 0}
 
 
