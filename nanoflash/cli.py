@@ -30,10 +30,11 @@ prepares the run directory. A user error anywhere in there is ONE line on stderr
 and exit code 2, before any model is built (`NANOFLASH_TRACEBACK=1` shows the traceback instead).
 
 Run directories (`train.out_dir`): a run writes `config.json` (the whole tree, `cli.to_dict`) there at start.
-A directory that already holds checkpoints is resumed only by the same run: a config that differs in anything
-but the fields of `RESUMABLE` (steps, logging, layout, server addresses) is refused naming the differences, as
-is `--no-resume` (its checkpoints would mix with the new run's); a run that already reached `train.steps`
-says so and exits 0.
+A directory that another run wrote into -- its `config.json`, or without one the config that starts its
+`metrics.jsonl` (`recorded_config`), with or without checkpoints -- is taken only by the same run: a config
+that differs in anything but the fields of `RESUMABLE` (steps, logging, layout, server addresses) is refused
+naming the differences (never overwritten), as is `--no-resume` over checkpoints (they would mix with the new
+run's); a run that already reached `train.steps` says so and exits 0.
 
 Differs from Miles: Miles validates its argparse namespace in `miles/utils/arguments.py` and raises
 AssertionErrors (tracebacks); here every refusal is a sentence naming the flag. Miles has ~400 flat argparse flags; we keep the config as the dataclasses of
@@ -60,6 +61,7 @@ from nanoflash.parallel import planner
 from nanoflash.parallel.dcp import latest_checkpoint
 from nanoflash.rl.collector import make_task
 from nanoflash.rl.hooks import load_hook
+from nanoflash.rl.metrics import read_jsonl
 
 SHORT = {"--preset": "train.preset", "--steps": "train.steps", "--out": "train.out_dir",
          "--checkpoint": "train.checkpoint", "--seed": "train.seed"}
@@ -419,23 +421,43 @@ def config_diff(old: dict, new: dict) -> list[str]:
     return out
 
 
+def recorded_config(out: str) -> tuple[dict | None, str | None]:
+    """The config a run left in `out` and the file it came from: config.json, else the `info` record that
+    starts its metrics.jsonl (a run whose config.json was lost). (None, None): neither file, or an empty
+    metrics.jsonl; (None, "metrics.jsonl"): records without a config (not a run of this trainer's)."""
+    cfg_path, metrics = os.path.join(out, "config.json"), os.path.join(out, "metrics.jsonl")
+    if os.path.exists(cfg_path):
+        try:
+            with open(cfg_path) as f:
+                return json.load(f), "config.json"
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--out {out}: its config.json is not JSON ({e}): pass a new --out, or delete "
+                             f"{out}") from None
+    if os.path.exists(metrics):
+        recs = read_jsonl(metrics)
+        info = next((r["config"] for r in recs if r.get("kind") == "info" and isinstance(r.get("config"), dict)),
+                    None)
+        return (info, "metrics.jsonl") if recs else (None, None)
+    return None, None
+
+
 def prepare_out_dir(cfg: RunConfig, rank0: bool = True) -> None:
     """Refuse another run's directory; stop (exit 0) if this run is finished; write out_dir/config.json."""
     tc, out = cfg.train, cfg.train.out_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"train.out_dir={out!r} is a file, not a directory")
     latest, cfg_path = latest_checkpoint(os.path.join(out, "checkpoints")), os.path.join(out, "config.json")
+    recorded, where = recorded_config(out)   # with or without checkpoints: another run's files are never overwritten
+    if where is not None:
+        diff = ["its config is not recorded"] if recorded is None else config_diff(recorded, to_dict(cfg))
+        if diff:
+            raise ValueError(f"--out {out} holds another run ({where}: {'; '.join(diff[:4])}"
+                             f"{'; ...' if len(diff) > 4 else ''}): pass a new --out, or delete {out}")
     if latest:
         done = int(os.path.basename(latest)[len("step_"):])
         if not tc.resume:
             raise ValueError(f"--out {out} holds checkpoints of an earlier run (up to step {done}) that --no-resume "
                              f"would mix with this run's: pass a new --out, or delete {out}")
-        if os.path.exists(cfg_path):
-            with open(cfg_path) as f:
-                diff = config_diff(json.load(f), to_dict(cfg))
-            if diff:
-                raise ValueError(f"--out {out} holds another run ({'; '.join(diff[:4])}"
-                                 f"{'; ...' if len(diff) > 4 else ''}): pass a new --out, or delete {out}")
         if done > tc.steps:
             raise ValueError(f"--out {out}: that run is at step {done}, past train.steps={tc.steps}; pass --steps "
                              f"above {done} to continue it, or a new --out")

@@ -121,6 +121,41 @@ def test_another_runs_directory_is_refused_naming_the_difference(capsys, tmp_pat
     assert "past train.steps=2" in line
 
 
+@pytest.mark.parametrize("left", ["config.json", "metrics.jsonl", "both", "metrics.jsonl+checkpoint"])
+def test_another_runs_files_without_checkpoints_are_refused_not_overwritten(capsys, tmp_path, left):
+    """Bug caught (issue 40): a directory holding another run's config.json or metrics.jsonl but no checkpoint
+    (a run stopped before its first save, or one with --train.save_every -1) was silently overwritten: its
+    config.json replaced, its metrics.jsonl emptied by the next start. The same run's re-start is accepted."""
+    out = str(tmp_path / "run")
+    theirs = cli.to_dict(cli.parse_args(["--recipe", "smoke", "--out", out, "--seed", "7"]))
+    os.makedirs(out)
+    if left in ("config.json", "both"):
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(theirs, f)
+    if left != "config.json":
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"kind": "info", "step": 0, "config": theirs}) + "\n")
+            f.write(json.dumps({"kind": "train", "step": 1, "reward_mean": 0.5}) + "\n")
+    if left.endswith("checkpoint"):
+        fake_checkpoint(out, 1)
+    before = {n: open(os.path.join(out, n)).read() for n in os.listdir(out) if n.endswith(("json", "jsonl"))}
+    line = fail_line(capsys, ["--recipe", "smoke", "--out", out])
+    assert "holds another run" in line and "train.seed 7 there, 1234 here" in line and "new --out" in line, line
+    assert {n: open(os.path.join(out, n)).read() for n in before} == before      # nothing overwritten
+    cfg, _, _ = startup.startup(["--recipe", "smoke", "--out", out, "--seed", "7", "--steps", "5"])
+    assert cfg.train.seed == 7                                     # the same run (resumable fields aside) may
+
+
+def test_metrics_of_an_unknown_run_are_refused_and_an_empty_one_is_not(capsys, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 3}) + "\n")
+    line = fail_line(capsys, ["--recipe", "smoke", "--out", str(out)])
+    assert "holds another run (metrics.jsonl: its config is not recorded)" in line, line
+    (out / "metrics.jsonl").write_text("")                          # a start that died before its first record
+    startup.startup(["--recipe", "smoke", "--out", str(out)])
+
+
 def test_finished_run_says_so_and_exits_0_while_more_steps_continue(capsys, tmp_path):
     out = str(tmp_path / "run")
     startup.startup(["--recipe", "smoke", "--out", out])
