@@ -1,6 +1,7 @@
 """The README's commands as a new user types them: the quick start's two commands (the first is CI's own, the
-second runs verbatim from a clean environment with a 1-step override), and every train.py command of the
-README writes its own run directory.
+second runs verbatim from a clean environment with a 1-step override), the own-data example on the CPU (run
+verbatim the same way) and on a GPU (its flags through start-up with the example's files), and every
+train.py command of the README writes its own run directory.
 
 Run: `pytest tests/test_readme.py -q`.
 """
@@ -10,6 +11,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -81,3 +83,48 @@ def test_every_train_command_writes_its_own_run_directory():
         assert out not in outs, f"{line!r} and {outs.get(out)!r} both write {out}"
         outs[out] = line
     assert len(outs) >= 5, outs
+
+
+def own_data_commands() -> tuple[str, str]:
+    """(the CPU own-data command, the GPU one) of the README's "Your own data and reward" paragraph."""
+    cmds = [c for c in code_lines() if "--train.prompt_key" in c]
+    cpu = [c for c in cmds if "examples/own_data/cpu.txt" in c]
+    gpu = [c for c in cmds if "--parallel.device cuda" in c]
+    assert len(cpu) == 1 and len(gpu) == 1 and len(cmds) == 2, cmds
+    return cpu[0], gpu[0]
+
+
+def test_own_data_cpu_example_runs_verbatim_in_a_clean_environment(tmp_path):
+    """Bug caught (issue 40): the README's only own-data example was a GPU-sized command on files nobody has, and
+    its eval file's fields were never named (--eval.prompt_key / --eval.answer_key), so even on a GPU it stopped
+    at "none of its rows gives a problem". The CPU one runs as printed, 1 step, a 4-problem eval."""
+    if not os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")):
+        pytest.skip("no .venv: this test runs after scripts/setup.sh (CI's command)")
+    cmd = own_data_commands()[0]
+    out = tmp_path / "mine"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8"}
+    extra = ["--steps", "1", "--eval.n_problems", "4", "--train.plots", "false", "--train.progress", "false",
+             "--out", str(out)]
+    full = cmd + " " + " ".join(shlex.quote(a) for a in extra)
+    p = subprocess.run(["bash", "-c", full], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, f"{full}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
+    assert "task chat: 64 training problems (0 rows skipped), 16 eval problems" in p.stdout, p.stdout
+    assert [r["step"] for r in read_jsonl(str(out / "metrics.jsonl"), "train")] == [1]
+    assert [(r["step"], r["n_problems"]) for r in read_jsonl(str(out / "metrics.jsonl"), "eval")] == [(0, 4), (1, 4)]
+    assert [m.parent.name for m in sorted((out / "checkpoints").glob("step_*/meta.json"))][-1] == "step_00000001"
+
+
+def test_own_data_gpu_example_flags_pass_start_up(tmp_path):
+    """The GPU command's flags, with the example's files in place of ~/data and its reward module, through
+    start-up on this CPU (the GPU count stubbed to 1): the tokenizer fits the preset, both files give problems."""
+    words = shlex.split(own_data_commands()[1])
+    swap = {"~/data/train.parquet": "examples/own_data/train.jsonl", "~/data/test.jsonl": "examples/own_data/test.jsonl",
+            "my_rewards:score": "examples.own_data.my_rewards:score", "runs/mine": str(tmp_path / "mine")}
+    argv = [swap.get(w, w) for w in words[words.index("train.py") + 1:]]
+    code = ("import sys, torch; torch.cuda.device_count = lambda: 1\n"
+            "from nanoflash.cli import startup\n"
+            "cfg, mcfg, task = startup(sys.argv[1:])\n"
+            "print(cfg.train.preset, mcfg.vocab_size, len(task.train), len(task.heldout))")
+    p = subprocess.run([sys.executable, "-c", code] + argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "small 129280 64 16", p.stdout

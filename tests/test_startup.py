@@ -73,6 +73,20 @@ def test_user_mistakes_are_one_line_and_exit_2(capsys, tmp_path, argv, culprit):
     assert not os.path.exists(tmp_path / "run")                   # refused before anything was written
 
 
+@pytest.mark.parametrize("which", ["train", "eval"])
+def test_no_row_gives_a_problem_names_the_flags_that_fix_it(capsys, tmp_path, which):
+    """Bug caught (issue 40): "none of its rows gives a problem" named the fields a row has but not the flags
+    that name them, nor which of the two files (train or eval) it was."""
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(json.dumps({"question": "1+1?", "meta": {"gold": "2"}}) + "\n")
+    keys = {w: ["--" + w + ".prompt_key", "question", "--" + w + ".answer_key", "meta.gold"] for w in ("train", "eval")}
+    other = "eval" if which == "train" else "train"
+    line = fail_line(capsys, ["--train.task", "chat", "--model.vocab_size", "129280", "--train.data", str(mine),
+                              "--eval.data", str(mine), "--out", str(tmp_path / "run")] + keys[other])
+    assert "none of its 1 rows gives a problem" in line and "['meta', 'question']" in line, line
+    assert f"--{which}.prompt_key / --{which}.answer_key" in line and f"--{other}." not in line, line
+
+
 def test_default_data_path_missing_explains_the_shared_folder(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)                                    # ../shared/data does not exist from here
     line = fail_line(capsys, ["--train.task", "dapo", "--preset", "small"])

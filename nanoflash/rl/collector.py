@@ -124,8 +124,8 @@ def _chat_task(tc, ec, vocab_size: int) -> Task:
         raise ValueError(f"train.task={tc.task}: the DeepSeek-V4 tokenizer has {tok.vocab_size:,} ids but the model's "
                          f"vocab_size is {vocab_size}; use --preset small or flash (or --model.vocab_size "
                          f"{tok.vocab_size})")
-    train, skipped = data.load_problems(tc.data, tc.task, tc.task == "dapo", tc.prompt_key, tc.answer_key)
-    heldout = data.load_problems(ec.data, None, False, ec.prompt_key, ec.answer_key)[0] if ec.every else []
+    train, skipped = data.load_problems(tc.data, tc.task, tc.task == "dapo", tc.prompt_key, tc.answer_key, "train")
+    heldout = data.load_problems(ec.data, None, False, ec.prompt_key, ec.answer_key, "eval")[0] if ec.every else []
     print(f"task {tc.task}: {len(train)} training problems ({skipped} rows skipped), {len(heldout)} eval problems")
     random.Random(tc.seed).shuffle(train)
     eos, decode = tok.token_id(data.EOS), lambda ids: tok.decode(ids, True)

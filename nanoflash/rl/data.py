@@ -131,7 +131,7 @@ def _row_to_problem(row: dict, idx: int, source: str, add_dapo_instruction: bool
 
 
 def _rows_to_problems(rows: list, source: str, add_dapo_instruction: bool, prompt_key: str = "",
-                      answer_key: str = "", path: str = "") -> tuple[list[Problem], int]:
+                      answer_key: str = "", path: str = "", flags: str = "") -> tuple[list[Problem], int]:
     problems, skipped, first_error = [], 0, None
     for idx, row in enumerate(rows):
         try:
@@ -143,9 +143,11 @@ def _rows_to_problems(rows: list, source: str, add_dapo_instruction: bool, promp
         raise ValueError(f"{path or source}: the data file has no rows")
     if not problems:  # every row skipped: a wrong field name, not a few bad rows
         fields = sorted(rows[0]) if isinstance(rows[0], dict) else type(rows[0]).__name__
+        fix = (f"--{flags}.prompt_key / --{flags}.answer_key" if flags else
+               "--train.prompt_key / --train.answer_key (or --eval.prompt_key / --eval.answer_key)")
         raise ValueError(f"{path or source}: none of its {len(rows)} rows gives a problem (prompt_key="
                          f"{prompt_key or 'auto'!r}, answer_key={answer_key or 'auto'!r}; first row's fields: "
-                         f"{fields}; {first_error})")
+                         f"{fields}; {first_error}): name its fields with {fix}, dotted for nested ones")
     return problems, skipped
 
 
@@ -187,10 +189,11 @@ def _read_rows(path_or_name: str) -> list:
 
 
 def load_problems(path: str, source: str | None = None, add_dapo_instruction: bool = False, prompt_key: str = "",
-                  answer_key: str = "") -> tuple[list[Problem], int]:
-    """Any jsonl / parquet file (or hub name) of prompt/answer rows. Returns (problems, n_skipped)."""
+                  answer_key: str = "", flags: str = "") -> tuple[list[Problem], int]:
+    """Any jsonl / parquet file (or hub name) of prompt/answer rows. Returns (problems, n_skipped). `flags`:
+    the config section whose keys name the fields ("train" | "eval"), for the error when no row gives a problem."""
     source = source or os.path.splitext(os.path.basename(path))[0]
-    return _rows_to_problems(_read_rows(path), source, add_dapo_instruction, prompt_key, answer_key, path)
+    return _rows_to_problems(_read_rows(path), source, add_dapo_instruction, prompt_key, answer_key, path, flags)
 
 
 def load_dapo(path_or_name: str, prompt_key: str = "", answer_key: str = "") -> tuple[list[Problem], int]:
