@@ -304,11 +304,13 @@ DATA_HELP = ("the defaults point at the project's shared data folder, ../shared/
 
 
 def usage_error(e: BaseException, prog: str = "train.py"):
-    """One line on stderr and exit code 2 (NANOFLASH_TRACEBACK=1 re-raises instead)."""
+    """One line on stderr (rank 0's: under torchrun every rank meets the same error) and exit code 2
+    (NANOFLASH_TRACEBACK=1 re-raises instead)."""
     if os.environ.get("NANOFLASH_TRACEBACK"):
         raise e
     msg = " ".join(str(e).split()) if not isinstance(e, KeyError) else str(e.args[0])
-    print(f"{prog}: error: {msg}", file=sys.stderr)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{prog}: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -323,6 +325,7 @@ def startup(argv: list[str], prog: str = "train.py"):
             print(dry_run_text(cfg))
             raise SystemExit(0)
         check_gpu(cfg, recipe_name(argv))
+        check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         check_config(cfg)
         mcfg = model_config(cfg)
         task = make_task(cfg.train, cfg.eval, mcfg.vocab_size)
@@ -368,6 +371,22 @@ def check_gpu(cfg: RunConfig, recipe: str | None, gpu_count=None) -> None:
     if (gpu_count or torch.cuda.device_count)() == 0:   # 0 on a CPU build, or with no GPU visible
         masks = [f"{v}={os.environ[v]!r}" for v in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES") if v in os.environ]
         raise ValueError(f"{wants[0]} needs GPUs but {torch_build()} sees none{''.join(', ' + m for m in masks)}")
+
+
+def check_world(cfg: RunConfig, world: int) -> None:
+    """The process count (torchrun's WORLD_SIZE; 1 for plain python) must fill the PP x DP x EP grid, checked
+    before any process group exists (else every rank stopped on the grid's assertion with its own traceback,
+    and torchrun's report on top)."""
+    par = cfg.parallel
+    grid = par.pp * par.ep * (par.dp or 1)
+    if (world % grid if par.dp is None else world - grid) == 0:
+        return
+    need = f"a multiple of {grid}" if par.dp is None else f"exactly {grid}"
+    layout = f"--parallel.pp {par.pp} x --parallel.ep {par.ep}" + (f" x --parallel.dp {par.dp}" if par.dp else "")
+    started = f"torchrun started {world} processes (WORLD_SIZE)" if "WORLD_SIZE" in os.environ else \
+        "plain python is 1 process"
+    raise ValueError(f"{layout} needs {need} processes but {started}; start {need} (torchrun --nproc-per-node N "
+                     f"[--nnodes M]) or change the layout")
 
 
 def check_config(cfg: RunConfig) -> None:

@@ -107,6 +107,45 @@ def test_train_py_mistake_is_one_line_no_traceback(tmp_path):
                                              "(did you mean --grpo.clip_high?)"]
 
 
+@pytest.mark.parametrize("world, layout, says", [
+    (3, ["--parallel.pp", "2"], "--parallel.pp 2 x --parallel.ep 1 needs a multiple of 2 processes but torchrun "
+                                "started 3 processes (WORLD_SIZE)"),
+    (4, ["--parallel.pp", "2", "--parallel.dp", "1"], "needs exactly 2 processes but torchrun started 4"),
+    (None, ["--parallel.ep", "2"], "needs a multiple of 2 processes but plain python is 1 process"),
+])
+def test_world_size_mismatch_is_one_line_before_any_process_group(capsys, tmp_path, monkeypatch, world, layout,
+                                                                  says):
+    """Bug caught (issue 40): a torchrun world that does not fill PP x DP x EP stopped every rank on the grid's
+    assertion, inside init_distributed, each with its own traceback (3 ranks: 30 lines, torchrun's report on top)."""
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    line = fail_line(capsys, ["--recipe", "smoke", "--out", str(tmp_path / "run")] + layout)
+    assert says in line, line
+    monkeypatch.setenv("RANK", "1")                                # the other ranks: the same exit, no line
+    with pytest.raises(SystemExit) as exc:
+        startup.startup(["--recipe", "smoke", "--out", str(tmp_path / "run")] + layout)
+    assert exc.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_torchrun_world_mismatch_prints_one_line_of_ours():
+    """End to end under torchrun (3 CPU processes, PP 2): the ranks print one line in all; what remains is
+    torchrun's own failure report (its log lines and the ChildFailedError summary)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("no torchrun next to this python")
+    p = subprocess.run([torchrun, "--nproc-per-node", "3", "train.py", "--recipe", "smoke", "--parallel.pp", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = (p.stdout + p.stderr).splitlines()
+    ours = [ln for ln in out if "train.py: error:" in ln]
+    assert ours == ["train.py: error: --parallel.pp 2 x --parallel.ep 1 needs a multiple of 2 processes but torchrun "
+                    "started 3 processes (WORLD_SIZE); start a multiple of 2 (torchrun --nproc-per-node N "
+                    "[--nnodes M]) or change the layout"], out
+    assert not any(ln.startswith("[rank") for ln in out), out      # no rank's traceback
+    assert p.returncode != 0
+
+
 # ---------------------------------------------------------------------------------------------- run directories
 def fake_checkpoint(out: str, step: int) -> None:
     d = os.path.join(out, "checkpoints", f"step_{step:08d}")
