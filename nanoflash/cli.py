@@ -53,6 +53,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import typing
 
 from nanoflash import config
@@ -228,9 +229,23 @@ def to_dict(cfg: RunConfig) -> dict:
 
 # ---------------------------------------------------------------------------------------------- --help
 def _field_comments(cls) -> dict:
-    """field -> the `# comment` that ends its line in config.py (the one place fields are documented)."""
-    src = inspect.getsource(cls)
-    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^    (\w+): [^\n]*?  # (.*)$", src, re.M)}
+    """field -> the `# comment` that ends its line in config.py (the one place fields are documented), with the
+    comment-only lines indented under it that continue it."""
+    out, last = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        field = re.match(r"^    (\w+): [^\n]*?  # (.*)$", line)
+        more = re.match(r"^ {5,}# (.*)$", line)
+        if field:
+            last = field.group(1)
+            out[last] = field.group(2).strip()
+        elif more and last:
+            out[last] += " " + more.group(1).strip()
+        else:
+            last = None
+    return out
+
+
+HELP_COLUMN, HELP_WIDTH = 53, 120   # where a field's comment starts in --help, and where its lines wrap
 
 
 def _type_name(tp) -> str:
@@ -241,14 +256,26 @@ def _type_name(tp) -> str:
 
 
 def _section_help(name: str, cls, default_obj, note: str = "") -> list[str]:
-    doc = (cls.__doc__ or "").strip().splitlines()[0]
+    doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())   # the first paragraph, whole
     hints, comments = typing.get_type_hints(cls), _field_comments(cls)
     lines = [f"--{name}.* ({cls.__name__}): {doc}{note}"]
     for f in dataclasses.fields(cls):
         default = getattr(default_obj, f.name)
         left = f"  --{name}.{f.name} {_type_name(hints[f.name]).upper()} = {default!r}"
-        lines.append(f"{left:<52} {comments.get(f.name, '')}")
+        text = textwrap.wrap(comments.get(f.name, ""), HELP_WIDTH - HELP_COLUMN) or [""]
+        if len(left) >= HELP_COLUMN - 1:   # a long default: the comment starts on the next line, in its column
+            text = [""] + text
+        lines.append(f"{left:<{HELP_COLUMN - 1}} {text[0]}".rstrip())
+        lines += [" " * HELP_COLUMN + t for t in text[1:]]
     return lines
+
+
+def preset_summary(name: str) -> str:
+    """One line of --help per model preset: what it is for, and its size."""
+    c = preset(name)
+    doc = " ".join((config.PRESETS[name].__doc__ or "").split())
+    return (f"{doc}; dim {c.dim}, {c.n_layers} layers, {c.n_routed_experts} experts top-{c.n_activated_experts}, "
+            f"vocab {c.vocab_size:,}")
 
 
 def help_text() -> str:
@@ -258,8 +285,11 @@ def help_text() -> str:
     out = ["usage: python train.py [--recipe NAME] [--<section>.<field> VALUE | --<section>.<field>=VALUE ...]", "",
            "GRPO for DeepSeek-V4. Later wins: defaults -> --recipe -> the command line. Values parse by the field's",
            "type: int, float, bool (true/false), str, none (for |none fields), comma-separated lists.",
-           f"Short forms: {short}; {flags}.", "", "recipes (--recipe NAME):"]
+           *textwrap.wrap(f"Short forms: {short}; {flags}.", HELP_WIDTH), "",
+           "recipes (--recipe NAME, or the path of a recipe file):"]
     out += [f"  {k:<12} {recipe_summary(k)}" for k in recipe_names()]
+    out += ["", "model presets (--preset NAME; --model.<field> overrides any field):"]
+    out += [f"  {k:<12} {preset_summary(k)}" for k in config.PRESETS]
     cfg = RunConfig()
     for f in dataclasses.fields(RunConfig):
         if f.name != "model":
@@ -317,7 +347,10 @@ def usage_error(e: BaseException, prog: str = "train.py"):
 def startup(argv: list[str], prog: str = "train.py"):
     """--help, overrides, checks, task data, run directory -> (cfg, model config, task). See the module docstring."""
     if any(a in ("-h", "--help") for a in argv):
-        print(help_text())
+        try:
+            print(help_text(), flush=True)
+        except BrokenPipeError:   # `train.py --help | head`: the reader left; no traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
     try:
         cfg = parse_args(argv)

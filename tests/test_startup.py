@@ -42,6 +42,70 @@ def test_help_lists_sections_fields_defaults_comments_and_recipes(capsys):
     assert "--train.reward STR = ''" in out and "--model.vocab_size INT" in out
 
 
+def source_comments(cls) -> dict:
+    """field -> its whole `#` comment in config.py, read with `tokenize` (not the help's regex): the comment on
+    the field's line plus the comment-only lines indented under it."""
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+    out, last, last_row = {}, None, None
+    src = textwrap.dedent(inspect.getsource(cls))
+    toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
+    for i, t in enumerate(toks):
+        if t.type != tokenize.COMMENT:
+            continue
+        first = next(x for x in toks if x.start[0] == t.start[0])
+        if first is not t and first.type == tokenize.NAME and first.start[1] == 4 and toks[toks.index(first) + 1].string == ":":
+            last, last_row = first.string, t.start[0]
+            out[last] = t.string[1:].strip()
+        elif first is t and last and t.start[0] == last_row + 1 and t.start[1] > 4:
+            out[last] += " " + t.string[1:].strip()
+            last_row = t.start[0]
+        else:
+            last = None
+    return out
+
+
+def help_entry(text: str, flag: str) -> str:
+    """A field's comment in --help, its wrapped lines joined."""
+    lines = text.splitlines()
+    i = next(n for n, ln in enumerate(lines) if ln.startswith(f"  {flag} "))
+    padded = lines[i][cli.HELP_COLUMN - 2:cli.HELP_COLUMN] == "  "        # else a long default, the comment below
+    body = [lines[i][cli.HELP_COLUMN:] if padded else ""]
+    for ln in lines[i + 1:]:
+        if not ln.startswith(" " * cli.HELP_COLUMN):
+            break
+        body.append(ln)
+    return " ".join(b.strip() for b in body).strip()
+
+
+def test_help_keeps_every_comment_whole_and_lists_the_presets():
+    """Bug caught (issue 40): --help printed only the first line of a comment that goes on below its field, so
+    `--optim.round_to_served` ended "(norms, head," and `--rollout.max_server_restarts` "(its"; and it never
+    listed the model presets that --preset takes."""
+    from nanoflash import config
+    text = cli.help_text()
+    for section in ("train", "grpo", "optim", "parallel", "rollout", "eval"):
+        cls = type(getattr(config.RunConfig(), section))
+        for name, comment in source_comments(cls).items():
+            assert help_entry(text, f"--{section}.{name}") == comment, (section, name)
+    assert help_entry(text, "--optim.round_to_served").endswith("their fp32 master the updates (rl/trainer.py)")
+    assert help_entry(text, "--rollout.max_server_restarts").endswith("this many times a run; 0 = stop")
+    presets = text.split("model presets", 1)[1].split("\n\n", 1)[0]
+    assert [ln.split()[0] for ln in presets.splitlines()[1:]] == list(config.PRESETS), presets
+    wrapped = [ln for ln in text.splitlines() if ln.startswith("  --") and ln[cli.HELP_COLUMN - 2:cli.HELP_COLUMN] == "  "
+               or ln.startswith(" " * cli.HELP_COLUMN)]                 # comments (a long default aside)
+    assert max(len(ln) for ln in wrapped) <= cli.HELP_WIDTH
+
+
+def test_help_into_a_closed_pipe_is_quiet():
+    """`train.py --help | head -3`: the reader leaves early; no BrokenPipeError traceback."""
+    p = subprocess.run(f"{sys.executable} train.py --help | head -3", shell=True, cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert len(p.stdout.splitlines()) == 3 and "Traceback" not in p.stderr, p.stderr
+
+
 def test_help_from_train_py_exits_0_without_a_traceback():
     p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "--rollout.health_timeout_s" in p.stdout and not p.stderr.strip(), p.stderr
