@@ -32,6 +32,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 import zlib
 
 import torch
@@ -44,6 +45,10 @@ from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 
 STEP_PREFIX, TMP_SUFFIX, META = "step_", ".tmp", "meta.json"
+# A world-size-1 save or load passes no_dist=True, so torch's "assuming the intent is to save in a single process"
+# says what was asked, at every checkpoint of every CPU run: silenced, that message only.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 CRC_CHUNK = 16 << 20  # bytes read per crc32 update
 
 
