@@ -144,9 +144,9 @@ def run_eval(at: int) -> None:
     t0 = time.time()
     res = evaluate(task.heldout, gen_at(at), ec.k_samples, task.reward, ec.max_new_tokens, task.encode)
     acc = torch.tensor(res.pop("per_problem_correct"), dtype=torch.float64) / ec.k_samples  # [P] per problem
-    res["pass@1_se"] = float(acc.std() / len(acc) ** 0.5) if len(acc) > 1 else 0.0  # standard error over problems
-    print0(f"eval step {at}: " + " ".join(f"{k}={v:.3f}" for k, v in res.items() if k.startswith("pass@")))
-    log.log("eval", at, {**res, "eval_s": time.time() - t0})
+    passk = [k for k in res if k.startswith("pass@") and not k.endswith("_se")]
+    print0(f"eval step {at}: " + " ".join(f"{k}={res[k]:.3f}+-{res[k + '_se']:.3f}" for k in passk))
+    log.log("eval", at, {**res, "chance": task.chance, "eval_s": time.time() - t0})
     for record, m in hooks.after_eval(at, acc, gen_at).items():
         log.log(record, at, m)
 

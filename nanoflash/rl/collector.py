@@ -68,6 +68,7 @@ class Task:
     stop_ids: list                  # ids that end a response
     pad_id: int
     warmup: list | None = None      # problems of the supervised warm-up (make_task: `train.warmup_data`, else train)
+    chance: float | None = None     # P(a sample is right) when answering at random, if the task has one (plots)
 
 
 def arith_answer(tc, spec: str | None = None, field: str = "train.data") -> str:
@@ -96,6 +97,7 @@ def make_task(tc, ec, vocab_size: int) -> Task:
     if tc.reward:
         plugin = plugins.PluginReward(tc.reward, n_workers=tc.reward_workers, timeout_s=tc.reward_timeout_s)
         task.reward = plugins.token_plugin_fn(task.decode, plugin)
+        task.chance = None   # what a random answer scores under someone else's reward: unknown
     return task
 
 
@@ -106,8 +108,10 @@ def _arith_task(tc, ec, vocab_size: int) -> Task:
         raise ValueError(f"train.task=arith: the arithmetic tokenizer needs {tok.vocab_size} ids but the "
                          f"model's vocab_size is {vocab_size}; set --model.vocab_size {tok.vocab_size}")
     train, heldout = arith_family(tc, tc.data, "train.data", ec.n_problems)
+    chance = 0.1 if arith_answer(tc) in data.LAST_DIGIT else None   # one digit of ten
     return Task(train, heldout, tok.encode_prompt, tok.decode,
-                rewards.token_reward_fn(tok.decode, rewards.arith_reward, tok.vocab_size), [tok.eos_id], tok.pad_id)
+                rewards.token_reward_fn(tok.decode, rewards.arith_reward, tok.vocab_size), [tok.eos_id], tok.pad_id,
+                chance=chance)
 
 
 def arith_family(tc, spec: str, field: str, n_heldout: int = 0) -> tuple[list, list]:
