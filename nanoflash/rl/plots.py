@@ -129,7 +129,7 @@ def control_plot(res: dict, path: str, chance: float = 0.1) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    seeds = sorted({k.rsplit("-s", 1)[1] for k in res}, key=int)
+    seeds = sorted({k.rsplit("-s", 1)[1] for k in res if not k.startswith("_")}, key=int)   # "_meta": not a run
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for color, seed in zip(("tab:blue", "tab:orange", "tab:green", "tab:red"), seeds):
         g = res[f"grpo-s{seed}"]["evals"]
