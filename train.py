@@ -22,18 +22,22 @@ step per rollout (the V4 recipe), no async/partial rollouts, no reference model 
 Instruments (the live FP8-floor checks of experiments/h200, ...) attach through `--train.hooks module:Class`
 (`nanoflash/rl/hooks.py`); the loop never names one.
 
-Failures: a crash resumes from the last checkpoint (re-run the command); a non-finite step is skipped on every
+Failures: a crash resumes from the last checkpoint (re-run the command); Ctrl-C stops within seconds with one
+line naming it (`rl/interrupt.py`); a non-finite step is skipped on every
 rank; a rollout server that dies mid-rollout is, with `rollout.max_server_restarts`, waited for, re-pushed and
 the step redone from the same data position (the `resync` header every rank reads); else one line, stop.
 
 Tests: `pytest tests/test_train_cli.py tests/test_train_e2e.py -q`.
 """
+import os
+import signal
 import time
 
 T_START = time.time()  # start-up phases are timed from here (the `startup` record)
+# Ctrl-C before start-up is over has nothing to undo: one line, exit 130 (then rl/interrupt.py takes over)
+signal.signal(signal.SIGINT, lambda *_: (os.write(2, b"interrupted at start-up\n"), os._exit(130)))
 
 import dataclasses  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
@@ -45,6 +49,7 @@ from nanoflash.parallel.dims import init_distributed, print0
 from nanoflash.rl.collector import Collector, StaleServerError, eval_seeds
 from nanoflash.rl.evaluate import evaluate
 from nanoflash.rl.hooks import HookContext, Hooks
+from nanoflash.rl.interrupt import Interrupt
 from nanoflash.rl.metrics import MetricsLog
 from nanoflash.rl.plots import write_plots
 from nanoflash.rl.trainer import Trainer, gather_full_state, make_optimizer
@@ -62,6 +67,9 @@ matched = rc.weights == "fp32" and tc.dtype == "fp32"  # batch-invariant scoring
 if matched:  # matched precision: the deterministic reference path, never a kernel (atomics, other reductions)
     mcfg = dataclasses.replace(mcfg, kernels="reference")
 ckpt_dir = os.path.join(tc.out_dir, "checkpoints")
+# Ctrl-C: the queued requests cancelled, the running ones aborted, one line ("interrupted at step N; last
+# checkpoint ...; re-run the same command to resume"), exit 130; a second press exits at once
+interrupt = Interrupt(ckpt_dir, rank0=int(os.environ.get("RANK", "0")) == 0)
 ckpt_is_dcp = bool(tc.checkpoint) and os.path.exists(os.path.join(tc.checkpoint, "meta.json"))  # else HF layout
 
 # ---------------------------------------------------------------------------------------------- dist init
@@ -140,9 +148,9 @@ def run_eval(at: int) -> None:
     except (ServerGoneError, StaleServerError) as e:
         raise SystemExit(f"eval at step {at} failed: {type(e).__name__}: {e}") from None
     acc = torch.tensor(res.pop("per_problem_correct"), dtype=torch.float64) / ec.k_samples  # [P] per problem
-    res["pass@1_se"] = float(acc.std() / len(acc) ** 0.5) if len(acc) > 1 else 0.0  # standard error over problems
-    print0(f"eval step {at}: " + " ".join(f"{k}={v:.3f}" for k, v in res.items() if k.startswith("pass@")))
-    log.log("eval", at, {**res, "eval_s": time.time() - t0})
+    passk = [k for k in res if k.startswith("pass@") and not k.endswith("_se")]
+    print0(f"eval step {at}: " + " ".join(f"{k}={res[k]:.3f}+-{res[k + '_se']:.3f}" for k in passk))
+    log.log("eval", at, {**res, "chance": task.chance, "eval_s": time.time() - t0})
     for record, m in hooks.after_eval(at, acc, gen_at).items():
         log.log(record, at, m)
 
@@ -172,7 +180,7 @@ if not latest:
 # ---------------------------------------------------------------------------------------------- loop
 streak = total_skipped = 0  # consecutive / all skipped (non-finite) steps
 while step < tc.steps:
-    t0 = time.time()
+    t0, interrupt.at = time.time(), step + 1
     batch, m = collector.next_batch(step + 1) if rank0 else (None, {})
     resync, tm = trainer.step(batch, step + 1, m.get("resync", False),
                               before_update=lambda b, old: hooks.before_update(b, old, step + 1))

@@ -30,10 +30,11 @@ prepares the run directory. A user error anywhere in there is ONE line on stderr
 and exit code 2, before any model is built (`NANOFLASH_TRACEBACK=1` shows the traceback instead).
 
 Run directories (`train.out_dir`): a run writes `config.json` (the whole tree, `cli.to_dict`) there at start.
-A directory that already holds checkpoints is resumed only by the same run: a config that differs in anything
-but the fields of `RESUMABLE` (steps, logging, layout, server addresses) is refused naming the differences, as
-is `--no-resume` (its checkpoints would mix with the new run's); a run that already reached `train.steps`
-says so and exits 0.
+A directory that another run wrote into -- its `config.json`, or without one the config that starts its
+`metrics.jsonl` (`recorded_config`), with or without checkpoints -- is taken only by the same run: a config
+that differs in anything but the fields of `RESUMABLE` (steps, logging, layout, server addresses) is refused
+naming the differences (never overwritten), as is `--no-resume` over checkpoints (they would mix with the new
+run's); a run that already reached `train.steps` says so and exits 0.
 
 Differs from Miles: Miles validates its argparse namespace in `miles/utils/arguments.py` and raises
 AssertionErrors (tracebacks); here every refusal is a sentence naming the flag. Miles has ~400 flat argparse flags; we keep the config as the dataclasses of
@@ -52,6 +53,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import typing
 
 from nanoflash import config
@@ -60,6 +62,7 @@ from nanoflash.parallel import planner
 from nanoflash.parallel.dcp import latest_checkpoint
 from nanoflash.rl.collector import make_task
 from nanoflash.rl.hooks import load_hook
+from nanoflash.rl.metrics import read_jsonl
 
 SHORT = {"--preset": "train.preset", "--steps": "train.steps", "--out": "train.out_dir",
          "--checkpoint": "train.checkpoint", "--seed": "train.seed"}
@@ -226,9 +229,23 @@ def to_dict(cfg: RunConfig) -> dict:
 
 # ---------------------------------------------------------------------------------------------- --help
 def _field_comments(cls) -> dict:
-    """field -> the `# comment` that ends its line in config.py (the one place fields are documented)."""
-    src = inspect.getsource(cls)
-    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^    (\w+): [^\n]*?  # (.*)$", src, re.M)}
+    """field -> the `# comment` that ends its line in config.py (the one place fields are documented), with the
+    comment-only lines indented under it that continue it."""
+    out, last = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        field = re.match(r"^    (\w+): [^\n]*?  # (.*)$", line)
+        more = re.match(r"^ {5,}# (.*)$", line)
+        if field:
+            last = field.group(1)
+            out[last] = field.group(2).strip()
+        elif more and last:
+            out[last] += " " + more.group(1).strip()
+        else:
+            last = None
+    return out
+
+
+HELP_COLUMN, HELP_WIDTH = 53, 120   # where a field's comment starts in --help, and where its lines wrap
 
 
 def _type_name(tp) -> str:
@@ -239,14 +256,26 @@ def _type_name(tp) -> str:
 
 
 def _section_help(name: str, cls, default_obj, note: str = "") -> list[str]:
-    doc = (cls.__doc__ or "").strip().splitlines()[0]
+    doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())   # the first paragraph, whole
     hints, comments = typing.get_type_hints(cls), _field_comments(cls)
     lines = [f"--{name}.* ({cls.__name__}): {doc}{note}"]
     for f in dataclasses.fields(cls):
         default = getattr(default_obj, f.name)
         left = f"  --{name}.{f.name} {_type_name(hints[f.name]).upper()} = {default!r}"
-        lines.append(f"{left:<52} {comments.get(f.name, '')}")
+        text = textwrap.wrap(comments.get(f.name, ""), HELP_WIDTH - HELP_COLUMN) or [""]
+        if len(left) >= HELP_COLUMN - 1:   # a long default: the comment starts on the next line, in its column
+            text = [""] + text
+        lines.append(f"{left:<{HELP_COLUMN - 1}} {text[0]}".rstrip())
+        lines += [" " * HELP_COLUMN + t for t in text[1:]]
     return lines
+
+
+def preset_summary(name: str) -> str:
+    """One line of --help per model preset: what it is for, and its size."""
+    c = preset(name)
+    doc = " ".join((config.PRESETS[name].__doc__ or "").split())
+    return (f"{doc}; dim {c.dim}, {c.n_layers} layers, {c.n_routed_experts} experts top-{c.n_activated_experts}, "
+            f"vocab {c.vocab_size:,}")
 
 
 def help_text() -> str:
@@ -256,8 +285,11 @@ def help_text() -> str:
     out = ["usage: python train.py [--recipe NAME] [--<section>.<field> VALUE | --<section>.<field>=VALUE ...]", "",
            "GRPO for DeepSeek-V4. Later wins: defaults -> --recipe -> the command line. Values parse by the field's",
            "type: int, float, bool (true/false), str, none (for |none fields), comma-separated lists.",
-           f"Short forms: {short}; {flags}.", "", "recipes (--recipe NAME):"]
+           *textwrap.wrap(f"Short forms: {short}; {flags}.", HELP_WIDTH), "",
+           "recipes (--recipe NAME, or the path of a recipe file):"]
     out += [f"  {k:<12} {recipe_summary(k)}" for k in recipe_names()]
+    out += ["", "model presets (--preset NAME; --model.<field> overrides any field):"]
+    out += [f"  {k:<12} {preset_summary(k)}" for k in config.PRESETS]
     cfg = RunConfig()
     for f in dataclasses.fields(RunConfig):
         if f.name != "model":
@@ -304,18 +336,23 @@ DATA_HELP = ("the defaults point at the project's shared data folder, ../shared/
 
 
 def usage_error(e: BaseException, prog: str = "train.py"):
-    """One line on stderr and exit code 2 (NANOFLASH_TRACEBACK=1 re-raises instead)."""
+    """One line on stderr (rank 0's: under torchrun every rank meets the same error) and exit code 2
+    (NANOFLASH_TRACEBACK=1 re-raises instead)."""
     if os.environ.get("NANOFLASH_TRACEBACK"):
         raise e
     msg = " ".join(str(e).split()) if not isinstance(e, KeyError) else str(e.args[0])
-    print(f"{prog}: error: {msg}", file=sys.stderr)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{prog}: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
 
 
 def startup(argv: list[str], prog: str = "train.py"):
     """--help, overrides, checks, task data, run directory -> (cfg, model config, task). See the module docstring."""
     if any(a in ("-h", "--help") for a in argv):
-        print(help_text())
+        try:
+            print(help_text(), flush=True)
+        except BrokenPipeError:   # `train.py --help | head`: the reader left; no traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
     try:
         cfg = parse_args(argv)
@@ -323,6 +360,7 @@ def startup(argv: list[str], prog: str = "train.py"):
             print(dry_run_text(cfg))
             raise SystemExit(0)
         check_gpu(cfg, recipe_name(argv))
+        check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         check_config(cfg)
         mcfg = model_config(cfg)
         task = make_task(cfg.train, cfg.eval, mcfg.vocab_size)
@@ -368,6 +406,22 @@ def check_gpu(cfg: RunConfig, recipe: str | None, gpu_count=None) -> None:
     if (gpu_count or torch.cuda.device_count)() == 0:   # 0 on a CPU build, or with no GPU visible
         masks = [f"{v}={os.environ[v]!r}" for v in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES") if v in os.environ]
         raise ValueError(f"{wants[0]} needs GPUs but {torch_build()} sees none{''.join(', ' + m for m in masks)}")
+
+
+def check_world(cfg: RunConfig, world: int) -> None:
+    """The process count (torchrun's WORLD_SIZE; 1 for plain python) must fill the PP x DP x EP grid, checked
+    before any process group exists (else every rank stopped on the grid's assertion with its own traceback,
+    and torchrun's report on top)."""
+    par = cfg.parallel
+    grid = par.pp * par.ep * (par.dp or 1)
+    if (world % grid if par.dp is None else world - grid) == 0:
+        return
+    need = f"a multiple of {grid}" if par.dp is None else f"exactly {grid}"
+    layout = f"--parallel.pp {par.pp} x --parallel.ep {par.ep}" + (f" x --parallel.dp {par.dp}" if par.dp else "")
+    started = f"torchrun started {world} processes (WORLD_SIZE)" if "WORLD_SIZE" in os.environ else \
+        "plain python is 1 process"
+    raise ValueError(f"{layout} needs {need} processes but {started}; start {need} (torchrun --nproc-per-node N "
+                     f"[--nnodes M]) or change the layout")
 
 
 def check_config(cfg: RunConfig) -> None:
@@ -421,23 +475,43 @@ def config_diff(old: dict, new: dict) -> list[str]:
     return out
 
 
+def recorded_config(out: str) -> tuple[dict | None, str | None]:
+    """The config a run left in `out` and the file it came from: config.json, else the `info` record that
+    starts its metrics.jsonl (a run whose config.json was lost). (None, None): neither file, or an empty
+    metrics.jsonl; (None, "metrics.jsonl"): records without a config (not a run of this trainer's)."""
+    cfg_path, metrics = os.path.join(out, "config.json"), os.path.join(out, "metrics.jsonl")
+    if os.path.exists(cfg_path):
+        try:
+            with open(cfg_path) as f:
+                return json.load(f), "config.json"
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--out {out}: its config.json is not JSON ({e}): pass a new --out, or delete "
+                             f"{out}") from None
+    if os.path.exists(metrics):
+        recs = read_jsonl(metrics)
+        info = next((r["config"] for r in recs if r.get("kind") == "info" and isinstance(r.get("config"), dict)),
+                    None)
+        return (info, "metrics.jsonl") if recs else (None, None)
+    return None, None
+
+
 def prepare_out_dir(cfg: RunConfig, rank0: bool = True) -> None:
     """Refuse another run's directory; stop (exit 0) if this run is finished; write out_dir/config.json."""
     tc, out = cfg.train, cfg.train.out_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"train.out_dir={out!r} is a file, not a directory")
     latest, cfg_path = latest_checkpoint(os.path.join(out, "checkpoints")), os.path.join(out, "config.json")
+    recorded, where = recorded_config(out)   # with or without checkpoints: another run's files are never overwritten
+    if where is not None:
+        diff = ["its config is not recorded"] if recorded is None else config_diff(recorded, to_dict(cfg))
+        if diff:
+            raise ValueError(f"--out {out} holds another run ({where}: {'; '.join(diff[:4])}"
+                             f"{'; ...' if len(diff) > 4 else ''}): pass a new --out, or delete {out}")
     if latest:
         done = int(os.path.basename(latest)[len("step_"):])
         if not tc.resume:
             raise ValueError(f"--out {out} holds checkpoints of an earlier run (up to step {done}) that --no-resume "
                              f"would mix with this run's: pass a new --out, or delete {out}")
-        if os.path.exists(cfg_path):
-            with open(cfg_path) as f:
-                diff = config_diff(json.load(f), to_dict(cfg))
-            if diff:
-                raise ValueError(f"--out {out} holds another run ({'; '.join(diff[:4])}"
-                                 f"{'; ...' if len(diff) > 4 else ''}): pass a new --out, or delete {out}")
         if done > tc.steps:
             raise ValueError(f"--out {out}: that run is at step {done}, past train.steps={tc.steps}; pass --steps "
                              f"above {done} to continue it, or a new --out")

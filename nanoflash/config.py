@@ -178,16 +178,19 @@ def _hf_to_official(hf: dict, path: str) -> dict:
 
 
 def _flash() -> ModelConfig:
+    """DeepSeek-V4-Flash as released; GPUs only (recipe flash)"""
     return ModelConfig()
 
 
 def _small() -> ModelConfig:
+    """Flash's layer kinds, shrunk, with the V4 tokenizer's vocabulary; one GPU (recipe gpu)"""
     return ModelConfig(
         dim=2048, moe_inter_dim=1024, n_layers=8, n_hash_layers=3, n_routed_experts=16, n_activated_experts=6,
         q_lora_rank=1024, o_lora_rank=512, compress_ratios=(0, 4, 128, 4, 128, 4, 128, 4, 0))
 
 
 def _tiny() -> ModelConfig:
+    """every layer kind at toy size, for the CPU: tests, the demo (which cuts the vocabulary to 18)"""
     return ModelConfig(
         vocab_size=256, dim=64, moe_inter_dim=32, n_layers=4, n_hash_layers=2, n_heads=4,
         n_routed_experts=8, n_activated_experts=2, q_lora_rank=32, head_dim=32, rope_head_dim=8,

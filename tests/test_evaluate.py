@@ -70,6 +70,11 @@ def test_evaluate_on_scripted_samples():
     assert "pass@8" not in res  # k > n is not reported
     assert res["truncation_rate"] == pytest.approx(1 / 12)
     assert (res["n_problems"], res["n_samples"]) == (3, 12)
+    # standard errors over the 3 problems, by hand: per-problem pass@1 = 1, 1/4, 0 (mean 5/12); pass@2 = 1, 1/2, 0
+    se1 = math.sqrt(((1 - 5 / 12) ** 2 + (1 / 4 - 5 / 12) ** 2 + (5 / 12) ** 2) / 2 / 3)
+    se2 = math.sqrt(((1 - 1 / 2) ** 2 + 0 + (1 / 2) ** 2) / 2 / 3)
+    assert (res["pass@1_se"], res["pass@2_se"]) == (pytest.approx(se1), pytest.approx(se2))
+    assert res["pass@4_se"] == pytest.approx(math.sqrt(((1 - 2 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2 / 3))
 
 
 def test_evaluate_rejects_malformed_generator_output():

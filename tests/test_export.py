@@ -27,10 +27,10 @@ PARITY_TOL = 1e-4
 BF16_KINDS = ("fp8", "fp4", "bf16")  # stored BF16 by `--weights bf16`; the fp32 kinds stay FP32, int64 exact
 
 
-def make_run(run_dir: str, with_model_config: bool = True, seed: int = 3):
+def make_run(run_dir: str, with_model_config: bool = True, seed: int = 3, extra=()):
     """A run directory as train.py leaves it: config.json and one committed checkpoint (model + optimizer)."""
     cfg = parse_args(["--recipe", "smoke", "--out", run_dir, "--model.n_mtp_layers", "0",
-                      "--model.compress_ratios", "0,4,8,4"])
+                      "--model.compress_ratios", "0,4,8,4", *extra])
     mcfg = preset("tiny", **cfg.model)
     model = trainer.build_model(mcfg, ParallelDims(), cfg.parallel, torch.float32, "cpu", seed=seed)
     opt = trainer.make_optimizer(model, cfg.optim)
@@ -79,3 +79,68 @@ def test_export_errors_are_one_line_exit_2(tmp_path, capsys, source, says):
     assert export.main([str(tmp_path / source), str(tmp_path / "full")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+def test_export_of_the_demo_task_carries_its_tokenizer_and_generate_stops_at_eos(tmp_path, capsys):
+    """Bug caught (issue 40): the export wrote DeepSeek-V4's bos 0 / eos 1 into config.json whatever the run's task,
+    and no tokenizer: on the demo's model (<eos> = id 2) transformers' `generate` never stopped ("3259+1=" ->
+    [3, 2, 2, 2, 2, 2]), and nothing said how to turn ids into text. The run: the smoke recipe's warm start
+    (the demo's task, 20 SFT steps), exported as a user would."""
+    import subprocess
+    import sys
+    transformers = pytest.importorskip("transformers")
+    from nanoflash.rl import collector
+    from nanoflash.rl.data import CharTokenizer, Problem
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run, out = tmp_path / "run", tmp_path / "hf"
+    p = subprocess.run([sys.executable, "train.py", "--recipe", "smoke", "--steps", "0", "--eval.every", "0",
+                        "--train.plots", "false", "--train.progress", "false", "--out", str(run)],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert export.main([str(run), str(out)]) == 0
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said.startswith("tokenizer: the arithmetic task's own, synthetic (18 ids") and "eos 2" in said, said
+    char = CharTokenizer()
+    with open(out / "config.json") as f:
+        hf_cfg = json.load(f)
+    assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (1, 2, 0)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    cfg = parse_args(["--recipe", "smoke"])
+    task = collector.make_task(cfg.train, cfg.eval, 18)
+    for prob in task.heldout[:3] + [Problem("", "12 - 3*4=", "")]:
+        assert tok(prob.prompt)["input_ids"] == char.encode_prompt(prob)             # the task's own ids
+    assert tok.decode([1, 5, 6, 13, 2], skip_special_tokens=True) == char.decode([1, 5, 6, 13, 2]) == "23+"
+    model = transformers.DeepseekV4ForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ours = Transformer(ModelConfig.from_hf_config(str(out)))
+    load_hf_checkpoint(ours, str(out))
+    ours.eval()
+    stopped = 0
+    for prob in task.heldout[:8]:
+        ids = torch.tensor([task.encode(prob)])
+        gen = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+        greedy = []                                                                  # nanoflash's own greedy decode
+        with torch.no_grad():
+            while len(greedy) < 6 and (not greedy or greedy[-1] != char.eos_id):
+                greedy.append(int(ours(torch.tensor([task.encode(prob) + greedy]))[0, -1].argmax()))
+        assert gen == greedy, (prob.prompt, gen, greedy)
+        stopped += gen[-1] == char.eos_id and len(gen) < 6
+    assert stopped == 8                                      # every answer: a digit, then <eos>, and generate stops
+
+
+@pytest.mark.parametrize("vocab, says", [("129280", "tokenizer: DeepSeek-V4's (129,280 ids), copied; bos 0, eos 1"),
+                                         ("18", "tokenizer: not written (the task's 129280 ids do not fit")])
+def test_export_of_a_chat_run_carries_the_v4_tokenizer(tmp_path, capsys, vocab, says):
+    """A task=chat run's export: DeepSeek-V4's tokenizer files beside the weights, its ids in config.json; a model
+    whose vocabulary cannot hold them says so instead of writing a tokenizer that does not fit."""
+    transformers = pytest.importorskip("transformers")
+    make_run(str(tmp_path / "run"), extra=["--train.task", "chat", "--model.vocab_size", vocab])
+    assert export.main([str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(says)
+    if vocab == "18":
+        assert not (tmp_path / "hf" / "tokenizer.json").exists()
+        return
+    with open(tmp_path / "hf" / "config.json") as f:
+        hf_cfg = json.load(f)
+    assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (0, 1, 1)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert tok.eos_token_id == 1 and len(tok) == 129280

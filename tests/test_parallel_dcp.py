@@ -124,3 +124,26 @@ def test_ep2_checkpoint_loads_into_one_process(tmp_path):
             assert (v == opt.state_dict()[key]) if key == "step" else torch.equal(v, opt.state_dict()[key]), key
     assert any(".experts.7." in n for n in parts[1][0]) and not any(".experts.7." in n for n in parts[0][0])
 
+
+
+def test_single_process_save_and_load_print_no_warning(tmp_path):
+    """Bug caught (issue 40): every checkpoint of a one-process run printed torch's UserWarning "torch.distributed
+    is disabled, unavailable or uninitialized, assuming the intent is to save in a single process" (two lines of
+    stderr a save, in the demo's output). A fresh interpreter, as train.py is, with Python's default filters."""
+    import subprocess
+    import sys
+    code = ("import torch\n"
+            "from nanoflash.config import preset\n"
+            "from nanoflash.model import Transformer\n"
+            "from nanoflash.parallel import dcp\n"
+            "from nanoflash.parallel.dims import ParallelDims\n"
+            "from nanoflash.parallel.optim import AdamW, trainable_parameters\n"
+            "m = Transformer(preset('tiny')).init_weights(0)\n"
+            "opt = AdamW(trainable_parameters(m), lr=1e-3)\n"
+            f"path = dcp.save_checkpoint({str(tmp_path)!r}, 1, m, opt, ParallelDims())\n"
+            "dcp.load_checkpoint(path, m, opt, ParallelDims())\n"
+            "print('saved and loaded')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "saved and loaded", p.stderr[-2000:]
+    assert "Warning" not in p.stderr, p.stderr

@@ -42,6 +42,70 @@ def test_help_lists_sections_fields_defaults_comments_and_recipes(capsys):
     assert "--train.reward STR = ''" in out and "--model.vocab_size INT" in out
 
 
+def source_comments(cls) -> dict:
+    """field -> its whole `#` comment in config.py, read with `tokenize` (not the help's regex): the comment on
+    the field's line plus the comment-only lines indented under it."""
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+    out, last, last_row = {}, None, None
+    src = textwrap.dedent(inspect.getsource(cls))
+    toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
+    for i, t in enumerate(toks):
+        if t.type != tokenize.COMMENT:
+            continue
+        first = next(x for x in toks if x.start[0] == t.start[0])
+        if first is not t and first.type == tokenize.NAME and first.start[1] == 4 and toks[toks.index(first) + 1].string == ":":
+            last, last_row = first.string, t.start[0]
+            out[last] = t.string[1:].strip()
+        elif first is t and last and t.start[0] == last_row + 1 and t.start[1] > 4:
+            out[last] += " " + t.string[1:].strip()
+            last_row = t.start[0]
+        else:
+            last = None
+    return out
+
+
+def help_entry(text: str, flag: str) -> str:
+    """A field's comment in --help, its wrapped lines joined."""
+    lines = text.splitlines()
+    i = next(n for n, ln in enumerate(lines) if ln.startswith(f"  {flag} "))
+    padded = lines[i][cli.HELP_COLUMN - 2:cli.HELP_COLUMN] == "  "        # else a long default, the comment below
+    body = [lines[i][cli.HELP_COLUMN:] if padded else ""]
+    for ln in lines[i + 1:]:
+        if not ln.startswith(" " * cli.HELP_COLUMN):
+            break
+        body.append(ln)
+    return " ".join(b.strip() for b in body).strip()
+
+
+def test_help_keeps_every_comment_whole_and_lists_the_presets():
+    """Bug caught (issue 40): --help printed only the first line of a comment that goes on below its field, so
+    `--optim.round_to_served` ended "(norms, head," and `--rollout.max_server_restarts` "(its"; and it never
+    listed the model presets that --preset takes."""
+    from nanoflash import config
+    text = cli.help_text()
+    for section in ("train", "grpo", "optim", "parallel", "rollout", "eval"):
+        cls = type(getattr(config.RunConfig(), section))
+        for name, comment in source_comments(cls).items():
+            assert help_entry(text, f"--{section}.{name}") == comment, (section, name)
+    assert help_entry(text, "--optim.round_to_served").endswith("their fp32 master the updates (rl/trainer.py)")
+    assert help_entry(text, "--rollout.max_server_restarts").endswith("this many times a run; 0 = stop")
+    presets = text.split("model presets", 1)[1].split("\n\n", 1)[0]
+    assert [ln.split()[0] for ln in presets.splitlines()[1:]] == list(config.PRESETS), presets
+    wrapped = [ln for ln in text.splitlines() if ln.startswith("  --") and ln[cli.HELP_COLUMN - 2:cli.HELP_COLUMN] == "  "
+               or ln.startswith(" " * cli.HELP_COLUMN)]                 # comments (a long default aside)
+    assert max(len(ln) for ln in wrapped) <= cli.HELP_WIDTH
+
+
+def test_help_into_a_closed_pipe_is_quiet():
+    """`train.py --help | head -3`: the reader leaves early; no BrokenPipeError traceback."""
+    p = subprocess.run(f"{sys.executable} train.py --help | head -3", shell=True, cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert len(p.stdout.splitlines()) == 3 and "Traceback" not in p.stderr, p.stderr
+
+
 def test_help_from_train_py_exits_0_without_a_traceback():
     p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "--rollout.health_timeout_s" in p.stdout and not p.stderr.strip(), p.stderr
@@ -73,6 +137,20 @@ def test_user_mistakes_are_one_line_and_exit_2(capsys, tmp_path, argv, culprit):
     assert not os.path.exists(tmp_path / "run")                   # refused before anything was written
 
 
+@pytest.mark.parametrize("which", ["train", "eval"])
+def test_no_row_gives_a_problem_names_the_flags_that_fix_it(capsys, tmp_path, which):
+    """Bug caught (issue 40): "none of its rows gives a problem" named the fields a row has but not the flags
+    that name them, nor which of the two files (train or eval) it was."""
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(json.dumps({"question": "1+1?", "meta": {"gold": "2"}}) + "\n")
+    keys = {w: ["--" + w + ".prompt_key", "question", "--" + w + ".answer_key", "meta.gold"] for w in ("train", "eval")}
+    other = "eval" if which == "train" else "train"
+    line = fail_line(capsys, ["--train.task", "chat", "--model.vocab_size", "129280", "--train.data", str(mine),
+                              "--eval.data", str(mine), "--out", str(tmp_path / "run")] + keys[other])
+    assert "none of its 1 rows gives a problem" in line and "['meta', 'question']" in line, line
+    assert f"--{which}.prompt_key / --{which}.answer_key" in line and f"--{other}." not in line, line
+
+
 def test_default_data_path_missing_explains_the_shared_folder(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)                                    # ../shared/data does not exist from here
     line = fail_line(capsys, ["--train.task", "dapo", "--preset", "small"])
@@ -91,6 +169,45 @@ def test_train_py_mistake_is_one_line_no_traceback(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines() == ["train.py: error: --grpo.clip_hgh: GRPOConfig has no field 'clip_hgh' "
                                              "(did you mean --grpo.clip_high?)"]
+
+
+@pytest.mark.parametrize("world, layout, says", [
+    (3, ["--parallel.pp", "2"], "--parallel.pp 2 x --parallel.ep 1 needs a multiple of 2 processes but torchrun "
+                                "started 3 processes (WORLD_SIZE)"),
+    (4, ["--parallel.pp", "2", "--parallel.dp", "1"], "needs exactly 2 processes but torchrun started 4"),
+    (None, ["--parallel.ep", "2"], "needs a multiple of 2 processes but plain python is 1 process"),
+])
+def test_world_size_mismatch_is_one_line_before_any_process_group(capsys, tmp_path, monkeypatch, world, layout,
+                                                                  says):
+    """Bug caught (issue 40): a torchrun world that does not fill PP x DP x EP stopped every rank on the grid's
+    assertion, inside init_distributed, each with its own traceback (3 ranks: 30 lines, torchrun's report on top)."""
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    line = fail_line(capsys, ["--recipe", "smoke", "--out", str(tmp_path / "run")] + layout)
+    assert says in line, line
+    monkeypatch.setenv("RANK", "1")                                # the other ranks: the same exit, no line
+    with pytest.raises(SystemExit) as exc:
+        startup.startup(["--recipe", "smoke", "--out", str(tmp_path / "run")] + layout)
+    assert exc.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_torchrun_world_mismatch_prints_one_line_of_ours():
+    """End to end under torchrun (3 CPU processes, PP 2): the ranks print one line in all; what remains is
+    torchrun's own failure report (its log lines and the ChildFailedError summary)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("no torchrun next to this python")
+    p = subprocess.run([torchrun, "--nproc-per-node", "3", "train.py", "--recipe", "smoke", "--parallel.pp", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = (p.stdout + p.stderr).splitlines()
+    ours = [ln for ln in out if "train.py: error:" in ln]
+    assert ours == ["train.py: error: --parallel.pp 2 x --parallel.ep 1 needs a multiple of 2 processes but torchrun "
+                    "started 3 processes (WORLD_SIZE); start a multiple of 2 (torchrun --nproc-per-node N "
+                    "[--nnodes M]) or change the layout"], out
+    assert not any(ln.startswith("[rank") for ln in out), out      # no rank's traceback
+    assert p.returncode != 0
 
 
 # ---------------------------------------------------------------------------------------------- run directories
@@ -119,6 +236,41 @@ def test_another_runs_directory_is_refused_naming_the_difference(capsys, tmp_pat
     assert "up to step 3" in line
     line = fail_line(capsys, ["--recipe", "smoke", "--out", out, "--steps", "2"])
     assert "past train.steps=2" in line
+
+
+@pytest.mark.parametrize("left", ["config.json", "metrics.jsonl", "both", "metrics.jsonl+checkpoint"])
+def test_another_runs_files_without_checkpoints_are_refused_not_overwritten(capsys, tmp_path, left):
+    """Bug caught (issue 40): a directory holding another run's config.json or metrics.jsonl but no checkpoint
+    (a run stopped before its first save, or one with --train.save_every -1) was silently overwritten: its
+    config.json replaced, its metrics.jsonl emptied by the next start. The same run's re-start is accepted."""
+    out = str(tmp_path / "run")
+    theirs = cli.to_dict(cli.parse_args(["--recipe", "smoke", "--out", out, "--seed", "7"]))
+    os.makedirs(out)
+    if left in ("config.json", "both"):
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(theirs, f)
+    if left != "config.json":
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"kind": "info", "step": 0, "config": theirs}) + "\n")
+            f.write(json.dumps({"kind": "train", "step": 1, "reward_mean": 0.5}) + "\n")
+    if left.endswith("checkpoint"):
+        fake_checkpoint(out, 1)
+    before = {n: open(os.path.join(out, n)).read() for n in os.listdir(out) if n.endswith(("json", "jsonl"))}
+    line = fail_line(capsys, ["--recipe", "smoke", "--out", out])
+    assert "holds another run" in line and "train.seed 7 there, 1234 here" in line and "new --out" in line, line
+    assert {n: open(os.path.join(out, n)).read() for n in before} == before      # nothing overwritten
+    cfg, _, _ = startup.startup(["--recipe", "smoke", "--out", out, "--seed", "7", "--steps", "5"])
+    assert cfg.train.seed == 7                                     # the same run (resumable fields aside) may
+
+
+def test_metrics_of_an_unknown_run_are_refused_and_an_empty_one_is_not(capsys, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 3}) + "\n")
+    line = fail_line(capsys, ["--recipe", "smoke", "--out", str(out)])
+    assert "holds another run (metrics.jsonl: its config is not recorded)" in line, line
+    (out / "metrics.jsonl").write_text("")                          # a start that died before its first record
+    startup.startup(["--recipe", "smoke", "--out", str(out)])
 
 
 def test_finished_run_says_so_and_exits_0_while_more_steps_continue(capsys, tmp_path):

@@ -85,6 +85,14 @@ def test_dry_run_plans_the_flash_layout(monkeypatch):
     params_per_rank = [float(r[2]) for r in rows]
     assert all(15 < p < 25 for p in params_per_rank), params_per_rank  # ~284B / 16 ranks, experts dominate
     assert "release weights" in text
+    # Bug caught (issue 40): the headers were term names cut to 7 letters ("optimiz", "imbalan", "opt_ste") and
+    # nothing said what a column counts: every header of both tables is named in the legend under it.
+    for table, nxt in (("GPU per rank", "host per rank"), ("host per rank", "max per GPU")):
+        block = text.split(table, 1)[1].split(nxt, 1)[0]
+        header = next(ln.split() for ln in block.splitlines() if ln.split()[:2] == ["pp", "ep"])
+        legend = " ".join(block.split("columns: ", 1)[1].split())
+        named = {part.split(" = ")[0] for part in legend.split("; ")}
+        assert set(header[2:]) <= named, (header, named)
 
 
 def test_rollout_weight_bytes_counts_release_storage():

@@ -282,6 +282,29 @@ def test_write_plots_reads_metrics_back(tmp_path):
             assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_passk_figure_has_error_bars_and_chance_lines():
+    """Bug caught (issue 40): passk.png drew bare lines, no error bars and no chance level, so a move of 0.02 on
+    500 problems looked like learning and a line at 0.1 did not read as chance. Each k: bars of +- 3 SE as
+    logged, and its chance 1 - (1 - p)^k."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from nanoflash.rl.plots import passk_axes
+    ev = [{"kind": "eval", "step": s, "pass@1": 0.1 + 0.1 * s, "pass@1_se": 0.01, "pass@2": 0.2 + 0.1 * s,
+           "pass@2_se": 0.02, "chance": 0.1} for s in range(3)]
+    fig, ax = plt.subplots()
+    passk_axes(ax, ev)
+    assert len(ax.containers) == 2                                   # one errorbar container per k
+    for bars, se in zip(ax.containers, (0.01, 0.02)):
+        (segments,) = bars.lines[2]                                  # the vertical bars: [(x, lo), (x, hi)]
+        assert [round(float(b[1][1] - b[0][1]), 9) for b in segments.get_segments()] == [round(2 * 3 * se, 9)] * 3
+    flat = sorted(round(ln.get_ydata()[0], 9) for ln in ax.get_lines() if len(set(ln.get_ydata())) == 1
+                  and ln.get_linestyle() == ":")
+    assert flat == [0.1, 0.19]                                       # 1 - 0.9, 1 - 0.9^2
+    plt.close(fig)
+
+
 # The first /generate a server answers on weight version 1 (step 2's rollout) kills its process: a crash
 DYING_SERVER = """
 import os, sys

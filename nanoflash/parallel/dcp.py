@@ -33,6 +33,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 import zlib
 
 import torch
@@ -46,6 +47,10 @@ from nanoflash.parallel.dims import ParallelDims
 
 STEP_PREFIX, TMP_SUFFIX, META, CORRUPT_SUFFIX = "step_", ".tmp", "meta.json", ".corrupt-"
 STEP_DIR = re.compile(r"step_\d{8}")  # a checkpoint's own name: never step_N.tmp or step_N.corrupt-<k>
+# A world-size-1 save or load passes no_dist=True, so torch's "assuming the intent is to save in a single process"
+# says what was asked, at every checkpoint of every CPU run: silenced, that message only.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 CRC_CHUNK = 16 << 20  # bytes read per crc32 update
 
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import textwrap
 
 import torch
 
@@ -327,9 +328,32 @@ def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="
     return fit
 
 
-GPU_COLS = ("weights", "grads", "optimizer", "activations", "imbalance", "a2a", "backward", "clip", "opt_step",
-            "nccl", "push", "engine")
-HOST_COLS = ("optimizer", "pinned", "push", "engine", "full_copy", "process")
+# (term, column header, legend): every header is whole (no cut names) and explained under its table
+GPU_COLS = (("weights", "weights", "the stage's parameters in the training dtype"),
+            ("grads", "grads", "their gradients"),
+            ("optimizer", "optim", "fp32 master + Adam m, v (0: offloaded to the host)"),
+            ("activations", "acts", "saved for backward by the in-flight micro-batches (1F1B; recompute: layer inputs)"),
+            ("imbalance", "imbal", "the busiest EP rank's extra routed rows"),
+            ("a2a", "a2a", "one MoE all-to-all in flight"),
+            ("backward", "bwd", "stream gradients of backward, the head's fp32 logits on the last stage"),
+            ("clip", "clip", "the gradient norm's fp32 square of the largest gradient"),
+            ("opt_step", "step", "fp32 gradient casts of the optimizer step"),
+            ("nccl", "nccl", "NCCL communicators"),
+            ("push", "push", "weight-push buckets"),
+            ("engine", "engine", "an embedded rollout engine on this GPU"))
+HOST_COLS = (("optimizer", "optim", "the offloaded optimizer state"),
+             ("pinned", "pinned", "its pinned staging"),
+             ("push", "push", "push payloads"),
+             ("engine", "engine", "an embedded engine's loader store or CPU model"),
+             ("full_copy", "full", "rank 0's temporary full fp32 copy (world > 1)"),
+             ("process", "proc", "Python / torch / CUDA runtime"))
+LEGEND_WIDTH = 120
+
+
+def legend(title: str, cols: tuple, total: str) -> list[str]:
+    """The lines under a table that say what each column counts (module docstring: the exact terms)."""
+    text = f"{title}: " + "; ".join(f"{h} = {what}" for _, h, what in cols) + f"; {total} = their sum"
+    return textwrap.wrap(text, LEGEND_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
 
 
 def _report(rows, cfg_name: str, par: ParallelConfig, setup: Setup) -> str:
@@ -339,17 +363,19 @@ def _report(rows, cfg_name: str, par: ParallelConfig, setup: Setup) -> str:
              f"(sequences of {setup.seq_len or par.micro_batch_tokens}), recompute={par.recompute}, "
              f"offload={par.offload_optimizer}, grads in {grad}, push via {setup.push}, embedded engine: "
              f"{setup.engine or 'none'}", "GPU per rank (GiB; params in billions):",
-             f"{'pp':>3} {'ep':>3} {'params':>7}" + "".join(f"{c[:7]:>8}" for c in GPU_COLS) + f"{'GPU':>8}"]
+             f"{'pp':>3} {'ep':>3} {'params':>7}" + "".join(f"{h:>8}" for _, h, _ in GPU_COLS) + f"{'GPU':>8}"]
     for r in rows:
         t = r["gpu_terms"]
         lines.append(f"{r['pp_rank']:>3} {r['ep_rank']:>3} {r['params'] / 1e9:>7.2f}"
-                     + "".join(" " + g(t.get(c, 0)) for c in GPU_COLS) + " " + g(r["gpu_bytes"]))
+                     + "".join(" " + g(t.get(c, 0)) for c, _, _ in GPU_COLS) + " " + g(r["gpu_bytes"]))
+    lines += legend("columns", (("params", "params", "this rank's parameters (billions)"),) + GPU_COLS, "GPU")
     lines += ["host per rank (GiB):",
-              f"{'pp':>3} {'ep':>3}" + "".join(f"{c[:7]:>8}" for c in HOST_COLS) + f"{'host':>8}"]
+              f"{'pp':>3} {'ep':>3}" + "".join(f"{h:>8}" for _, h, _ in HOST_COLS) + f"{'host':>8}"]
     for r in rows:
         t = r["host_terms"]
-        lines.append(f"{r['pp_rank']:>3} {r['ep_rank']:>3}" + "".join(" " + g(t.get(c, 0)) for c in HOST_COLS)
+        lines.append(f"{r['pp_rank']:>3} {r['ep_rank']:>3}" + "".join(" " + g(t.get(c, 0)) for c, _, _ in HOST_COLS)
                      + " " + g(r["host_bytes"]))
+    lines += legend("columns", HOST_COLS, "host")
     nodes = node_host_bytes(rows, par, setup.gpus_per_host)
     lines.append(f"max per GPU: {max(r['gpu_bytes'] for r in rows) / GIB:.1f} GiB (+ {CUDA_CONTEXT_BYTES / GIB:.1f} "
                  f"GiB CUDA context, + fragmentation); host per node ({setup.gpus_per_host} GPUs): "

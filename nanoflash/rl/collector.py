@@ -28,11 +28,13 @@ Tests: `pytest tests/test_train_e2e.py -q`.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -48,6 +50,9 @@ from nanoflash.server.engine import RolloutEngine, sample
 from nanoflash.server.http import serve
 
 SEED_MOD = 2 ** 62  # SGLang sampling seeds are int64; keep them positive
+# Ctrl-C: each server gets this long to take `/abort_request {"abort_all"}`; a healthy one answers at once, and a
+# second Ctrl-C does not wait for the rest (train.py)
+INTERRUPT_ABORT_S = 2.0
 # single-digit arithmetic has only 200 expressions: hold out a quarter (57) so the eval is not 24 problems
 ARITH_HELDOUT_PERCENT = {1: 25}
 MAX_ARITH_TRAIN = 50_000  # cap on the training pool of the larger difficulties
@@ -65,6 +70,7 @@ class Task:
     stop_ids: list                  # ids that end a response
     pad_id: int
     warmup: list | None = None      # problems of the supervised warm-up (make_task: `train.warmup_data`, else train)
+    chance: float | None = None     # P(a sample is right) when answering at random, if the task has one (plots)
 
 
 def arith_answer(tc, spec: str | None = None, field: str = "train.data") -> str:
@@ -93,6 +99,7 @@ def make_task(tc, ec, vocab_size: int) -> Task:
     if tc.reward:
         plugin = plugins.PluginReward(tc.reward, n_workers=tc.reward_workers, timeout_s=tc.reward_timeout_s)
         task.reward = plugins.token_plugin_fn(task.decode, plugin)
+        task.chance = None   # what a random answer scores under someone else's reward: unknown
     return task
 
 
@@ -103,8 +110,10 @@ def _arith_task(tc, ec, vocab_size: int) -> Task:
         raise ValueError(f"train.task=arith: the arithmetic tokenizer needs {tok.vocab_size} ids but the "
                          f"model's vocab_size is {vocab_size}; set --model.vocab_size {tok.vocab_size}")
     train, heldout = arith_family(tc, tc.data, "train.data", ec.n_problems)
+    chance = 0.1 if arith_answer(tc) in data.LAST_DIGIT else None   # one digit of ten
     return Task(train, heldout, tok.encode_prompt, tok.decode,
-                rewards.token_reward_fn(tok.decode, rewards.arith_reward, tok.vocab_size), [tok.eos_id], tok.pad_id)
+                rewards.token_reward_fn(tok.decode, rewards.arith_reward, tok.vocab_size), [tok.eos_id], tok.pad_id,
+                chance=chance)
 
 
 def arith_family(tc, spec: str, field: str, n_heldout: int = 0) -> tuple[list, list]:
@@ -126,8 +135,8 @@ def _chat_task(tc, ec, vocab_size: int) -> Task:
         raise ValueError(f"train.task={tc.task}: the DeepSeek-V4 tokenizer has {tok.vocab_size:,} ids but the model's "
                          f"vocab_size is {vocab_size}; use --preset small or flash (or --model.vocab_size "
                          f"{tok.vocab_size})")
-    train, skipped = data.load_problems(tc.data, tc.task, tc.task == "dapo", tc.prompt_key, tc.answer_key)
-    heldout = data.load_problems(ec.data, None, False, ec.prompt_key, ec.answer_key)[0] if ec.every else []
+    train, skipped = data.load_problems(tc.data, tc.task, tc.task == "dapo", tc.prompt_key, tc.answer_key, "train")
+    heldout = data.load_problems(ec.data, None, False, ec.prompt_key, ec.answer_key, "eval")[0] if ec.every else []
     print(f"task {tc.task}: {len(train)} training problems ({skipped} rows skipped), {len(heldout)} eval problems")
     random.Random(tc.seed).shuffle(train)
     eos, decode = tok.token_id(data.EOS), lambda ids: tok.decode(ids, True)
@@ -209,9 +218,6 @@ class Collector:
                 model, rc.n_servers, rc.weights, cfg.train.seed, rc.key(), disk_root=cfg.train.out_dir,
                 group_hosts=None if host in ("127.0.0.1", "localhost") else ("*",))
 
-    def collect(self, pos: int, bar=None):
-        return collect(self.client, self.task, pos, self.cfg, self.mcfg, bar)
-
     def next_batch(self, at: int) -> tuple:
         """Dynamic-sampling rollout for step `at` -> advantages -> the packed global batch and its metrics.
         A server that died (gone, or back with other weights) is, within `rollout.max_server_restarts`,
@@ -219,8 +225,9 @@ class Collector:
         re-pushes. A failed request or a reward verifier that cannot start: one line, stop."""
         tc, gc, rc = self.cfg.train, self.cfg.grpo, self.cfg.rollout
         t0, bar = time.time(), progress(gc.n_prompts, f"rollout {at}/{tc.steps}", tc.progress)
+        on_round = lambda r: bar.write(round_line(r, f"rollout {at}/{tc.steps}", self.cfg))  # noqa: E731
         try:
-            kept, seen, pos, counts = self.collect(self.pos, bar)
+            kept, seen, pos, counts = collect(self.client, self.task, self.pos, self.cfg, self.mcfg, bar, on_round)
         except (ServerGoneError, StaleServerError) as e:
             bar.close()
             if self.restarts >= rc.max_server_restarts:
@@ -234,7 +241,8 @@ class Collector:
             return None, {"resync": True, "server_restarts": self.restarts}
         except (RequestRejected, VerifierUnavailable) as e:
             raise SystemExit(f"rollout for step {at} failed: {e}") from None
-        bar.close()
+        finally:
+            bar.close()   # a Ctrl-C's line must not land on a half-drawn bar
         self.pos, t_roll = pos, time.time() - t0
         m = {**step_metrics(seen, gc.group_size), **counts, "rollout_s": t_roll,
              "rollout_tokens_per_s": sum(len(e.response_ids) for e in seen) / t_roll}
@@ -314,21 +322,91 @@ def _episodes(gens, prompt_ids, position, task, problem, n_layers: int, topk: in
     return out
 
 
-def collect(client, task: Task, pos: int, cfg, mcfg, bar=None) -> tuple[list, list, int, dict]:
+@contextlib.contextmanager
+def request_pool(client, max_workers: int):
+    """A thread pool for /generate requests that never outlives what stops its caller: on an error the queued
+    requests are cancelled (never sent) and the running ones finish; on Ctrl-C (KeyboardInterrupt) the running
+    ones are aborted on every server too (`client.abort_all`, best effort) and not waited for."""
+    pool = ThreadPoolExecutor(max_workers=max_workers)
+    try:
+        yield pool
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)
+        client.abort_all(timeout=INTERRUPT_ABORT_S)
+        raise
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+@dataclass
+class RoundStats:
+    """One dynamic-sampling round of `collect`: what was sent, what came back, what was kept and why not."""
+
+    round: int                      # 1-based, within the step
+    sent: int                       # prompts (groups) requested
+    answered: int                   # groups that came back (sent - too_long)
+    kept: int                       # groups kept this round (dynamic sampling: rewards not all equal)
+    kept_total: int                 # groups kept so far this step (capped at target)
+    target: int                     # grpo.n_prompts
+    equal: dict = field(default_factory=dict)  # reward value -> groups whose rewards all equal it
+    truncated: int = 0              # samples cut at rollout.max_new_tokens
+    samples: int = 0                # samples that came back
+    too_long: int = 0               # prompts over the servers' context length
+    seconds: float = 0.0
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def round_line(r: RoundStats, where: str, cfg) -> str:
+    """One line a round: prompts sent, groups kept, the share of all-equal-reward groups; a round that keeps
+    nothing under dynamic sampling is a warning naming the cause (the rewards every group shared)."""
+    n_equal = sum(r.equal.values())
+    share = f"{n_equal / r.answered:.0%}" if r.answered else "-"
+    parts = ", ".join(f"{c} all {_num(v)}" for v, c in sorted(r.equal.items()))
+    if r.kept or not cfg.grpo.dynamic_sampling:
+        return (f"{where} round {r.round}: {r.sent} prompts sent, {r.kept} of {r.answered} groups kept "
+                f"({r.kept_total}/{r.target} so far), {share} all-equal" + (f" ({parts})" if parts else "")
+                + f" ({r.seconds:.1f}s)")
+    head = f"warning: {where} round {r.round}: 0 of {r.sent} groups kept: "
+    if not r.answered:
+        return head + (f"no group came back ({r.too_long} prompts over the servers' context length: "
+                       f"shorten them or raise the servers' context length)")
+    if len(r.equal) == 1:
+        (v, _), = r.equal.items()
+        why = ("the model never answers correctly" if v == 0 else
+               "the model always answers correctly: the prompts are too easy for it" if v == 1 else
+               "every sample scored the same")
+        cause = f"every group's rewards were equal (all {_num(v)}: {why}"
+    else:
+        cause = f"every group's rewards were equal ({parts}"
+    if r.samples and r.truncated / r.samples >= 0.5:
+        cause += (f"; {r.truncated / r.samples:.0%} of the responses were cut at rollout.max_new_tokens="
+                  f"{cfg.rollout.max_new_tokens}")
+    return head + cause + ") -- dynamic sampling drops them; see grpo.dynamic_sampling"
+
+
+def collect(client, task: Task, pos: int, cfg, mcfg, bar=None, on_round=None) -> tuple[list, list, int, dict]:
     """Dynamic-sampling rollout under the run's `cfg` (grpo, rollout, train.seed) for the model `mcfg`.
-    Returns (kept episodes, all episodes, new data position, counters)."""
+    `on_round(RoundStats)` is called after every round. Returns (kept episodes, all episodes, new data
+    position, counters)."""
     gc, rc, seed = cfg.grpo, cfg.rollout, cfg.train.seed
     G, n, n_layers, topk = gc.n_prompts, gc.group_size, mcfg.n_layers, mcfg.n_activated_experts
     sp = {"n": n, "temperature": rc.temperature, "top_p": rc.top_p, "max_new_tokens": rc.max_new_tokens,
           "stop_token_ids": list(task.stop_ids)}
     kept, seen, rounds, too_long, before = [], [], 0, [], reward_counts(task)
-    with ThreadPoolExecutor(max_workers=rc.max_workers) as pool:
+    with request_pool(client, rc.max_workers) as pool:
         while len(kept) < G * n and rounds < rc.max_rounds:
             k = grpo.prompts_to_request(len(kept) // n, G, 0, gc.over_sampling_batch_size)
             positions = list(range(pos, pos + k))
             pos += k
             probs = [task.train[p % len(task.train)] for p in positions]
             ids = [task.encode(p) for p in probs]
+            t_round, n_long, r = time.time(), len(too_long), RoundStats(rounds + 1, k, 0, 0, 0, G)
+            equal = collections.Counter()
             futs = [pool.submit(client.generate, i, {**sp, "sampling_seed": request_seed(seed, p)},
                                 return_routed_experts=rc.routing_replay) for i, p in zip(ids, positions)]
             for fut, i, p, prob in zip(futs, ids, positions, probs):
@@ -342,13 +420,22 @@ def collect(client, task: Task, pos: int, cfg, mcfg, bar=None) -> tuple[list, li
                 check_versions(gens, getattr(client, "weight_version", None))
                 eps = _episodes(gens, i, p, task, prob, n_layers, topk, mcfg.n_routed_experts)
                 seen += eps
-                good = grpo.filter_groups(eps, n) if gc.dynamic_sampling else eps
+                varied = grpo.filter_groups(eps, n)
+                if not varied:
+                    equal[eps[0].reward] += 1
+                good = varied if gc.dynamic_sampling else eps
                 for e in eps if not good else ():   # a dropped group (one prompt's samples): its R3 records are
                     e.routed_experts = None          # never trained; rank 0 holds only what it will train
                 kept += good
+                r.answered, r.kept = r.answered + 1, r.kept + bool(good)
+                r.samples, r.truncated = r.samples + len(eps), r.truncated + sum(e.truncated for e in eps)
                 if bar is not None and good and len(kept) <= G * n:
                     bar.update(1)  # the bar counts kept groups against the target G
             rounds += 1
+            r.kept_total, r.equal, r.too_long = min(len(kept) // n, G), dict(equal), len(too_long) - n_long
+            r.seconds = time.time() - t_round
+            if on_round is not None:
+                on_round(r)
     if too_long:
         print(f"rollout: {len(too_long)} prompt(s) over the servers' context length skipped ({too_long[0]})")
     now = reward_counts(task)
@@ -408,7 +495,7 @@ def sample_servers(client, prompts: list, sp: dict, seeds: list, max_workers: in
     restarted since would be scored on its initial weights."""
     if len(seeds) != len(prompts):
         raise ValueError(f"sample_servers: {len(seeds)} seeds for {len(prompts)} prompts")
-    with ThreadPoolExecutor(max_workers=max_workers) as pool:
+    with request_pool(client, max_workers) as pool:
         futs = [pool.submit(client.generate, ids, {**sp, "sampling_seed": s}, return_logprob=False)
                 for ids, s in zip(prompts, seeds)]
         gens = [f.result() for f in futs]

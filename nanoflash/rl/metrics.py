@@ -165,16 +165,22 @@ class _NoBar:
     def set_postfix(self, *a, **k):
         pass
 
+    def write(self, line: str):
+        print(line, flush=True)
+
     def close(self):
         pass
 
 
 def progress(total: int, desc: str, enabled: bool = True):
-    """A tqdm bar (to stderr, left in place) when tqdm is installed and `enabled`, else a no-op object."""
+    """A tqdm bar (to stderr, cleared when closed) when tqdm is installed and `enabled`, else a no-op object.
+    Either one's `write(line)` prints a line to stdout (above the bar, which tqdm redraws)."""
     if enabled:
         try:
             from tqdm import tqdm
-            return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
+            bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr)
+            bar.write = lambda line: tqdm.write(line, file=sys.stdout)
+            return bar
         except ImportError:
             pass
     return _NoBar(total=total)

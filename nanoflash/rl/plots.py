@@ -4,7 +4,9 @@
                     line r(t) = a + b t (slope b printed in the legend: reward gained per step)
     logprob.png     train/rollout mean |delta logp| per step (`train_rollout_logprob_abs_diff`), log scale
                     when it is positive (an exact 0, the matched-precision mode, is drawn on a linear axis)
-    passk.png       eval pass@k over steps, one line per k
+    passk.png       eval pass@k over steps, one line per k, +- 3 standard errors over the held-out problems
+                    (`pass@k_se`), and each k's chance level 1 - (1 - p)^k (dotted) when the run logged the
+                    task's chance p (the demo: one digit of ten)
 
     python -m nanoflash.rl.plots runs/demo          # writes runs/demo/plots/*.png
 
@@ -92,15 +94,31 @@ def write_plots(run_dir: str, window: int = 5) -> list[str]:
             ax.set_yscale("log")
         ax.set(xlabel="step", ylabel="mean |logp_train - logp_rollout|", title="train/rollout log-prob mismatch")
         save(fig, "logprob.png")
-    ks = sorted({k for rec in ev for k in rec if k.startswith("pass@") and k[5:].isdigit()}, key=lambda k: int(k[5:]))
-    if ks:
+    if any(k.startswith("pass@") for rec in ev for k in rec):
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        for k in ks:
-            ax.plot(*_series(ev, k), "o-", ms=3, label=k)
-        ax.set(xlabel="step", ylabel="held-out pass@k", title="offline eval", ylim=(0, 1))
-        ax.legend(fontsize=8)
+        passk_axes(ax, ev)
         save(fig, "passk.png")
     return written
+
+
+SE_BARS = 3   # error bars of the eval figures: +- 3 standard errors over problems (as control_plot)
+
+
+def passk_axes(ax, ev: list) -> None:
+    """pass@k over steps on `ax`, one line per k with +- SE_BARS standard errors (`pass@k_se`, 0 if a record
+    has none), and each k's chance level 1 - (1 - p)^k, dotted in the line's color, when the records carry the
+    task's chance p (`chance`)."""
+    ks = sorted({k for rec in ev for k in rec if k.startswith("pass@") and k[5:].isdigit()}, key=lambda k: int(k[5:]))
+    chance = next((r["chance"] for r in ev if r.get("chance") is not None), None)
+    for k in ks:
+        pts = [r for r in ev if r.get(k) is not None]
+        bars = ax.errorbar([r["step"] for r in pts], [r[k] for r in pts], capsize=2, fmt="o-", ms=3, label=k,
+                           yerr=[SE_BARS * (r.get(f"{k}_se") or 0.0) for r in pts])
+        if chance is not None:
+            ax.axhline(1 - (1 - chance) ** int(k[5:]), ls=":", lw=1, color=bars.lines[0].get_color(),
+                       label=f"chance ({k})")
+    ax.set(xlabel="step", ylabel=f"held-out pass@k (+- {SE_BARS} SE)", title="offline eval", ylim=(0, 1))
+    ax.legend(fontsize=7, ncol=2)
 
 
 CONTROL_ARMS = (("control+20", 20), ("control+40", 40), ("control", 60))  # scripts/demo_controls.py's runs
@@ -111,7 +129,7 @@ def control_plot(res: dict, path: str, chance: float = 0.1) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    seeds = sorted({k.rsplit("-s", 1)[1] for k in res}, key=int)
+    seeds = sorted({k.rsplit("-s", 1)[1] for k in res if not k.startswith("_")}, key=int)   # "_meta": not a run
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for color, seed in zip(("tab:blue", "tab:orange", "tab:green", "tab:red"), seeds):
         g = res[f"grpo-s{seed}"]["evals"]

@@ -201,7 +201,8 @@ class VerifierPool:
     def _spawn(self):
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
-        code = (f"from nanoflash.rl.rewards import _worker_main; "
+        code = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "   # Ctrl-C is the trainer's to handle
+                f"from nanoflash.rl.rewards import _worker_main; "
                 f"_worker_main({to_child_r}, {to_parent_w}, {self.warm_imports!r})")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(to_child_r, to_parent_w), env=env)

@@ -290,9 +290,17 @@ class SGLangClient:
         except (ServerGoneError, RequestRejected):
             return False
 
-    def abort_all(self):
-        """Abort every in-flight request (dynamic sampling's over-sampling tail)."""
-        return self.broadcast("/abort_request", {"abort_all": True})
+    def abort_all(self, timeout: float = ABORT_TIMEOUT_S) -> list:
+        """Abort every request in flight on every server (Ctrl-C, dynamic sampling's over-sampling tail), best
+        effort: each server gets `timeout` seconds and no retry. -> [whether each server took it]"""
+        out = []
+        for u in self.urls:
+            try:
+                self.post(u, "/abort_request", {"abort_all": True}, timeout=timeout, retry_s=0.0)
+                out.append(True)
+            except (ServerGoneError, RequestRejected):
+                out.append(False)
+        return out
 
     # ------------------------------------------------------------------ protocol detection
     def protocol(self, url: str) -> str:
