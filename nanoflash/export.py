@@ -172,7 +172,8 @@ def from_release(release: str, out_dir: str, experts: str | None) -> dict:
     if os.path.abspath(out_dir) == os.path.abspath(release):
         raise ValueError("--from-release writes a new directory; OUT_DIR is the release itself")
     info = repack_release_fp8_experts(release, out_dir)
-    return {"checkpoint": release, "tensors": info["converted"] + info["copied"], "out_dir": out_dir, **info}
+    return {"checkpoint": release, "tensors": info["converted"] + info["copied"], "out_dir": out_dir,
+            "tokenizer": "tokenizer: the release's own files, copied as they are", **info}
 
 
 def main(argv: list[str] | None = None) -> int:
