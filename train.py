@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from nanoflash.cli import startup, to_dict
 from nanoflash.model import Transformer
 from nanoflash.parallel.dcp import latest_checkpoint
-from nanoflash.parallel.dims import init_distributed, print0
+from nanoflash.parallel.dims import init_distributed, print0, shutdown_distributed
 from nanoflash.rl.collector import Collector, StaleServerError, eval_seeds
 from nanoflash.rl.evaluate import evaluate
 from nanoflash.rl.hooks import HookContext, Hooks
@@ -222,3 +222,4 @@ hooks.close()
 log.close()
 if collector is not None:
     collector.close()
+shutdown_distributed(dims)

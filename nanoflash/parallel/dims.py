@@ -138,6 +138,18 @@ def init_distributed(pp: int = 1, ep: int = 1, dp: int | None = None, timeout_s:
     return ParallelDims(pp=pp, ep=ep, dp=dp, wait_timeout_s=wait_timeout_s, timeout_s=timeout_s)
 
 
+def shutdown_distributed(dims: ParallelDims) -> None:
+    """End a finished run's process groups together. Every rank waits at a barrier on the CPU side group, then
+    destroys its groups: a rank that simply exits while another still tears down its gloo or NCCL group can take
+    that rank down with `terminate called without an active exception` (SIGABRT, seen in CI on a 4-rank gloo
+    run) -- a run that finished every step would then exit non-zero."""
+    if not dist.is_initialized():
+        return
+    if dims.side_group is not None:
+        dist.barrier(group=dims.side_group)
+    dist.destroy_process_group()
+
+
 def print0(*args, dims: ParallelDims | None = None, **kwargs) -> None:
     """print on global rank 0 only."""
     rank = dims.rank if dims is not None else (dist.get_rank() if dist.is_initialized() else 0)
