@@ -24,7 +24,8 @@ Four things the loop's own metrics do not show, each a hook point of `nanoflash.
    in the server's decode path; both above it, in what the two paths share (weights, kernels).
 3. **A behavioural probe after every push** (`after_push`): `rollout.probe.probe` on one fixed held-out
    prompt (fixed sampling seed), scored by the trainer's new weights and by the warm start's; a probe gap above
-   `probe.PROBE_MAX_MEAN` stops the run. The push's `/weights_checker` counts (exact hashes, change sets) are
+   `probe.PROBE_MAX_MEAN`, or a server reporting another weight version than the push's (`StagePusher.tag`:
+   the step and the launch's nonce), stops the run. The push's `/weights_checker` counts (exact hashes, change sets) are
    logged beside it.
 4. **The warm start re-evaluated at each eval point** (`after_eval`, the `eval_warm` record): push the warm-start weights (verified),
    evaluate them with exactly the eval's seeds, push the current weights back (verified); the paired
@@ -133,11 +134,19 @@ def masked_entropy(model, input_ids: torch.Tensor, on: torch.Tensor, temperature
 
 
 @torch.no_grad()
-def chunked_token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                           tokens: int = LIVE_TOKENS) -> torch.Tensor:
-    """`model.token_logprobs` in row chunks of `tokens` tokens. [B,S] -> [B,S] fp32 on the CPU"""
-    return torch.cat([model.token_logprobs(input_ids[a:b], targets[a:b], temperature=temperature).float().cpu()
-                      for a, b in row_chunks(*input_ids.shape, tokens)])
+def masked_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, on: torch.Tensor,
+                    temperature: float = 1.0, tokens: int = LIVE_TOKENS) -> torch.Tensor:
+    """`model.token_logprobs(...)[on]` with the head only at the positions of `on` (the full-vocabulary fp32
+    head over every prompt position is most of a forward at 2-4K-token prompts), the layers in row chunks of
+    `tokens` tokens. [B,S] ids, targets, bool -> [N] fp32 on the CPU, in the row-major order of `on`."""
+    out = []
+    for a, b in row_chunks(*input_ids.shape, tokens):
+        ids, m = input_ids[a:b], on[a:b].to(input_ids.device)
+        y, t = model.hidden(model.run_layers(model.embed_streams(ids), ids))[m], targets[a:b].to(ids.device)[m]
+        for c in range(0, y.shape[0], HEAD_CHUNK):
+            logp = torch.log_softmax(fp32_linear(y[c:c + HEAD_CHUNK], model.head.weight, model.cfg) / temperature, -1)
+            out.append(logp.gather(-1, t[c:c + HEAD_CHUNK, None])[:, 0].float().cpu())
+    return torch.cat(out) if out else torch.zeros(0)
 
 
 def tail_stats(d: torch.Tensor, prefix: str) -> dict:
@@ -221,10 +230,10 @@ class LiveChecks(Hook):
         ent = masked_entropy(self.actor.model, ids, on, T)
         self.sim.load_state_dict(self.actor.model.state_dict())
         fp8_roundtrip_(self.sim, self.mcfg)
-        sim8 = chunked_token_logprobs(self.sim, ids, tgt, T)                       # [B,S] FP8 weights only
-        sim = (chunked_token_logprobs(self.sim, ids, tgt, T)                      # [B,S] as the server holds
+        sim8 = masked_logprobs(self.sim, ids, tgt, on, T)                          # [N] FP8 weights only
+        sim = (masked_logprobs(self.sim, ids, tgt, on, T)                         # [N] as the server holds
                if storage_roundtrip_(self.sim, self.mcfg) else sim8)
-        floor, floor_fp8 = (sim - old)[on].abs(), (sim8 - old)[on].abs()
+        floor, floor_fp8 = (sim - old[on]).abs(), (sim8 - old[on]).abs()
         pos = on.cumsum(1) - 1                                    # [B,S] index in the response (one per row)
         qpos = torch.arange(on.shape[1]).expand_as(on)[on]        # the scoring query's absolute position
         dump = {"gap": gap.float(), "floor": floor.float(), "floor_fp8": floor_fp8.float(),
@@ -233,7 +242,7 @@ class LiveChecks(Hook):
         out = {**token_stats(gap, floor, ent), **bands.band_stats(gap, floor, qpos, self.mcfg),
                "floor_fp8_mean": float(floor_fp8.mean()),
                "gap_over_floor_fp8": float(gap.abs().sum() / floor_fp8.sum().clamp_min(1e-12)),
-               "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs)[on].abs().mean())}
+               "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs[on]).abs().mean())}
         t1 = time.time()
         pre = self._prefill(batch)                                # [B,S] the server's prefill scores, or None
         if pre is not None:
@@ -273,7 +282,7 @@ class LiveChecks(Hook):
         t0 = time.time()
         p = probe_lib.probe(self.rollouts.client, self.actor.model, self.probe_prompt, seed=self.probe_seed,
                             temperature=self.cfg.rollout.temperature, other=self.warm)
-        probe_lib.require_landed(p, version)
+        probe_lib.require_landed(p, self.pusher.tag(version))
         return {**{f"probe_{k}": v for k, v in p.items() if k != "tokens"}, **verify_counts(self.pusher.summary),
                 "probe_s": time.time() - t0}
 
@@ -304,7 +313,7 @@ class LiveChecks(Hook):
         """The probe of a swap push, against the weights that were pushed (stops the run when it fails)."""
         p = probe_lib.probe(self.rollouts.client, model, self.probe_prompt, seed=self.probe_seed,
                             temperature=self.cfg.rollout.temperature)
-        probe_lib.require_landed(p, version)
+        probe_lib.require_landed(p, self.pusher.tag(version))
         return p["mean"]
 
 

@@ -13,10 +13,10 @@
 #   bash experiments/h200/grpo_h200.sh dry
 # The long-context run (issue 42) is the same pipeline with H20_TASK=long (go, dry, collect alike): the task of
 # experiments/h200/longctx.py (two facts at the start of a 2-4K-token prompt, ~2/3 of the scored tokens at
-# positions >= 2048), its short-heavy SFT with a teacher-forced stopping rule, 40 GRPO steps of 8 prompts x 8
+# positions >= 2048), its short-heavy SFT with a teacher-forced stopping rule, 40 GRPO steps of 4 prompts x 8
 # (lr 1e-5 after 5 steps of warm-up), the live checks of instruments.live:LiveChecksLong (the FP8 floor with
-# SGLang's FP8 index scores, the floor per position band, the C4 top-k agreement), evals at 0 / 20 / 40, then the
-# parity table on 2-4K prompts of the same task. `diagnose` (H20_DIAGNOSE=1 runs it after the parity) restarts
+# SGLang's FP8 index scores, the floor per position band, the C4 top-k agreement), evals of 64 held-out problems
+# x 8 at steps 0 / 20 / 40, then the parity table on 2-4K prompts of the same task. `diagnose` (H20_DIAGNOSE=1 runs it after the parity) restarts
 # SGLang with its tensor dump and top-k report on the warm start and names the module where it leaves nanoflash
 # (experiments/h200/sglang_dump_compare.py). experiments/h200/README.md has the time budget of one hold.
 set -uo pipefail
@@ -47,7 +47,7 @@ overrides() {
   [ "$LONG" = 1 ] && long_overrides
   if [ "$MODE" = gpu ] && [ "$LONG" = 1 ]; then
     echo "--train.steps ${H20_STEPS:-40} --eval.every ${H20_EVAL_EVERY:-20} --optim.lr ${H20_LR:-1e-5}" \
-         "--train.lr_warmup_steps ${H20_LR_WARMUP:-5} --train.progress false"
+         "--train.lr_warmup_steps ${H20_LR_WARMUP:-5} --eval.n_problems ${H20_EVAL_PROBLEMS:-64} --train.progress false"
     return
   elif [ "$MODE" = gpu ]; then
     echo "--train.steps ${H20_STEPS:-60} --eval.every ${H20_EVAL_EVERY:-10} ${H20_LR:+--optim.lr $H20_LR}" \
@@ -62,14 +62,15 @@ overrides() {
        "--eval.n_problems 4 --eval.k_samples 2 --eval.max_new_tokens $new --train.progress false"
 }
 # the long run's data, cap, batch, kernels and live checks; the GPU numbers are README's budget for one hold:
-# 8 prompts x 8 samples a step (run 9: 16), responses capped at 64 tokens (worked ones take ~30: the truncation
-# rate is the rollouts' truncated_frac and the evals' truncation_rate), Triton attention and indexer kernels
-# (model.kernels auto: the reference's [S, 64, C] indexer scores and dense masks cost GiBs at 4K tokens)
+# 4 prompts x 8 samples a step (run 9: 16 x 8; at ~2,250 tokens a sequence the trainer's forwards are most of a
+# step), responses capped at 64 tokens (worked ones take ~30: the truncation rate is the rollouts' truncated_frac
+# and the evals' truncation_rate), Triton attention, indexer and MoE kernels (model.kernels auto: the
+# reference's [S, 64, C] indexer scores and dense masks cost GiBs at 4K tokens; the head stays fp32)
 long_overrides() {
   local fam=facts; [ "$MODE" = dry ] && fam=factsdry
   echo "--train.data $LT:$fam:train --eval.data $LT:$fam:heldout --train.hooks instruments.live:LiveChecksLong"
-  [ "$MODE" = gpu ] && echo "--rollout.max_new_tokens 64 --eval.max_new_tokens 64 --grpo.n_prompts ${H20_PROMPTS:-8}" \
-    "--grpo.over_sampling_batch_size ${H20_PROMPTS:-8} --model.kernels auto"
+  [ "$MODE" = gpu ] && echo "--rollout.max_new_tokens 64 --eval.max_new_tokens 64 --grpo.n_prompts ${H20_PROMPTS:-4}" \
+    "--grpo.over_sampling_batch_size ${H20_PROMPTS:-4} --model.kernels auto"
 }
 
 install() {
@@ -150,7 +151,7 @@ watchdog() {  # while GRPO runs: the server's processes gone (SGLang died twice 
   # access in a decode) -> start it again; train.py (rollout.max_server_restarts) waits for /health, re-pushes and
   # redoes the step. The pattern's [x] keeps grep from matching its own command line.
   local n=0 pat="[s]glang.launch_server" serve=serve_sglang
-  [ "$MODE" = dry ] && pat="[n]anoflash.rollout.server" serve=serve_embedded
+  [ "$MODE" = dry ] && pat="[n]anoflash.server" serve=serve_embedded   # python -m nanoflash.server
   while [ ! -e $W/TRAIN_DONE ]; do
     sleep 5
     if ! grep -qsa "$pat" /proc/[0-9]*/cmdline; then  # no process of the server left
@@ -190,7 +191,7 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3 --glance-steps 2"
   if [ "$LONG" = 1 ]; then   # short-heavy demonstrations, the run's mix for the teacher-forced stopping rule
     local fam=facts sftfam=factssft; [ "$MODE" = dry ] && fam=factsdry sftfam=factsdry
-    [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-150} --batch ${H20_SFT_BATCH:-64} --target ${H20_SFT_TARGET:-0.5}"
+    [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-120} --batch ${H20_SFT_BATCH:-64} --target ${H20_SFT_TARGET:-0.5}"
     sft="$sft --sft-data $LT:$sftfam:train --val-data $LT:$fam:val --val forced"
   fi
   stamp "knobs: SGLANG_OPT_DEEPGEMM_HC_PRENORM=${SGLANG_OPT_DEEPGEMM_HC_PRENORM:-} H20_OFFICIAL_ROPE=${H20_OFFICIAL_ROPE:-1}"
@@ -203,9 +204,10 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   watchdog >> $W/watchdog.log 2>&1 &
   stamp train; $PY train.py --recipe experiments/h200/h200.txt --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
     $(overrides) & local tp=$!
-  # H20_GRPO_DEADLINE_S (the long run: 1000): Ctrl-C for train.py that long after it started, so a run slower
-  # than the budget still leaves the hold time for the report and the parity (its steps so far are all logged)
-  local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=1000
+  # H20_GRPO_DEADLINE_S (the long run: 900, README's budget + 30 s): Ctrl-C for train.py that long after it
+  # started, so a run slower than the budget still leaves the hold time for the report and the parity (its
+  # steps so far are all logged; the last eval point may then be missing)
+  local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=900
   [ -n "$dl" ] && ( sleep $dl; kill -0 $tp 2>/dev/null && { echo "=== $(date +%T) GRPO deadline ${dl}s: SIGINT"; kill -INT $tp; } ) &
   wait $tp || echo "FAILED train (or stopped at the deadline)"
   touch $W/TRAIN_DONE; stamp report

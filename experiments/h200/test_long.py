@@ -144,9 +144,9 @@ def test_band_stats_and_run_summary_against_naive(gen):
 
 
 # ---------------------------------------------------------------------------------------------- live forwards
-def test_masked_entropy_and_row_chunks_match_the_whole_batch(gen):
-    """Bugs caught: the entropy's head applied at the wrong positions or in another order than tensor[on]; a row
-    chunk dropped or repeated; the temperature lost."""
+def test_masked_entropy_logprobs_and_row_chunks_match_the_whole_batch(gen):
+    """Bugs caught: the entropy's or the floor model's head applied at the wrong positions or in another order
+    than tensor[on], or with the wrong targets; a row chunk dropped or repeated; the temperature lost."""
     cfg = preset("tiny", kernels="reference")
     m = Transformer(cfg).init_weights(0).eval()
     ids = torch.randint(0, cfg.vocab_size, (5, 9), generator=gen)
@@ -156,8 +156,8 @@ def test_masked_entropy_and_row_chunks_match_the_whole_batch(gen):
     torch.testing.assert_close(got, want, atol=LOGP_TOL, rtol=0)
     tgt = torch.randint(0, cfg.vocab_size, (5, 9), generator=gen)
     with torch.no_grad():
-        torch.testing.assert_close(live.chunked_token_logprobs(m, ids, tgt, 0.7, tokens=10),
-                                   m.token_logprobs(ids, tgt, temperature=0.7), atol=LOGP_TOL, rtol=0)
+        torch.testing.assert_close(live.masked_logprobs(m, ids, tgt, on, 0.7, tokens=10),
+                                   m.token_logprobs(ids, tgt, temperature=0.7)[on], atol=LOGP_TOL, rtol=0)
     assert live.row_chunks(5, 9, 20) == [(0, 2), (2, 4), (4, 5)] and live.row_chunks(2, 50, 20) == [(0, 1), (1, 2)]
 
 
@@ -316,3 +316,55 @@ def test_a_planted_c4_overlap_shift_moves_the_topk_bands_gap_3x_its_floor():
     print(f"c4_topk band gap / floor: clean {clean:.2f}, planted C4 overlap shift {bug:.2f}")   # -s shows it
     assert clean <= SENS_CLEAN_MAX, clean
     assert bug >= SENS_BAR, (clean, bug)
+
+
+# ---------------------------------------------------------------------------------------------- the warm start
+def test_forced_accuracy_counts_a_problem_right_only_when_every_number_is_the_argmax(tok):
+    """The long SFT's stopping rule (grpo_h200.forced_accuracy): a problem is right when the argmax at every number
+    token of its canonical worked response is that token, per length class. Bugs caught: positions off by one
+    (the prompt's last token or the EOS scored), non-number tokens counted (a drawn separator would fail a right
+    chain), classes pooled wrongly. An oracle model (its argmax is the response's next token, or off by one at one
+    chosen number) stands in for the network."""
+    from experiments.h200 import grpo_h200
+    probs = longctx.problems("factsdry", "val")[:6]
+
+    class Oracle(torch.nn.Module):
+        def __init__(self, wrong: set):
+            super().__init__()
+            self.w, self.wrong, self.seq = torch.nn.Parameter(torch.zeros(1)), wrong, None
+
+        def embed_streams(self, x):
+            self.seq = x[0].tolist()
+            return torch.zeros(1, x.shape[1], 1, 1)
+
+        def run_layers(self, h, x):
+            return h
+
+        def logits(self, h):                     # h: the rows from the prompt's last position on
+            start = len(self.seq) - h.shape[1]
+            nxt = self.seq[start + 1:] + [tok.eos_id]
+            out = torch.zeros(1, h.shape[1], tok.vocab_size)
+            for i, t in enumerate(nxt):
+                out[0, i, t + 1 if (self.problem, i) in self.wrong else t] = 1.0
+            return out
+    numbers = {}
+    for j, p in enumerate(probs):
+        resp = tok.encode(longctx.solution(p.prompt)) + [tok.eos_id]
+        numbers[j] = grpo_h200.numbers_at(resp, tok)
+        assert [tok.decode([resp[i]]).strip().isdigit() for i in numbers[j]] == [True] * len(numbers[j])
+        assert len(numbers[j]) == 2 + 2 * 3 + 1           # 2 values looked up, 2 steps of 3 numbers, the answer
+    right = Oracle(set())
+    wrong = Oracle({(1, numbers[1][0]), (4, numbers[4][-1])})   # problem 1's first value, problem 4's answer
+    off_number = Oracle({(2, numbers[2][0] + 1)})                # problem 2: a non-number token only
+    for m, want in ((right, 1.0), (wrong, 4 / 6), (off_number, 1.0)):
+        accs = []
+        for j, p in enumerate(probs):
+            m.problem = j
+            accs.append(grpo_h200.forced_accuracy(m, tok, longctx, [p])["all"])
+        assert sum(accs) / len(accs) == pytest.approx(want)
+    right.problem = -1
+    got = grpo_h200.forced_accuracy(right, tok, longctx, probs)
+    assert got["all"] == 1.0 and set(got) == {"all"} | {longctx.length_class(p) for p in probs}
+    with pytest.raises(ValueError, match="py:experiments.h200"):
+        grpo_h200.task_module("py:somewhere.else:facts:train")
+    assert grpo_h200.task_module("py:experiments.h200.longctx:facts:val")[1:] == ("facts", "val")
