@@ -78,9 +78,9 @@ class ModelConfig:
     scale_dtype: str = "fp8"          # scales stored as float8_e8m0fnu
     # nanoflash switches.
     qat: bool = False                 # simulate the official FP8/FP4 activation quantization (straight-through)
-    # the C4 indexer's q and keys: "qat" follows `qat` (official Hadamard + FP4 when on, exact when off); "fp8":
-    # SGLang 0.5.16's FP8 index scores on Hopper (quant.fp8_index_sim), with or without qat; "fp4" / "none" always
-    indexer_quant: str = "qat"
+    indexer_quant: str = "qat"        # the C4 indexer's q and keys: qat follows `qat` (official Hadamard + FP4
+                                      # when on, exact when off); fp8 = SGLang 0.5.16's FP8 index scores on Hopper
+                                      # (quant.fp8_index_sim), with or without qat; fp4 / none: always that
     attn_chunk: int = 1024            # queries per attention chunk (memory knob; results do not depend on it)
     kernels: str = "auto"             # auto (GPU-proven kernels) | reference | triton (+ mHC, bf16 GEMMs)
 

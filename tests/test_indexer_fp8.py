@@ -22,6 +22,15 @@ ULP_RTOL = 1e-6     # one rotated row summed as a butterfly (the kernels) vs one
                     # scale amax/448 may differ in its last fp32 bit; an FP8 code flip would be >= 2^-4 off
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread (two threads on a loaded 2-core box spin far slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def e4m3_grid() -> list:
     """Every finite non-negative float8_e4m3fn value, built from its bits (bias 7; e=15, m=7 is NaN)."""
     vals = [m / 8 * 2.0 ** -6 for m in range(8)]                                   # subnormals (e = 0)

@@ -45,6 +45,15 @@ FP8_SERVED = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.(expert
 KEPT_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread (two threads on a loaded 2-core box spin far slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _naive_fp8_roundtrip(w):
     """dequant(quant(w)) by 128x128 blocks: S = max(amax, 1e-10)/448, Q = e4m3(clamp(w * (1/S), +-448))."""
     out = torch.empty_like(w, dtype=torch.float32)
