@@ -23,6 +23,10 @@ Statistics (pure functions, tested against hand-computed values):
   (is the jump one rare token the FP8 floor carries too?).
 * reward slope: `ols` on the per-step reward; pass@1 gain: the paired difference against the warm start
   re-evaluated on the same seeds (`live.LiveChecks.eval_warm`: gain, SE, z).
+* when the steps logged them (issue 42, `live.LiveChecksLong`): `bands` (`instruments.bands.summarize`: the gap
+  and floor per position band, the excess's drift and jumps per band, the share of tokens at >= 2048),
+  `indexer_agreement` (`agreement_summary`: per C4 layer the overlap of the exact and FP8-score top-k sets),
+  `rollout_truncated_frac_mean` (responses cut at rollout.max_new_tokens).
 
 Figures: dlogp.png (mean |dlogp| per step with its p99, the FP8 floor, the pushes marked, the warm-start swap
 pushes of eval points marked), reward.png (per step, 5-step moving average, linear fit), passk.png (pass@k per
