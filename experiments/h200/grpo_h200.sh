@@ -67,7 +67,7 @@ overrides() {
 # and the evals' truncation_rate), Triton attention, indexer and MoE kernels (model.kernels auto: the
 # reference's [S, 64, C] indexer scores and dense masks cost GiBs at 4K tokens; the head stays fp32)
 long_overrides() {
-  local fam=facts; [ "$MODE" = dry ] && fam=factsdry
+  local fam=${H20_FAMILY:-facts}; [ "$MODE" = dry ] && fam=factsdry   # H20_FAMILY=facts4k: prompts to 4K
   echo "--train.data $LT:$fam:train --eval.data $LT:$fam:heldout --train.hooks instruments.live:LiveChecksLong"
   [ "$MODE" = gpu ] && echo "--rollout.max_new_tokens 64 --eval.max_new_tokens 64 --grpo.n_prompts ${H20_PROMPTS:-4}" \
     "--grpo.over_sampling_batch_size ${H20_PROMPTS:-4} --model.kernels auto"
@@ -190,8 +190,8 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   local sft="--max-seconds ${H20_SFT_S:-240}"
   [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3 --glance-steps 2"
   if [ "$LONG" = 1 ]; then   # short-heavy demonstrations, the run's mix for the teacher-forced stopping rule
-    local fam=facts sftfam=factssft; [ "$MODE" = dry ] && fam=factsdry sftfam=factsdry
-    [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-120} --batch ${H20_SFT_BATCH:-64} --target ${H20_SFT_TARGET:-0.5}"
+    local fam=${H20_FAMILY:-facts} sftfam=factssft; [ "$MODE" = dry ] && fam=factsdry sftfam=factsdry
+    [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-180} --batch ${H20_SFT_BATCH:-64} --target ${H20_SFT_TARGET:-0.5}"
     sft="$sft --sft-data $LT:$sftfam:train --val-data $LT:$fam:val --val forced"
   fi
   stamp "knobs: SGLANG_OPT_DEEPGEMM_HC_PRENORM=${SGLANG_OPT_DEEPGEMM_HC_PRENORM:-} H20_OFFICIAL_ROPE=${H20_OFFICIAL_ROPE:-1}"
@@ -204,10 +204,10 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   watchdog >> $W/watchdog.log 2>&1 &
   stamp train; $PY train.py --recipe experiments/h200/h200.txt --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
     $(overrides) & local tp=$!
-  # H20_GRPO_DEADLINE_S (the long run: 900, README's budget + 30 s): Ctrl-C for train.py that long after it
+  # H20_GRPO_DEADLINE_S (the long run: 870, README's budget + 30 s): Ctrl-C for train.py that long after it
   # started, so a run slower than the budget still leaves the hold time for the report and the parity (its
   # steps so far are all logged; the last eval point may then be missing)
-  local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=900
+  local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=870
   [ -n "$dl" ] && ( sleep $dl; kill -0 $tp 2>/dev/null && { echo "=== $(date +%T) GRPO deadline ${dl}s: SIGINT"; kill -INT $tp; } ) &
   wait $tp || echo "FAILED train (or stopped at the deadline)"
   touch $W/TRAIN_DONE; stamp report

@@ -15,7 +15,7 @@ needed at its end (issue 42).
 
 The worked response looks the two letters up, then writes the running sum (synth.chain: each step one
 addition fact). Its value tokens ("5" after "a=") depend on tokens thousands of positions back: at n records
-the facts sit 4n + 20 tokens before the first response token.
+the facts sit 4n + 24 to 4n + 56 tokens before the first response token.
 
 **Positions by construction.** Every line after "Given:" is exactly 4 tokens of the V4 tokenizer ("a", "=",
 "5", "\\n"; "417", ":", "5", "\\n"; tested), BOS + "<｜User｜>" + "Given:\\n" is 4 and "Log of noise:\\n" 4,
@@ -23,13 +23,15 @@ so facts and records each fill one C4 window (positions 4w..4w+3: one compressed
 (question and "<｜Assistant｜><think>" included) is PROMPT_BASE + 4n tokens. Problems come in three length
 classes (`CLASSES`, n ranges), which put the queries scoring the response in the three regimes of V4's
 attention (instruments/bands.py): *near* (n <= 5, prompt <= 80): every query < 128, the facts in the window;
-*mid* (n 18..481): queries 131..2047 (with the 64-token cap), the facts only in compressed entries, C4 keeping every entry; *far*
-(n 498..990, prompt 2,052-4,020, prompt + response <= 4,084): every query >= 2,051, where each C4 layer keeps
-512 of its (t + 1) // 4 > 512 entries by the lightning indexer's score. The `facts` family interleaves them
-far, near, far, mid, far, far (`FAMILIES`): 4 of every 6 consecutive problems are far, and responses are the
-same length in every class, so ~2/3 of the scored response tokens sit at positions >= 2048 (the eval's first
-128 held-out problems: 86 far). `factssft` (the warm start's) is short-heavy (1 far in 8), to fit the SFT
-into ~3 minutes; `factsdry` is the CPU dry run's (prompts of 60-220 tokens).
+*mid* (n 18..481): queries 131..2047 (with the 64-token cap), the facts only in compressed entries, C4 keeping
+every entry; *far* (n 498..735, prompt 2,052-3,000, prompt + response <= 3,064; `far4k`: n <= 990, prompts up
+to 4,020, sequences <= 4,084): every query >= 2,051, where each C4 layer keeps 512 of its (t + 1) // 4 > 512
+entries by the lightning indexer's score. The `facts` family interleaves them far, near, far, mid, far, far
+(`FAMILIES`): 4 of every 6 consecutive problems are far, and responses are the same length in every class, so
+~2/3 of the scored response tokens sit at positions >= 2048 (the eval's first 64 held-out problems: 42 far).
+`facts4k` is the same with `far4k` (a third more trainer time a step: experiments/h200/README.md's budget).
+`factssft` (the warm start's) is short-heavy (6 near, 9 mid of 132-540 tokens, 1 far in 16: ~440 tokens a
+demonstration), to fit the SFT into ~3 minutes; `factsdry` is the CPU dry run's (prompts of 60-220 tokens).
 
 **Why it needs the compressed attention.** Beyond the near class a fact is more than 128 tokens behind every
 query that needs it, so only compressed entries can carry it: the C4 entry of its line (and the overlap half
@@ -38,8 +40,8 @@ the C4 entries of the facts compete in each C4 layer's top-512 (of 513-1,005): a
 leaves the C128 entry (128 tokens pooled into one) and the other C4 layer. So the value tokens are scored
 through exactly the paths issue 42 asks about, and a difference in the top-512 between SGLang and nanoflash
 shows up in the log-probability of a value. (nanoflash's indexer gets no gradient, as in every V4 trainer:
-its top-k stays at the warm start's; what GRPO and the SFT train is what the attention reads from the kept
-entries.)
+its weights stay at their random init through the SFT and GRPO; what they train is what the attention reads
+from the entries it keeps.)
 
 **Why this task.** How it was chosen (experiments/h200/README.md, "The long-context task"): run 9's lever --
 a warm start that can work the answer out but mostly answers at a glance (synth.py's docstring; `glance`: no
@@ -78,15 +80,17 @@ LETTERS = "abcdefgh"            # the facts' names: one token each at a line sta
 PROMPT_BASE = 60                # prompt tokens without records: BOS, User, header 2, facts 32, log header 4, question 18, Assistant, <think>
 RECORD_TOKENS = 4               # "417:5\n"
 CLASSES = {                     # filler records n per class (module docstring: the query positions they give)
-    "near": (0, 5), "mid": (18, 481), "far": (498, 990),
+    "near": (0, 5), "mid": (18, 481), "far": (498, 735), "far4k": (498, 990),
+    "sft_mid": (18, 120),       # the warm start's mid problems: prompts 132-540 tokens (its token budget)
     "dry_near": (0, 2), "dry_mid": (3, 15), "dry_far": (16, 40),
 }
 FAMILIES = {                    # the class of problem i of a split is pattern[i % len(pattern)]
     "facts": ("far", "near", "far", "mid", "far", "far"),
-    "factssft": ("near", "mid", "mid", "near", "mid", "far", "mid", "mid"),
+    "facts4k": ("far4k", "near", "far4k", "mid", "far4k", "far4k"),
+    "factssft": ("near", "sft_mid", "near", "sft_mid", "sft_mid", "near", "sft_mid", "far",
+                 "near", "sft_mid", "sft_mid", "near", "sft_mid", "near", "sft_mid", "sft_mid"),
     "factsdry": ("dry_far", "dry_near", "dry_far", "dry_mid", "dry_far", "dry_far"),
 }
-SFT_MID_MAX = 240               # factssft's mid problems stop at 240 records (prompt 1,020): the SFT's tokens
 SPLIT_SIZES = {"train": 4096, "val": 256, "heldout": 512}
 HELDOUT_PERCENT, VAL_PERCENT = 10, 5
 SPLITS = ("train", "val", "heldout")
@@ -112,8 +116,6 @@ def candidate(family: str, cls: str, j: int) -> tuple:
     rng = random.Random(f"{family}-{cls}-{j}")
     facts = tuple(rng.randint(1, 9) for _ in LETTERS)
     lo, hi = CLASSES[cls]
-    if family == "factssft" and cls == "mid":
-        hi = min(hi, SFT_MID_MAX)
     letters = rng.sample(LETTERS, 2)
     terms = letters + [str(rng.randint(1, 9))]
     rng.shuffle(terms)

@@ -41,18 +41,21 @@ def test_long_prompts_are_exact_length_aligned_and_their_queries_in_their_band(t
     cross a band edge or whose far prompts + the cap pass 4K tokens."""
     cfg = preset("small")
     w, sel = bands.edges(cfg)
-    for cls in ("near", "mid", "far"):
+    for cls in ("near", "mid", "far", "far4k", "sft_mid"):
         lo, hi = longctx.CLASSES[cls]
         first_q = [longctx.PROMPT_BASE + 4 * n - 1 for n in (lo, hi)]          # the first response's query
         last_q = [q + RESPONSE_CAP - 1 for q in first_q]
-        band = {"near": (0, w), "mid": (w, sel), "far": (sel, MAX_SEQ)}[cls]
+        band = {"near": (0, w), "mid": (w, sel), "sft_mid": (w, sel), "far": (sel, MAX_SEQ),
+                "far4k": (sel, MAX_SEQ)}[cls]
         assert band[0] <= first_q[0] and first_q[1] < band[1], (cls, first_q)
-        if cls == "mid":    # even a response cut at the cap stays below the top-k band
+        if cls in ("mid", "sft_mid"):   # even a response cut at the cap stays below the top-k band
             assert last_q[1] < band[1], last_q
         if cls == "near":   # a worked response is ~30 tokens, <= 48 with every drawn separator: inside the window
             assert first_q[1] + 48 < w
-    assert longctx.PROMPT_BASE + 4 * longctx.CLASSES["far"][1] + RESPONSE_CAP <= MAX_SEQ
+    assert longctx.PROMPT_BASE + 4 * longctx.CLASSES["far4k"][1] + RESPONSE_CAP <= MAX_SEQ
     assert longctx.PROMPT_BASE + 4 * longctx.CLASSES["far"][0] - 1 >= sel + 3   # (t + 1) // 4 > 512 from the first
+    for fam in ("facts", "facts4k"):                                             # >= 2/3 of the problems far
+        assert sum(c.startswith("far") for c in longctx.FAMILIES[fam]) / len(longctx.FAMILIES[fam]) >= 2 / 3
     for cls in ("near", "mid", "far"):
         _, facts, terms, n, seed = longctx.candidate("facts", cls, 0)
         p = data.Problem(id="x", prompt=longctx.prompt_text(facts, terms, n, seed), answer="0", source="t")
@@ -77,7 +80,6 @@ def test_long_splits_disjoint_interleaved_and_solutions_right(tok):
     pattern = longctx.FAMILIES[fam]
     for s, ps in splits.items():
         assert [longctx.length_class(p) for p in ps] == [pattern[i % len(pattern)] for i in range(len(ps))], s
-    assert sum(c.endswith("far") for c in longctx.FAMILIES["facts"]) / len(longctx.FAMILIES["facts"]) >= 2 / 3
     rng = random.Random(0)
     for p in splits["heldout"][:30]:
         m = re.search(r"Given:\n(.*?)Log of noise", p.prompt, re.S)
