@@ -74,7 +74,8 @@ ckpt_is_dcp = bool(tc.checkpoint) and os.path.exists(os.path.join(tc.checkpoint,
 
 # ---------------------------------------------------------------------------------------------- dist init
 phases = {"imports_config_s": time.time() - T_START}  # start-up: where the minutes before step 1 go
-dims = init_distributed(par.pp, par.ep, par.dp, timeout_s=par.timeout_s, wait_timeout_s=par.wait_timeout_s)
+dims = init_distributed(par.pp, par.ep, par.dp, timeout_s=par.timeout_s, wait_timeout_s=par.wait_timeout_s,
+                        colocate=par.colocate_ranks)
 rank0 = dims.rank == 0
 torch.manual_seed(tc.seed)
 
@@ -110,9 +111,11 @@ phases["optimizer_s"] = time.time() - t_phase
 
 # ---------------------------------------------------------------------------------------------- collector, pusher
 # Weights reach the servers from every pipeline stage's own ranks (sglang.push). Rank 0 gathers a full copy
-# once, only to start embedded servers from (`gather_full_state`); real SGLang loads its own.
+# once, only to start embedded servers from (`gather_full_state`); real SGLang loads its own. Embedded servers
+# run on the CPU beside a multi-GPU trainer, on the one GPU when the ranks share it (`colocate_ranks`).
 full_state = gather_full_state(trainer) if dims.world_size > 1 and not rc.urls else None
-shadow = trainer.model if dims.world_size == 1 else (Transformer(mcfg) if full_state is not None else None)
+with torch.device(trainer.device if par.colocate_ranks else "cpu"):
+    shadow = trainer.model if dims.world_size == 1 else (Transformer(mcfg) if full_state is not None else None)
 if shadow is not None and full_state is not None:
     shadow.load_state_dict(full_state)
 t_phase = time.time()

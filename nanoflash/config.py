@@ -266,6 +266,8 @@ class ParallelConfig:
     device: str = "auto"              # where this rank's stage lives: auto (cuda:LOCAL_RANK under nccl, else cpu) | cpu | cuda
     timeout_s: int = 1800             # training collectives (NCCL all-to-all, P2P, all-reduce) raise after this
     wait_timeout_s: int = 7200        # ranks waiting for rank 0's rollout / eval / push (gloo side group)
+    colocate_ranks: bool = False      # every rank on one GPU (cuda:0): gloo collectives, P2P through host buffers
+                                      # (NCCL refuses two ranks of a group on one GPU; parallel/colocate.py)
 
     def __post_init__(self):
         for name in ("pp", "ep"):

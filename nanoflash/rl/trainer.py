@@ -64,14 +64,16 @@ MAX_GATHER_PARAMS = 4_000_000_000
 
 # ---------------------------------------------------------------------------------------------- placement
 def resolve_device(name: str, dims) -> torch.device:
-    """`ParallelConfig.device` -> this rank's device: auto = cuda:LOCAL_RANK under nccl, else the CPU."""
+    """`ParallelConfig.device` -> this rank's device: auto = cuda:LOCAL_RANK under nccl (cuda:0 for colocated
+    ranks), else the CPU."""
     if name == "cpu":
         return torch.device("cpu")
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("parallel.device=cuda but no CUDA device is visible")
-        if dims.world_size > 1 and dist.get_backend() != "nccl":
-            raise ValueError("parallel.device=cuda with several ranks needs the nccl backend (gloo is CPU-only here)")
+        if dims.world_size > 1 and dist.get_backend() != "nccl" and not dims.colocate:
+            raise ValueError("parallel.device=cuda with several ranks needs the nccl backend, or "
+                             "parallel.colocate_ranks (every rank on one GPU over gloo)")
         return torch.device("cuda", torch.cuda.current_device())
     return dims.device
 
