@@ -162,7 +162,8 @@ def save(at: int) -> None:
     if tc.save_every < 0:  # no checkpoints at all (throughput runs: the `gpu` recipe)
         return
     data_pos = collector.pos if rank0 else None
-    trainer.save(ckpt_dir, at, extra={"data_pos": data_pos, "model_config": dataclasses.asdict(mcfg)}, keep=tc.keep)
+    trainer.save(ckpt_dir, at, extra={"data_pos": data_pos, "model_config": dataclasses.asdict(mcfg)}, keep=tc.keep,
+                 async_save=tc.async_save)   # async: written during the next rollout, waited for before its update
 
 
 t_phase = time.time()
@@ -218,6 +219,7 @@ while step < tc.steps:
         save(step)
 
 # ---------------------------------------------------------------------------------------------- wrap up
+trainer.finish_save()   # the last checkpoint, when written asynchronously
 if rank0 and tc.plots:
     for path in write_plots(tc.out_dir):
         print(f"wrote {path}")

@@ -326,7 +326,7 @@ def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2)
 # ---------------------------------------------------------------------------------------------- start-up
 # Fields a resumed run may change (everything else must match the run directory's config.json).
 RESUMABLE = {"train": {"steps", "resume", "progress", "plots", "tensorboard", "wandb", "threads", "save_every",
-                       "keep", "dry_run", "max_skipped_steps", "reward_timeout_s", "reward_workers"},
+                       "keep", "async_save", "dry_run", "max_skipped_steps", "reward_timeout_s", "reward_workers"},
              "parallel": "*", "eval": {"every"},
              "rollout": {"urls", "max_workers", "transport", "sync_addr", "verify", "bucket_bytes", "health_timeout_s",
                          "api_key", "max_server_restarts", "retry_s"}}

@@ -402,6 +402,8 @@ class TrainConfig:
     out_dir: str = "runs/tiny"        # metrics.jsonl, checkpoints/, plots/
     save_every: int = 10              # checkpoint every n steps (0 = only at the end, -1 = never)
     keep: int = 2                     # checkpoints kept
+    async_save: bool = False          # write checkpoints in a thread while the next step's rollout runs
+                                      # (parallel/dcp.py; the weights are not copied: the step waits for it)
     resume: bool = True               # continue from the newest checkpoint in out_dir if there is one
     warmup_steps: int = 0             # supervised warm-up steps on reference answers before RL (0 = pure RL)
     warmup_lr: float = 3e-3           # warm-up learning rate
