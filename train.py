@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from nanoflash.cli import startup, to_dict
 from nanoflash.model import Transformer
 from nanoflash.parallel.dcp import latest_checkpoint
-from nanoflash.parallel.dims import init_distributed, print0, shutdown_distributed
+from nanoflash.parallel.dims import all_gather_values, init_distributed, print0, shutdown_distributed
 from nanoflash.rl.collector import Collector, StaleServerError, eval_seeds
 from nanoflash.rl.evaluate import evaluate
 from nanoflash.rl.hooks import HookContext, Hooks
@@ -220,6 +220,8 @@ while step < tc.steps:
 
 # ---------------------------------------------------------------------------------------------- wrap up
 trainer.finish_save()   # the last checkpoint, when written asynchronously
+if trainer.device.type == "cuda":   # every rank's own allocator peak (ranks sharing one GPU: one each)
+    log.log("memory", step, {"gpu_peak_gib_per_rank": all_gather_values(dims, torch.cuda.max_memory_allocated() / 2 ** 30)})
 if rank0 and tc.plots:
     for path in write_plots(tc.out_dir):
         print(f"wrote {path}")

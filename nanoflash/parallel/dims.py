@@ -175,6 +175,15 @@ def shutdown_distributed(dims: ParallelDims) -> None:
     dist.destroy_process_group()
 
 
+def all_gather_values(dims: ParallelDims, value) -> list:
+    """Every rank's `value` (a small picklable object) in rank order, on every rank, over the CPU side group."""
+    if dims.world_size == 1:
+        return [value]
+    out = [None] * dims.world_size
+    dist.all_gather_object(out, value, group=dims.side_group)
+    return out
+
+
 def print0(*args, dims: ParallelDims | None = None, **kwargs) -> None:
     """print on global rank 0 only."""
     rank = dims.rank if dims is not None else (dist.get_rank() if dist.is_initialized() else 0)
