@@ -274,7 +274,10 @@ def memory(args_: list, run_out: str, fit_lens, device: str) -> dict:
         per_rank.append({"rank": rank, "pp": rank // 2, "ep": rank % 2, "measured_peak_gib": peaks[rank],
                          "planned_gib": r["gpu_bytes"] / GIB,
                          "planned_terms_gib": {k: round(v / GIB, 4) for k, v in r["gpu_terms"].items() if v}})
-    return {"per_rank": per_rank, "planned_sum_gib": sum(r["gpu_bytes"] for r in rows) / GIB,
+    table = [f"rank {r['rank']} (pp {r['pp']}, ep {r['ep']}): measured peak "
+             f"{r['measured_peak_gib'] if r['measured_peak_gib'] is None else round(r['measured_peak_gib'], 2)} GiB, "
+             f"planned {r['planned_gib']:.2f} GiB" for r in per_rank]
+    return {"table": table, "per_rank": per_rank, "planned_sum_gib": sum(r["gpu_bytes"] for r in rows) / GIB,
             "cuda_context_gib_per_rank": planner.CUDA_CONTEXT_BYTES / GIB, "seq_len": seq}
 
 

@@ -3,11 +3,11 @@
     python tests/save_probe.py MODE [train.py arguments]
 
 MODE
-    overlap   every save's writer waits until the next step's rollout has begun (`Collector.next_batch`) or the
-              run waits for the save (`Trainer.finish_save`: the last one), then writes; each save's step and
-              what released it go to OUT/save_probe.jsonl
-    crash:K   the writer of step K writes DCP's shards, touches OUT/save_blocked and never finishes (the test
-              kills the run there)
+    overlap   every save's writer holds until the next step's rollout begins (`Collector.next_batch`, which
+              first checks that the writer is running) or the run waits for the save (`Trainer.finish_save`: the
+              last one), then writes; each save's step and what released it go to OUT/save_probe.jsonl
+    crash:K   the writer of step K writes DCP's shards, touches OUT/save_blocked and holds before its checksums
+              and commit, for ever (the test kills the run there)
     plain     train.py as it is
 
 Used by tests/test_checkpoint_async.py; train.py runs in this process (`runpy`), after the patches.
@@ -30,10 +30,12 @@ def _out_dir(argv: list) -> str:
 
 
 def overlap(out: str) -> None:
-    released, why = threading.Event(), {}
-    real_write, real_next, real_finish = dcp._write, collector.Collector.next_batch, trainer.Trainer.finish_save
+    released, waiting, why, expected = threading.Event(), threading.Event(), {}, [False]
+    real_write, real_next = dcp._write, collector.Collector.next_batch
+    real_save, real_finish = trainer.Trainer.save, trainer.Trainer.finish_save
 
     def write(root, tmp, final, step, *rest):
+        waiting.set()           # the writer is running, and holds
         released.wait(120)
         with open(os.path.join(out, "save_probe.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "released_by": why.get("by")}) + "\n")
@@ -44,31 +46,39 @@ def overlap(out: str) -> None:
             why["by"] = by
             released.set()
 
+    def save(self, *a, **k):
+        real_save(self, *a, **k)
+        expected[0] = self.pending_save is not None
+
     def next_batch(self, at):
-        release("rollout")
+        if expected[0]:   # a save is in flight: its writer must be running (holding) while the rollout starts
+            release("rollout" if waiting.wait(10) else "rollout, with no writer running")
         return real_next(self, at)
 
     def finish_save(self):
         if self.pending_save is not None:
             release("wait")
-        out_path = real_finish(self)
+        path = real_finish(self)
         released.clear()
+        waiting.clear()
         why.clear()
-        return out_path
-    dcp._write, collector.Collector.next_batch, trainer.Trainer.finish_save = write, next_batch, finish_save
+        expected[0] = False
+        return path
+    dcp._write, collector.Collector.next_batch = write, next_batch
+    trainer.Trainer.save, trainer.Trainer.finish_save = save, finish_save
 
 
 def crash(out: str, at: int) -> None:
-    real_write = dcp._write
-    real_save = dcp.dcp.save
+    """The writer of step `at` holds after DCP's shards and the RNG files are written, before the checksums
+    (and so before the commit): a node lost in the middle of a save."""
+    real_checksums = dcp._checksums
 
-    def write(root, tmp, final, step, state, *rest):
-        if step != at:
-            return real_write(root, tmp, final, step, state, *rest)
-        real_save(state, checkpoint_id=tmp, no_dist=True)   # the shards are on disk; the rest never happens
+    def checksums(tmp, dims, group):
+        if not os.path.basename(tmp).startswith(f"step_{at:08d}"):   # step_N.tmp (or step_N, were it committed early)
+            return real_checksums(tmp, dims, group)
         open(os.path.join(out, "save_blocked"), "w").close()
         threading.Event().wait()
-    dcp._write = write
+    dcp._checksums = checksums
 
 
 def main() -> None:

@@ -59,8 +59,8 @@ def test_async_saves_commit_when_written_and_a_failed_one_falls_back(tmp_path, m
     not wait for the writer's success."""
     root, dims = str(tmp_path), ParallelDims()
     model, opt = _model()
-    release, write = threading.Event(), dcp._write
-    monkeypatch.setattr(dcp, "_write", lambda *a: (release.wait(30), write(*a)))
+    release, run = threading.Event(), dcp.PendingSave._run   # the writer thread holds before doing anything
+    monkeypatch.setattr(dcp.PendingSave, "_run", lambda self, write: (release.wait(30), run(self, write)))
     torch.manual_seed(7)
     rng_at_save = torch.get_rng_state()
     pending = save_checkpoint(root, 1, model, opt, dims, extra={"data_pos": 1}, async_save=True)
@@ -177,10 +177,10 @@ def test_a_save_overlapping_the_next_rollout_resumes_exactly(overlapped, tmp_pat
 
 @pytest.mark.slow
 def test_a_run_killed_during_an_async_save_resumes_from_the_previous_checkpoint(overlapped, tmp_path):
-    """SIGKILL while checkpoint 2 is being written (its writer holds after DCP's shards are on disk): step_2
-    stays step_2.tmp, the restart resumes from step 1 (the newest committed), removes the debris, redoes steps
-    2 and 3 and ends with the uninterrupted run's state. Bug caught: a resume that adopts the uncommitted
-    step_2.tmp, or a commit made before the writer finished."""
+    """SIGKILL while checkpoint 2 is being written (its writer holds after DCP's shards are on disk, before the
+    checksums): step_2 stays step_2.tmp, the restart resumes from step 1 (the newest committed), removes the
+    debris, redoes steps 2 and 3 and ends with the uninterrupted run's state. Bug caught: a checkpoint committed
+    before its files are checked (the restart would resume from an unverified step 2)."""
     split = str(tmp_path / "crash")
     proc = _probe(split, "crash:2", wait=False)
     marker = os.path.join(split, "save_blocked")
