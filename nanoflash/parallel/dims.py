@@ -159,6 +159,8 @@ def init_distributed(pp: int = 1, ep: int = 1, dp: int | None = None, timeout_s:
         backend = "gloo" if colocate else default_backend()
         if backend == "nccl" or (colocate and torch.cuda.is_available()):
             torch.cuda.set_device(0 if colocate else int(os.environ.get("LOCAL_RANK", "0")))
+        # no device_id= (eager NCCL init): torch would then split the SGLang update groups from this world
+        # communicator, which holds none of the servers' ranks (module docstring; sglang.transports.join_group)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return ParallelDims(pp=pp, ep=ep, dp=dp, wait_timeout_s=wait_timeout_s, timeout_s=timeout_s, colocate=colocate)
 
