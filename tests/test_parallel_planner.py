@@ -214,3 +214,20 @@ def test_rank0_host_counts_the_rollout_data():
     rollout = {(r["pp_rank"], r["ep_rank"]): r["host_terms"].get("rollout", 0) for r in rows}
     assert rollout.pop((0, 0)) == sum(pl.rollout_bytes(cfg, setup.rollout).values()) > 0
     assert set(rollout.values()) == {0}     # rank 0 alone drives the servers and packs the batch
+
+
+def test_colocated_ranks_plan_no_nccl_and_rank0s_shadow_on_the_gpu():
+    """--parallel.colocate_ranks: the ranks run gloo (no NCCL communicator, push over gloo) and train.py builds
+    rank 0's shadow model (fp32, the embedded server's source) on the shared GPU, not in host memory. Bug
+    caught: the plan of a colocated run counting NCCL buffers and the shadow on the host (rank 0's GPU
+    under-planned by 4 bytes a parameter)."""
+    cfg = preset("tiny")
+    plain = parse_args(["--recipe", "smoke", "--parallel.pp", "2", "--parallel.ep", "2"])
+    coloc = parse_args(["--recipe", "smoke", "--parallel.pp", "2", "--parallel.ep", "2",
+                        "--parallel.colocate_ranks", "true", "--rollout.transport", "distributed"])
+    a = plan(cfg, plain.parallel, ZERO_FIT, setup=pl.setup_from_run(plain, cfg, world=4))
+    b = plan(cfg, coloc.parallel, ZERO_FIT, setup=pl.setup_from_run(coloc, cfg, world=4))
+    full = 4 * sum(p.numel() for p in Transformer(cfg).parameters())
+    assert all(r["gpu_terms"]["nccl"] > 0 for r in a) and all(r["gpu_terms"]["nccl"] == 0 for r in b)
+    assert b[0]["gpu_terms"]["engine"] - a[0]["gpu_terms"]["engine"] == full
+    assert a[0]["host_terms"]["full_copy"] - b[0]["host_terms"]["full_copy"] == full

@@ -109,6 +109,7 @@ class Setup:
     engine_tokens: int = 0                  # decode rows x max sequence length of one engine request
     eval_logit_rows: int = 0                # batched in-process eval: rows x positions of one forward
     full_copy: bool = False                 # rank 0 holds a gathered fp32 copy + shadow model (world > 1)
+    shadow_on_gpu: bool = False             # ... its shadow model on the GPU (ranks colocated on one GPU)
     gpus_per_host: int = 8
     rollout: dict | None = None             # rank 0's rollout shape (`rollout_shape`); None = not counted
 
@@ -125,6 +126,7 @@ def setup_from_run(cfg, mcfg, world: int, gpus_per_host: int = 8) -> Setup:
                  engine_on_gpu=par.device != "cpu", engine_tokens=max(gc.group_size, ec.k_samples) * mcfg.max_seq_len,
                  eval_logit_rows=min(max(ec.n_problems, 1) * ec.k_samples, 1024) * mcfg.max_seq_len if batched else 0,
                  full_copy=world > 1 and (embedded or bool(ec.every)), gpus_per_host=gpus_per_host,
+                 shadow_on_gpu=par.colocate_ranks and par.device != "cpu",
                  rollout=rollout_shape(cfg, mcfg))
 
 
@@ -303,10 +305,11 @@ def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: b
                 "process": HOST_PROCESS_BYTES}
         if (s, e) == (0, 0):  # rank 0: the embedded engine, the TEMPORARY full copy
             model_b, store = _engine(cfg, setup, full, push_bytes) if setup.engine else (0, 0)
-            gpu["engine"] = (model_b + store) if setup.engine_on_gpu else 0
+            shadow = 4 * full if setup.full_copy and setup.shadow_on_gpu else 0   # colocated: the shadow model
+            gpu["engine"] = (model_b + store) * setup.engine_on_gpu + shadow     # sits on the shared GPU (train.py)
             lands_on_host = setup.push != "local" or not setup.engine_on_gpu  # local keeps the GPU tensors
             host["engine"] = store * lands_on_host + (0 if setup.engine_on_gpu else model_b)
-            host["full_copy"] = 2 * 4 * full if setup.full_copy else 0
+            host["full_copy"] = (2 * 4 * full - shadow) if setup.full_copy else 0
             host["rollout"] = sum(rollout_bytes(cfg, setup.rollout).values()) if setup.rollout else 0
         once = host["push"] + host.get("engine", 0) + host.get("full_copy", 0) + host.get("rollout", 0)  # rank 0
         r.update(grad_bytes=grads, act_bytes=gpu["activations"], gpu_terms=gpu, host_terms=host, dp=par.dp or 1,
