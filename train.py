@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from nanoflash.cli import startup, to_dict
 from nanoflash.model import Transformer
 from nanoflash.parallel.dcp import latest_checkpoint
-from nanoflash.parallel.dims import init_distributed, print0, shutdown_distributed
+from nanoflash.parallel.dims import all_gather_values, init_distributed, print0, shutdown_distributed
 from nanoflash.rl.collector import Collector, StaleServerError, eval_seeds
 from nanoflash.rl.evaluate import evaluate
 from nanoflash.rl.hooks import HookContext, Hooks
@@ -74,7 +74,8 @@ ckpt_is_dcp = bool(tc.checkpoint) and os.path.exists(os.path.join(tc.checkpoint,
 
 # ---------------------------------------------------------------------------------------------- dist init
 phases = {"imports_config_s": time.time() - T_START}  # start-up: where the minutes before step 1 go
-dims = init_distributed(par.pp, par.ep, par.dp, timeout_s=par.timeout_s, wait_timeout_s=par.wait_timeout_s)
+dims = init_distributed(par.pp, par.ep, par.dp, timeout_s=par.timeout_s, wait_timeout_s=par.wait_timeout_s,
+                        colocate=par.colocate_ranks)
 rank0 = dims.rank == 0
 torch.manual_seed(tc.seed)
 
@@ -110,9 +111,11 @@ phases["optimizer_s"] = time.time() - t_phase
 
 # ---------------------------------------------------------------------------------------------- collector, pusher
 # Weights reach the servers from every pipeline stage's own ranks (sglang.push). Rank 0 gathers a full copy
-# once, only to start embedded servers from (`gather_full_state`); real SGLang loads its own.
+# once, only to start embedded servers from (`gather_full_state`); real SGLang loads its own. Embedded servers
+# run on the CPU beside a multi-GPU trainer, on the one GPU when the ranks share it (`colocate_ranks`).
 full_state = gather_full_state(trainer) if dims.world_size > 1 and not rc.urls else None
-shadow = trainer.model if dims.world_size == 1 else (Transformer(mcfg) if full_state is not None else None)
+with torch.device(trainer.device if par.colocate_ranks else "cpu"):
+    shadow = trainer.model if dims.world_size == 1 else (Transformer(mcfg) if full_state is not None else None)
 if shadow is not None and full_state is not None:
     shadow.load_state_dict(full_state)
 t_phase = time.time()
@@ -159,7 +162,8 @@ def save(at: int) -> None:
     if tc.save_every < 0:  # no checkpoints at all (throughput runs: the `gpu` recipe)
         return
     data_pos = collector.pos if rank0 else None
-    trainer.save(ckpt_dir, at, extra={"data_pos": data_pos, "model_config": dataclasses.asdict(mcfg)}, keep=tc.keep)
+    trainer.save(ckpt_dir, at, extra={"data_pos": data_pos, "model_config": dataclasses.asdict(mcfg)}, keep=tc.keep,
+                 async_save=tc.async_save)   # async: written during the next rollout, waited for before its update
 
 
 t_phase = time.time()
@@ -215,6 +219,9 @@ while step < tc.steps:
         save(step)
 
 # ---------------------------------------------------------------------------------------------- wrap up
+trainer.finish_save()   # the last checkpoint, when written asynchronously
+if trainer.device.type == "cuda":   # every rank's own allocator peak (ranks sharing one GPU: one each)
+    log.log("memory", step, {"gpu_peak_gib_per_rank": all_gather_values(dims, torch.cuda.max_memory_allocated() / 2 ** 30)})
 if rank0 and tc.plots:
     for path in write_plots(tc.out_dir):
         print(f"wrote {path}")

@@ -304,11 +304,10 @@ def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2)
     """Per-GPU memory plan of the configured trainer layout (parallel.planner) plus the rollout side."""
     tc, par = cfg.train, cfg.parallel
     mcfg = run_preset(cfg)
-    argv = ["--preset", tc.preset, "--pp", str(par.pp), "--ep", str(par.ep), "--dp", str(par.dp or 1),
-            "--micro-batch-tokens", str(par.micro_batch_tokens), "--gpus-per-host", str(gpus_per_node)]
-    argv += ["--recompute"] * par.recompute + ["--offload"] * par.offload_optimizer
+    layout = dataclasses.replace(par, dp=par.dp or 1)   # external SGLang servers, NCCL push; rank 0's rollout data
+    setup = planner.Setup(gpus_per_host=gpus_per_node, rollout=planner.rollout_shape(cfg, mcfg))
     with contextlib.redirect_stdout(io.StringIO()):
-        plan = planner.main(argv)
+        plan = planner.report(mcfg, tc.preset, layout, setup)
     n_train = par.pp * par.ep * (par.dp or 1)
     w, w_push = planner.rollout_weight_bytes(mcfg), planner.rollout_weight_bytes(mcfg, push=True)
     w_served = planner.rollout_weight_bytes(dataclasses.replace(mcfg, expert_dtype="fp8"))  # --from-release re-pack
@@ -327,7 +326,7 @@ def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2)
 # ---------------------------------------------------------------------------------------------- start-up
 # Fields a resumed run may change (everything else must match the run directory's config.json).
 RESUMABLE = {"train": {"steps", "resume", "progress", "plots", "tensorboard", "wandb", "threads", "save_every",
-                       "keep", "dry_run", "max_skipped_steps", "reward_timeout_s", "reward_workers"},
+                       "keep", "async_save", "dry_run", "max_skipped_steps", "reward_timeout_s", "reward_workers"},
              "parallel": "*", "eval": {"every"},
              "rollout": {"urls", "max_workers", "transport", "sync_addr", "verify", "bucket_bytes", "health_timeout_s",
                          "api_key", "max_server_restarts", "retry_s"}}
@@ -363,7 +362,7 @@ def startup(argv: list[str], prog: str = "train.py"):
         check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         check_config(cfg)
         mcfg = model_config(cfg)
-        task = make_task(cfg.train, cfg.eval, mcfg.vocab_size)
+        task = make_task(cfg.train, cfg.eval, mcfg.vocab_size, rewards_here=int(os.environ.get("RANK", "0")) == 0)
         prepare_out_dir(cfg, rank0=int(os.environ.get("RANK", "0")) == 0)
     except (ValueError, OSError, ImportError, KeyError) as e:
         usage_error(e, prog)

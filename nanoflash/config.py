@@ -274,6 +274,8 @@ class ParallelConfig:
     device: str = "auto"              # where this rank's stage lives: auto (cuda:LOCAL_RANK under nccl, else cpu) | cpu | cuda
     timeout_s: int = 1800             # training collectives (NCCL all-to-all, P2P, all-reduce) raise after this
     wait_timeout_s: int = 7200        # ranks waiting for rank 0's rollout / eval / push (gloo side group)
+    colocate_ranks: bool = False      # every rank on one GPU (cuda:0): gloo collectives, P2P through host buffers
+                                      # (NCCL refuses two ranks of a group on one GPU; parallel/colocate.py)
 
     def __post_init__(self):
         for name in ("pp", "ep"):
@@ -408,6 +410,8 @@ class TrainConfig:
     out_dir: str = "runs/tiny"        # metrics.jsonl, checkpoints/, plots/
     save_every: int = 10              # checkpoint every n steps (0 = only at the end, -1 = never)
     keep: int = 2                     # checkpoints kept
+    async_save: bool = False          # write checkpoints in a thread while the next step's rollout runs
+                                      # (parallel/dcp.py; the weights are not copied: the step waits for it)
     resume: bool = True               # continue from the newest checkpoint in out_dir if there is one
     warmup_steps: int = 0             # supervised warm-up steps on reference answers before RL (0 = pure RL)
     warmup_lr: float = 3e-3           # warm-up learning rate

@@ -149,6 +149,12 @@ def pack(episodes: list[Episode], advantages, pad_id: int = 0) -> RolloutBatch:
                         routed_experts=_pack_routed_experts(episodes, S))
 
 
+def expert_id_dtype(n_experts: int) -> torch.dtype:
+    """The smallest integer type that holds every expert id: an R3 record is [tokens, n_layers, K] per sample
+    (flash: 43 x 6 ids a token, held on rank 0 for every kept sample of a round), 8x smaller in uint8 than int64."""
+    return torch.uint8 if n_experts <= 256 else torch.int16 if n_experts <= 2 ** 15 else torch.int32
+
+
 def _pack_routed_experts(episodes: list[Episode], S: int) -> Tensor | None:
     """Stack R3 routing records into [B,S,n_moe_layers,topk], zero-padded; None if no episode has one."""
     have = [e.routed_experts is not None for e in episodes]

@@ -58,8 +58,8 @@ def reference():
     return out, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-def _rank_fn(rank, world, pp, ep, layer_split, mbs_per_rank, recompute):
-    dims = ParallelDims(pp=pp, ep=ep)
+def _rank_fn(rank, world, pp, ep, layer_split, mbs_per_rank, recompute, colocate=False):
+    dims = ParallelDims(pp=pp, ep=ep, colocate=colocate)
     with torch.device("meta"):  # the production order: build on meta, parallelize, materialise, load
         model = parallelize(Transformer(preset("tiny")), dims, ParallelConfig(pp, ep, None, layer_split,
                                                                                recompute=recompute))
@@ -78,15 +78,16 @@ def _rank_fn(rank, world, pp, ep, layer_split, mbs_per_rank, recompute):
     grads = {n: g.clone() for name, p in model.named_parameters() if p.requires_grad  # stacked experts by official name
              for n, g in official_views(name, p, p.grad)}
     out["logprobs"] = (dims.data_rank, torch.cat(logp))
+    out["staged_bytes"] = dims.staging.staged_bytes if dims.staging is not None else 0
     return out, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
 def _many(rank, world, layouts):
     """Several layouts in one set of processes (spawning 2-4 ranks costs more than a tiny-model step)."""
     out = {}
-    for name, (pp, ep, split, mbs, recompute) in layouts.items():
+    for name, (pp, ep, split, mbs, recompute, *colocate) in layouts.items():
         try:
-            out[name] = _rank_fn(rank, world, pp, ep, split, mbs, recompute)
+            out[name] = _rank_fn(rank, world, pp, ep, split, mbs, recompute, *colocate)
         except Exception as e:  # name the layout in the traceback run_ranks reports
             raise RuntimeError(f"layout {name} failed on rank {rank}") from e
     return out
@@ -120,6 +121,9 @@ LAYOUTS = {  # name: (world, pp, ep, layer_split, micro-batches per data rank, r
     "PP2xEP2": (4, 2, 2, (1, 3), 2, False),
     "DP2": (2, 1, 1, None, 2, False),
     "DP2xEP2": (4, 1, 2, None, 1, False),        # expert grads summed over DP only, dense over DP x EP
+    # ranks sharing one device (--parallel.colocate_ranks): every P2P through host buffers (parallel.colocate),
+    # here on CPU tensors; on a GPU the same path carries CUDA tensors, which gloo's send/recv refuse
+    "PP2xEP2+colocated": (4, 2, 2, (1, 3), 2, True, True),
 }
 
 
@@ -140,4 +144,6 @@ def test_layout_matches_single_process(layout, ref, runs):
         for name, p in params.items():
             torch.testing.assert_close(p, ref_params[name], rtol=0, atol=PARAM_ATOL, msg=lambda m: f"{name}: {m}")
         seen |= set(params)
+        # colocated: the activations really went through the staging buffers (and nothing else did)
+        assert (out["staged_bytes"] > 0) == layout.endswith("+colocated"), (layout, rank, out["staged_bytes"])
     assert seen == set(ref_params), f"{layout}: names missing across ranks {sorted(set(ref_params) - seen)[:5]}"

@@ -1,5 +1,6 @@
 """Planner: its ownership rules agree with what build_stage + apply_expert_parallel really keep, its byte
 counts add up, and the flash PP4 x EP4 plan covers every parameter once. Run: pytest tests/test_parallel_planner.py -q"""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -188,3 +189,45 @@ def test_setup_from_run_reads_the_run_config():
     cfg = parse_args(["--recipe", "flash", "--rollout.urls", "http://a:1", "--rollout.transport", "distributed"])
     s = pl.setup_from_run(cfg, preset("flash"), world=16)
     assert (s.engine, s.push, s.full_copy, s.eval_logit_rows) == ("", "nccl", True, 0)
+
+
+def test_rank0_host_counts_the_rollout_data():
+    """Bug (issue 37): the host estimate had no term for rank 0's rollout data -- every sample of a step's rounds
+    as Python lists, the kept groups' R3 records ([T, n_layers, K] per sample; ~24 GiB a flash round as int64),
+    the packed batch -- so the first training node's 1,767 GiB left out what rank 0 alone holds. The term is
+    counted by hand here for a small shape, in uint8 (<= 256 experts) and int16 (more), on rank 0 only."""
+    cfg = preset("tiny")   # 4 layers, top-2 of 8 experts, max_seq_len 256
+    shape = dict(prompts=4, group_size=3, rounds=2, kept=2, prompt_tokens=10, response_tokens=6, replay=True,
+                 in_flight=5)
+    T, ids = 10 + 6 - 1, 4 * 2
+    episodes = 2 * 4 * (10 * 36 + 3 * 6 * (36 + 32))
+    for n_experts, id_bytes in ((8, 1), (300, 2)):
+        c = dataclasses.replace(cfg, n_routed_experts=n_experts)
+        got = pl.rollout_bytes(c, shape)
+        assert got == {"episodes": episodes, "r3": (4 + 2) * 3 * T * ids * id_bytes,
+                       "batch": 2 * 3 * T * (32 + ids * id_bytes), "decoding": 5 * 3 * T * ids * (16 / 3 + 12)}
+    assert pl.rollout_bytes(cfg, dict(shape, replay=False))["r3"] == 0
+    run = parse_args(["--recipe", "smoke", "--rollout.routing_replay", "true"])
+    setup = pl.setup_from_run(run, cfg, world=4)
+    assert setup.rollout["prompts"] == 4 and setup.rollout["rounds"] == run.rollout.max_rounds
+    rows = plan(cfg, ParallelConfig(pp=2, ep=2), ZERO_FIT, setup=setup)
+    rollout = {(r["pp_rank"], r["ep_rank"]): r["host_terms"].get("rollout", 0) for r in rows}
+    assert rollout.pop((0, 0)) == sum(pl.rollout_bytes(cfg, setup.rollout).values()) > 0
+    assert set(rollout.values()) == {0}     # rank 0 alone drives the servers and packs the batch
+
+
+def test_colocated_ranks_plan_no_nccl_and_rank0s_shadow_on_the_gpu():
+    """--parallel.colocate_ranks: the ranks run gloo (no NCCL communicator, push over gloo) and train.py builds
+    rank 0's shadow model (fp32, the embedded server's source) on the shared GPU, not in host memory. Bug
+    caught: the plan of a colocated run counting NCCL buffers and the shadow on the host (rank 0's GPU
+    under-planned by 4 bytes a parameter)."""
+    cfg = preset("tiny")
+    plain = parse_args(["--recipe", "smoke", "--parallel.pp", "2", "--parallel.ep", "2"])
+    coloc = parse_args(["--recipe", "smoke", "--parallel.pp", "2", "--parallel.ep", "2",
+                        "--parallel.colocate_ranks", "true", "--rollout.transport", "distributed"])
+    a = plan(cfg, plain.parallel, ZERO_FIT, setup=pl.setup_from_run(plain, cfg, world=4))
+    b = plan(cfg, coloc.parallel, ZERO_FIT, setup=pl.setup_from_run(coloc, cfg, world=4))
+    full = 4 * sum(p.numel() for p in Transformer(cfg).parameters())
+    assert all(r["gpu_terms"]["nccl"] > 0 for r in a) and all(r["gpu_terms"]["nccl"] == 0 for r in b)
+    assert b[0]["gpu_terms"]["engine"] - a[0]["gpu_terms"]["engine"] == full
+    assert a[0]["host_terms"]["full_copy"] - b[0]["host_terms"]["full_copy"] == full

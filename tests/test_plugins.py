@@ -5,6 +5,7 @@ checked, and one short train.py run that trains on a plug-in reward.
 Run: `pytest tests/test_plugins.py -q`.
 """
 import os
+import signal
 import subprocess
 import sys
 
@@ -118,3 +119,38 @@ def test_train_py_trains_on_a_plugin_from_the_working_directory(tmp_path):
     assert len(train) == 1 and sum(c.startswith("arith-train-") for c in calls) == train[0]["n_episodes"]
     n_eval = len(read_jsonl(str(out / "metrics.jsonl"), "eval"))   # steps 0 and 1: 16 problems x 2 samples each
     assert sum(c.startswith("arith-heldout-") for c in calls) == n_eval * 16 * 2
+
+
+def _children() -> list[int]:
+    """Pids of this process's live child processes (read from /proc: the reward workers are Popen children)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            out.append(int(pid))
+    return out
+
+
+def test_reward_workers_start_only_on_the_rank_that_scores(plugin_dir, tmp_path, monkeypatch):
+    """Bug: every rank of a multi-rank run started the reward pool (math-verify or a plug-in's workers) at start-up,
+    although only rank 0 ever scores: 16 ranks x 2 idle interpreters on the training nodes. Start-up on rank 1 now
+    starts none; rank 0 starts them at once (so a verifier that cannot start still fails at start-up there)."""
+    argv = ["--recipe", "smoke", "--train.reward", "my_rewards:score", "--out", str(tmp_path / "run")]
+    before = set(_children())
+    monkeypatch.setenv("RANK", "1")
+    task = cli.startup(argv)[2]
+    assert set(_children()) == before, "rank 1 started reward workers"
+    prob = task.train[0]
+    right = task.encode(Problem("x", prob.prompt + prob.answer, prob.answer))[len(task.encode(prob)):]
+    assert task.reward([prob], [right + [task.stop_ids[0]]]) == [1.0]   # still scores if asked (started then)
+    monkeypatch.setenv("RANK", "0")
+    started = set(_children())
+    cli.startup(argv + ["--train.resume", "true"])
+    new = set(_children()) - started
+    for pid in set(_children()) - before:   # the workers this test started (they would exit with the test process)
+        os.kill(pid, signal.SIGKILL)
+    assert len(new) == 2, "rank 0 starts train.reward_workers (2) workers at start-up"

@@ -1,6 +1,6 @@
 """The training engine: PP x EP x DP over torch.distributed, applied to a model built by `nanoflash.model`.
 
-Reading order: dims (the grid) -> comm (collectives) -> expert (EP dispatcher) -> pipeline (stages, 1F1B)
+Reading order: dims (the grid) -> comm (collectives; colocate: ranks sharing a GPU) -> expert (EP dispatcher) -> pipeline (stages, 1F1B)
 -> train_step (reduction, clipping, loss scaling) -> optim (AdamW, freeze list) -> microbatch (token budget)
 -> dcp (distributed checkpoints, atomic) -> planner (memory dry run). Tests: `pytest tests/test_parallel_*.py -q`.
 """

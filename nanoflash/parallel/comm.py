@@ -14,7 +14,7 @@
 2. `exchange_counts(send_counts, group)`: an even all_to_all of int64 counts, so every rank learns how many
    rows it will receive from each peer before the token exchange (the host sync that every pure-PyTorch EP
    implementation pays; DeepEP hides it in a kernel).
-3. `p2p_exchange(sends, recvs)`: pipeline send/recv of `[B,S,M,D]` activation streams (and their gradients)
+3. `p2p_exchange(sends, recvs, staging)`: pipeline send/recv of `[B,S,M,D]` activation streams (and their gradients)
    plus the `[B,S]` input ids and loss fields that travel with them. All sends and receives of one
    schedule step are posted together with `batch_isend_irecv`, so the neighbouring stages never deadlock
    however the two directions interleave (the pattern of Megatron's `send_forward_recv_backward`).
@@ -117,12 +117,16 @@ def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
     return recv
 
 
-def p2p_exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+def p2p_exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                 staging=None) -> None:
     """Post every (tensor, global peer rank) send and receive at once and wait for all of them.
 
     Receive buffers are filled in place. Messages between one ordered pair of ranks are matched in the order
-    they are listed, so both sides must list them in the same order.
+    they are listed, so both sides must list them in the same order. `staging` (`ParallelDims.staging`, a
+    `colocate.HostStaging` when ranks share a GPU over gloo): the same exchange through host buffers.
     """
+    if staging is not None:
+        return staging.p2p(sends, recvs)
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
     if not ops:

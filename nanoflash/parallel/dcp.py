@@ -23,8 +23,20 @@ and the directory, and renames `step_N.tmp -> step_N` (atomic on POSIX) after a 
 rename leaves a `.tmp` directory that `latest_checkpoint` ignores and the next start (`tidy`) or save deletes; the last good
 checkpoint is never touched. Old checkpoints beyond `keep` are deleted only after the new one is committed.
 
-How this differs from production: no async save (DCP `async_save`) and no staging to pinned memory.
-Tests: `pytest tests/test_parallel_dcp.py -q`.
+Asynchronous saves (`async_save=True`, `--train.async_save`; on in the flash recipe): the state dicts (views
+of the live weights and optimizer state) and the RNG states are taken at the save, and everything after --
+DCP's write, the checksums, the commit and the pruning -- runs in a thread (`PendingSave`) on a process group
+of its own (`group`: the main thread keeps using the side group meanwhile, and two threads must never
+interleave collectives on one group). The caller lets the next step's rollout run meanwhile and calls
+`PendingSave.wait` before anything changes the weights or the optimizer state (`rl.trainer.Trainer`: before
+the next step). No staging copy: DCP's `async_save` first copies the whole state into host memory, which at
+flash scale is the offloaded optimizer state again (~220 GiB per rank, 1.7 TiB per node of 2 TiB); here the
+live tensors are written in place, which is why nothing may update them before `wait`. A crash during an
+async save is the same as during a synchronous one: `step_N.tmp` is never committed and the previous
+checkpoint is the one resumed.
+
+How this differs from production: no staging to pinned memory, no overlap with the optimizer step itself.
+Tests: `pytest tests/test_parallel_dcp.py tests/test_checkpoint_async.py -q`.
 """
 from __future__ import annotations
 
@@ -33,6 +45,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import warnings
 import zlib
 
@@ -72,13 +85,13 @@ def _own_files(tmp: str, rank: int) -> list[str]:
     return sorted(mine + ([".metadata"] if rank == 0 and os.path.exists(os.path.join(tmp, ".metadata")) else []))
 
 
-def _checksums(tmp: str, dims: ParallelDims) -> dict | None:
+def _checksums(tmp: str, dims: ParallelDims, group) -> dict | None:
     """{file: crc32} of the whole checkpoint on rank 0 (None elsewhere); each rank reads back its own files."""
     mine = {f: file_crc32(os.path.join(tmp, f)) for f in _own_files(tmp, dims.rank)}
     if dims.world_size == 1:
         return mine
     parts = [None] * dims.world_size if dims.rank == 0 else None
-    dist.gather_object(mine, parts, dst=0, group=dims.side_group)
+    dist.gather_object(mine, parts, dst=0, group=group)
     return {k: v for p in parts for k, v in p.items()} if dims.rank == 0 else None
 
 
@@ -96,11 +109,12 @@ def verify_checkpoint(path: str, meta: dict, dims: ParallelDims) -> None:
                                 f"{' (' + ', '.join(bad) + ')' if bad else ''}")
 
 
-def _barrier(dims: ParallelDims) -> None:
+def _barrier(dims: ParallelDims, group=None) -> None:
     """The save's meeting points run on the gloo side group (long timeout, no NCCL communicator held up by a
-    rank writing terabytes), as does DCP's own coordination (`process_group=`)."""
+    rank writing terabytes), as does DCP's own coordination (`process_group=`); an async save on its own
+    gloo group (`group`)."""
     if dims.world_size > 1:
-        dist.barrier(group=dims.side_group)
+        dist.barrier(group=dims.side_group if group is None else group)
 
 
 def _fsync_path(path: str) -> None:
@@ -154,9 +168,37 @@ def _commit(tmp: str, final: str, root: str) -> None:
     _fsync_path(root)
 
 
+class PendingSave:
+    """A checkpoint being written by a thread (`save_checkpoint(async_save=True)`). `wait()` joins it and returns
+    the checkpoint's path, or raises the writer's error (the checkpoint then stays uncommitted: `.tmp`)."""
+
+    def __init__(self, path: str, write):
+        self.path, self.error = path, None
+        self.thread = threading.Thread(target=self._run, args=(write,), name=f"save {os.path.basename(path)}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, write) -> None:
+        try:
+            write()
+        except BaseException as e:  # handed to the caller's wait(), which decides (every rank stops together)
+            self.error = e
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> str:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.path
+
+
 def save_checkpoint(root: str, step: int, model, optimizer, dims: ParallelDims, extra: dict | None = None,
-                    keep: int = 2) -> str:
-    """Write the training state of every rank as checkpoint `step`; returns its path (same on all ranks)."""
+                    keep: int = 2, async_save: bool = False, group=None):
+    """Write the training state of every rank as checkpoint `step`; returns its path (same on all ranks), or
+    with `async_save` a `PendingSave` writing it (module docstring: `wait()` before the next update). `group`:
+    the gloo group of the save's collectives (default the side group; an async save needs one of its own)."""
     final = os.path.join(root, f"{STEP_PREFIX}{step:08d}")
     tmp = final + TMP_SUFFIX
     if dims.rank == 0:
@@ -165,14 +207,28 @@ def save_checkpoint(root: str, step: int, model, optimizer, dims: ParallelDims, 
             if d.endswith(TMP_SUFFIX):
                 shutil.rmtree(os.path.join(root, d), ignore_errors=True)
         os.makedirs(tmp)
-    _barrier(dims)
-    dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=tmp,
-             no_dist=dims.world_size == 1, process_group=dims.side_group)
+    _barrier(dims, group)
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}   # views of the live tensors
+    rng = _rng_state()                                                        # as of now, not of the write
+
+    def write():
+        _write(root, tmp, final, step, state, rng, dims, extra, keep, group)
+    if not async_save:
+        write()
+        return final
+    return PendingSave(final, write)
+
+
+def _write(root: str, tmp: str, final: str, step: int, state: dict, rng: dict, dims: ParallelDims, extra, keep: int,
+           group) -> None:
+    """DCP's write, this rank's RNG states, the checksums; rank 0 commits (meta.json, rename) and prunes."""
+    dcp.save(state, checkpoint_id=tmp, no_dist=dims.world_size == 1,
+             process_group=dims.side_group if group is None else group)
     rng_path = os.path.join(tmp, f"rng_rank{dims.rank}.pt")
-    torch.save(_rng_state(), rng_path)
+    torch.save(rng, rng_path)
     _fsync_path(rng_path)
-    _barrier(dims)
-    files = _checksums(tmp, dims)
+    _barrier(dims, group)
+    files = _checksums(tmp, dims, dims.side_group if group is None else group)
     if dims.rank == 0:
         meta = {"step": step, "pp": dims.pp, "ep": dims.ep, "dp": dims.dp, "world_size": dims.world_size,
                 "extra": extra or {}, "files": files}
@@ -182,8 +238,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, dims: ParallelDims, 
             os.fsync(f.fileno())
         _commit(tmp, final, root)
         _prune(root, keep)
-    _barrier(dims)
-    return final
+    _barrier(dims, group)
 
 
 def _prune(root: str, keep: int) -> None:

@@ -24,7 +24,20 @@ peers waiting while their stage's source loads a bucket into a cold server -- ca
 `parallel_state` or picotron's process-group manager). With world size 1 every group is `None` and every
 collective in `nanoflash.parallel` short-circuits, so the single-process code path is the same code.
 
-Backend: `nccl` when CUDA is available, else `gloo` (CPU tests). Tests: `pytest tests/test_parallel_comm.py -q`.
+Backend: `nccl` when CUDA is available, else `gloo` (CPU tests). With `colocate=True`
+(`--parallel.colocate_ranks`) every rank binds cuda:0 and the backend is gloo, whose P2P goes through host
+buffers (`parallel.colocate`, `ParallelDims.staging`): several ranks of the engine on one GPU.
+
+Eager NCCL initialisation (`init_process_group(device_id=...)`) is not used: a default group bound to a device
+makes torch build every later NCCL group of the process by `ncclCommSplit` of the world communicator
+(`distributed_c10d._new_process_group_helper`: `split_from` whenever the default group has a
+`bound_device_id`), and that includes the weight-update groups, which SGLang's recipe builds with an empty
+rank list (`sglang.transports.join_group`): split from the trainer's world they could never hold the servers'
+ranks, so `join_group` refuses such a default group. What eager init would give -- every rank taking part in the
+first operation of the WORLD group -- is checked instead on the recorded calls of a run
+(`tests/nccl_rules.py`, rule `first_batch`).
+
+Tests: `pytest tests/test_parallel_comm.py -q`.
 """
 from __future__ import annotations
 
@@ -33,6 +46,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from nanoflash.parallel.colocate import HostStaging
 
 INIT_TIMEOUT_S = 1800  # training collectives (NCCL / gloo) that wait longer than this raise (torch: 600 s)
 WAIT_TIMEOUT_S = 7200  # ranks waiting for rank 0 (rollouts, evaluation, pushes take minutes) on the side group
@@ -51,7 +66,7 @@ class ParallelDims:
     """
 
     def __init__(self, pp: int = 1, ep: int = 1, dp: int | None = None, wait_timeout_s: float = WAIT_TIMEOUT_S,
-                 timeout_s: float = INIT_TIMEOUT_S):
+                 timeout_s: float = INIT_TIMEOUT_S, colocate: bool = False):
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         if dp is None:
@@ -59,6 +74,8 @@ class ParallelDims:
             dp = world // (pp * ep)
         assert pp * dp * ep == world, f"world size ({world}) != PP ({pp}) * DP ({dp}) * EP ({ep})"
         self.pp, self.dp, self.ep, self.world_size, self.rank = pp, dp, ep, world, rank
+        self.colocate = colocate   # every rank on one device, gloo: P2P through host buffers (parallel.colocate)
+        self.staging = HostStaging() if colocate and world > 1 else None
         self.timeout = datetime.timedelta(seconds=timeout_s)   # every subgroup's (torch's new_group default: 10 min)
         self.grid = torch.arange(world).view(pp, dp, ep)  # [pp, dp, ep]
         coords = (self.grid == rank).nonzero()[0].tolist()
@@ -113,11 +130,18 @@ class ParallelDims:
 
     @property
     def device(self) -> torch.device:
-        """Where this rank's collectives' tensors live: CUDA under nccl (or alone on a GPU box), else CPU."""
+        """Where this rank's collectives' tensors live: CUDA under nccl (or alone on a GPU box, or colocated on
+        one GPU over gloo), else CPU."""
         gloo = dist.is_initialized() and dist.get_backend() == "gloo"
-        if torch.cuda.is_available() and not gloo:
+        if torch.cuda.is_available() and (self.colocate or not gloo):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    @property
+    def object_device(self) -> torch.device:
+        """Where pickled objects travel in `broadcast_object_list`: the CPU under gloo (colocated ranks too)."""
+        gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+        return torch.device("cpu") if gloo else self.device
 
     def __repr__(self) -> str:
         return (f"ParallelDims(rank={self.rank}/{self.world_size}, pp={self.pp_rank}/{self.pp}, "
@@ -125,17 +149,20 @@ class ParallelDims:
 
 
 def init_distributed(pp: int = 1, ep: int = 1, dp: int | None = None, timeout_s: float = INIT_TIMEOUT_S,
-                     wait_timeout_s: float = WAIT_TIMEOUT_S) -> ParallelDims:
+                     wait_timeout_s: float = WAIT_TIMEOUT_S, colocate: bool = False) -> ParallelDims:
     """Initialise torch.distributed from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT) and build the grid. Under torchrun a process group is created even for a world
     of one (so a one-GPU run exercises NCCL's init and device binding); a plain `python` run is world size 1
-    with no process group. Each rank binds `cuda:LOCAL_RANK` under nccl."""
+    with no process group. Each rank binds `cuda:LOCAL_RANK` under nccl; `colocate`: every rank binds cuda:0
+    (when there is a GPU) and the group is gloo (module docstring)."""
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        backend = default_backend()
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "gloo" if colocate else default_backend()
+        if backend == "nccl" or (colocate and torch.cuda.is_available()):
+            torch.cuda.set_device(0 if colocate else int(os.environ.get("LOCAL_RANK", "0")))
+        # no device_id= (eager NCCL init): torch would then split the SGLang update groups from this world
+        # communicator, which holds none of the servers' ranks (module docstring; sglang.transports.join_group)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return ParallelDims(pp=pp, ep=ep, dp=dp, wait_timeout_s=wait_timeout_s, timeout_s=timeout_s)
+    return ParallelDims(pp=pp, ep=ep, dp=dp, wait_timeout_s=wait_timeout_s, timeout_s=timeout_s, colocate=colocate)
 
 
 def shutdown_distributed(dims: ParallelDims) -> None:
@@ -148,6 +175,15 @@ def shutdown_distributed(dims: ParallelDims) -> None:
     if dims.side_group is not None:
         dist.barrier(group=dims.side_group)
     dist.destroy_process_group()
+
+
+def all_gather_values(dims: ParallelDims, value) -> list:
+    """Every rank's `value` (a small picklable object) in rank order, on every rank, over the CPU side group."""
+    if dims.world_size == 1:
+        return [value]
+    out = [None] * dims.world_size
+    dist.all_gather_object(out, value, group=dims.side_group)
+    return out
 
 
 def print0(*args, dims: ParallelDims | None = None, **kwargs) -> None:

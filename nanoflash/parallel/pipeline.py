@@ -96,7 +96,7 @@ def _share_meta(model, dims: ParallelDims, microbatches, loss_scale):
                 "fields": [{k: (tuple(v.shape), v.dtype) for k, v in sorted(mb.items())} for mb in microbatches]}
     if dims.pp > 1:
         box = [meta]
-        dist.broadcast_object_list(box, src=dims.pp_ranks[0], group=dims.pp_group, device=dims.device)
+        dist.broadcast_object_list(box, src=dims.pp_ranks[0], group=dims.pp_group, device=dims.object_device)
         meta = box[0]
     if dims.ep_group is not None:  # every MoE layer is an EP collective: the group must run the same count
         m = torch.tensor([len(meta["fields"]), -len(meta["fields"])], device=dims.device)
@@ -190,27 +190,27 @@ def forward_backward(model: nn.Module, dims: ParallelDims, microbatches, loss_fn
     warmup = min(p - r - 1, m)
     for i in range(warmup):                                    # warm-up: forwards only
         h_in, mb, recvs = sch.recv_forward(i)
-        p2p_exchange([], recvs)
+        p2p_exchange([], recvs, sch.dims.staging)
         out, mb = sch.forward(h_in, mb)
-        p2p_exchange(sch.send_forward(out, mb), [])
+        p2p_exchange(sch.send_forward(out, mb), [], sch.dims.staging)
     if m > warmup:
         h_in, mb, recvs = sch.recv_forward(warmup)
-        p2p_exchange([], recvs)
+        p2p_exchange([], recvs, sch.dims.staging)
     for i in range(m - warmup):                                # steady: one forward, one backward
         out, mb = sch.forward(h_in, mb)
         dy, recvs = sch.recv_backward(i)
-        p2p_exchange(sch.send_forward(out, mb), recvs)
+        p2p_exchange(sch.send_forward(out, mb), recvs, sch.dims.staging)
         dx = sch.backward(dy)
         sends = sch.send_backward(dx)
         if warmup + i + 1 < m:
             h_in, mb, recvs = sch.recv_forward(warmup + i + 1)
         else:
             recvs = []
-        p2p_exchange(sends, recvs)
+        p2p_exchange(sends, recvs, sch.dims.staging)
     for i in range(m - warmup, m):                             # cool-down: backwards only
         dy, recvs = sch.recv_backward(i)
-        p2p_exchange([], recvs)
-        p2p_exchange(sch.send_backward(sch.backward(dy)), [])
+        p2p_exchange([], recvs, sch.dims.staging)
+        p2p_exchange(sch.send_backward(sch.backward(dy)), [], sch.dims.staging)
     return sch.loss_sum * sch.loss_scale, sch.metrics
 
 
@@ -223,16 +223,16 @@ def forward_only(model: nn.Module, dims: ParallelDims, microbatches, fn) -> list
     results = []
     for i in range(len(sch.meta["fields"])):
         h_in, mb, recvs = sch.recv_forward(i)
-        p2p_exchange([], recvs)
+        p2p_exchange([], recvs, sch.dims.staging)
         ids = mb["input_ids"]
         h = model.run_layers(model.embed_streams(ids) if dims.is_first_stage else h_in, ids,
                              routed=mb.get(ROUTED_FIELD))
-        p2p_exchange(sch.send_forward(h, mb), [])
+        p2p_exchange(sch.send_forward(h, mb), [], sch.dims.staging)
         if dims.is_last_stage:
             results.append(fn(model, h, mb).cpu())
     if dims.pp > 1:
         box = [results if dims.is_last_stage else None]
-        dist.broadcast_object_list(box, src=dims.pp_ranks[-1], group=dims.pp_group, device=dims.device)
+        dist.broadcast_object_list(box, src=dims.pp_ranks[-1], group=dims.pp_group, device=dims.object_device)
         results = box[0]
     return results
 

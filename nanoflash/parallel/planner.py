@@ -32,7 +32,9 @@ Host, per rank: the offloaded optimizer state (pageable), its pinned staging (2 
 chunk), push payloads (transport=tensor to embedded servers: safetensors + base64 + JSON on both ends;
 disk: blob + base64; gloo: the bucket), the embedded engine's loader store (HTTP pushes land on the host) or
 whole engine on a CPU, rank 0's TEMPORARY full fp32 copy (`trainer.gather_full_state` + shadow model, world
-> 1) and HOST_PROCESS_BYTES of Python / torch / CUDA runtime. Per node: the ranks of the grid order
+> 1), rank 0's rollout data (`rollout_bytes`: every sample of a step's rounds as Python lists, the R3 records of
+the kept groups in the smallest integer type of the expert count, the packed global batch, the R3 payloads
+being decoded) and HOST_PROCESS_BYTES of Python / torch / CUDA runtime. Per node: the ranks of the grid order
 (grid = arange(world).view(pp, dp, ep)) that share `gpus_per_host`.
 
 A layer's full activations are *measured*, not guessed: `measure_layer_bytes` runs one Block of the config
@@ -55,6 +57,7 @@ import textwrap
 
 import torch
 
+from nanoflash.grpo import expert_id_dtype
 from nanoflash.names import official_parameters, storage_kind
 from nanoflash.config import ParallelConfig, preset
 from nanoflash.model import Block, Transformer, init_param_
@@ -82,6 +85,14 @@ HEAD_CHUNK = 1024         # tokens per chunk of `model.chunked_logprobs`
 # disk = the blob written + the tensors read back; gloo = the bucket on the CPU; nccl = none. Estimates.
 # local = a handle to the GPU tensors (in-process embedded server): none.
 PUSH_HOST_FACTOR = {"tensor": 8.0, "local": 0.0, "disk": 2.0, "gloo": 1.0, "nccl": 0.0}
+# Rank 0's rollout data, per token (rollout_bytes). CPython: a list holds an 8-byte pointer per item, an int
+# object outside the small-int cache (token ids > 256) is 28 bytes, a float 24: 36 bytes a token id, 32 a log-prob.
+# The packed batch [B,S]: input_ids and targets int64, mask, rollout / old log-probs and advantages fp32.
+PY_TOKEN_BYTES, PY_LOGPROB_BYTES, PACKED_TOKEN_BYTES = 36, 32, 8 + 8 + 4 + 4 + 4 + 4
+# An R3 payload being decoded (sglang.client.decode_routed_experts): base64 text of int32 ids (4 x 4/3), the
+# int32 array, the int64 tensor before the cast to the record's type: bytes per expert id.
+R3_DECODE_BYTES = 4 * 4 / 3 + 4 + 8
+PROMPT_TOKENS = 512  # assumption: tokens of one prompt (DAPO-Math prompts in V4's chat format are ~100-300)
 
 
 @dataclasses.dataclass
@@ -98,7 +109,9 @@ class Setup:
     engine_tokens: int = 0                  # decode rows x max sequence length of one engine request
     eval_logit_rows: int = 0                # batched in-process eval: rows x positions of one forward
     full_copy: bool = False                 # rank 0 holds a gathered fp32 copy + shadow model (world > 1)
+    shadow_on_gpu: bool = False             # ... its shadow model on the GPU (ranks colocated on one GPU)
     gpus_per_host: int = 8
+    rollout: dict | None = None             # rank 0's rollout shape (`rollout_shape`); None = not counted
 
 
 def setup_from_run(cfg, mcfg, world: int, gpus_per_host: int = 8) -> Setup:
@@ -107,10 +120,46 @@ def setup_from_run(cfg, mcfg, world: int, gpus_per_host: int = 8) -> Setup:
     embedded = not rc.urls
     push = rc.transport if rc.transport != "distributed" else ("nccl" if par.device != "cpu" else "gloo")
     batched = embedded and ec.every and ec.path in ("auto", "batched")
+    if par.colocate_ranks and rc.transport == "distributed":
+        push = "gloo"   # ranks sharing one GPU push over gloo (sglang.push)
     return Setup(push=push, bucket_bytes=rc.bucket_bytes, engine=rc.weights if embedded else "",
                  engine_on_gpu=par.device != "cpu", engine_tokens=max(gc.group_size, ec.k_samples) * mcfg.max_seq_len,
                  eval_logit_rows=min(max(ec.n_problems, 1) * ec.k_samples, 1024) * mcfg.max_seq_len if batched else 0,
-                 full_copy=world > 1 and (embedded or bool(ec.every)), gpus_per_host=gpus_per_host)
+                 full_copy=world > 1 and (embedded or bool(ec.every)), gpus_per_host=gpus_per_host,
+                 shadow_on_gpu=par.colocate_ranks and par.device != "cpu",
+                 rollout=rollout_shape(cfg, mcfg))
+
+
+def rollout_shape(cfg, mcfg) -> dict:
+    """What rank 0 holds of one step's rollout, from the run's config (`collector.collect`): rounds of
+    `prompts` prompts (`grpo.prompts_to_request`: whole over-sampling chunks), n samples each, sequences of at
+    most PROMPT_TOKENS + max_new_tokens (capped at the model's max_seq_len), G groups packed."""
+    gc, rc = cfg.grpo, cfg.rollout
+    chunk = gc.over_sampling_batch_size
+    return {"prompts": chunk * -(-gc.n_prompts // chunk), "group_size": gc.group_size, "rounds": rc.max_rounds,
+            "kept": gc.n_prompts, "prompt_tokens": min(PROMPT_TOKENS, mcfg.max_seq_len - 1),
+            "response_tokens": min(rc.max_new_tokens, mcfg.max_seq_len - 1), "replay": rc.routing_replay,
+            "in_flight": rc.max_workers}
+
+
+def rollout_bytes(cfg, shape: dict) -> dict:
+    """Rank 0's host bytes of one step's rollout (a bound), by term:
+        episodes   every sample of every round, ids and log-probs as Python lists (a prompt's ids shared by its n
+                   samples): rounds x prompts x (P x 36 + n x R x (36 + 32))
+        r3         R3 records of the kept groups, [P+R-1, n_layers, K] in `grpo.expert_id_dtype`; at worst a round
+                   keeps every group: (prompts + G) x n samples
+        batch      the packed global batch of G x n rows of P+R-1 positions (PACKED_TOKEN_BYTES, + R3 per token)
+        decoding   R3 payloads of the requests in flight (rollout.max_workers) being decoded (R3_DECODE_BYTES)
+    with P prompt and R response tokens a sample. `cfg`: the ModelConfig (n_layers, top-k, experts)."""
+    P, R, n = shape["prompt_tokens"], shape["response_tokens"], shape["group_size"]
+    T = min(P + R, cfg.max_seq_len) - 1   # positions of a sample's record and packed row
+    ids = cfg.n_layers * cfg.n_activated_experts if shape["replay"] else 0   # R3 ids per position
+    id_bytes = expert_id_dtype(cfg.n_routed_experts).itemsize
+    return {"episodes": shape["rounds"] * shape["prompts"] * (P * PY_TOKEN_BYTES + n * R * (PY_TOKEN_BYTES
+                                                                                            + PY_LOGPROB_BYTES)),
+            "r3": (shape["prompts"] + shape["kept"]) * n * T * ids * id_bytes,
+            "batch": shape["kept"] * n * T * (PACKED_TOKEN_BYTES + ids * id_bytes),
+            "decoding": shape["in_flight"] * n * T * ids * R3_DECODE_BYTES}
 
 
 def owner(name: str, cfg, pp: int, ep: int, layer_split=None) -> tuple[int | None, int | None]:
@@ -246,7 +295,8 @@ def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: b
                "optimizer": 0 if par.offload_optimizer else r["optim_bytes"],
                **_activations(cfg, par, setup, fit, s, layers[s], dtype),
                "clip": r["largest"] * 4 * (1 if g_elem == 4 else 2), "opt_step": casts,
-               "nccl": NCCL_COMM_BYTES * _communicators(par, e == 0, setup.push) * (world > 1),
+               "nccl": NCCL_COMM_BYTES * _communicators(par, e == 0, setup.push) * (world > 1)
+               * (not par.colocate_ranks),   # colocated ranks run gloo: no NCCL communicator
                "push": _push_gpu(bucket, par.ep)}
         slot = min(setup.chunk_elems, max(ALIGN, -(-r["trainable"] // ALIGN) * ALIGN))  # as AdamW sizes it
         pinned = 2 * slot * (4 + sum(d.itemsize for d in r["dtypes"])) if par.offload_optimizer else 0
@@ -255,11 +305,13 @@ def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: b
                 "process": HOST_PROCESS_BYTES}
         if (s, e) == (0, 0):  # rank 0: the embedded engine, the TEMPORARY full copy
             model_b, store = _engine(cfg, setup, full, push_bytes) if setup.engine else (0, 0)
-            gpu["engine"] = (model_b + store) if setup.engine_on_gpu else 0
+            shadow = 4 * full if setup.full_copy and setup.shadow_on_gpu else 0   # colocated: the shadow model
+            gpu["engine"] = (model_b + store) * setup.engine_on_gpu + shadow     # sits on the shared GPU (train.py)
             lands_on_host = setup.push != "local" or not setup.engine_on_gpu  # local keeps the GPU tensors
             host["engine"] = store * lands_on_host + (0 if setup.engine_on_gpu else model_b)
-            host["full_copy"] = 2 * 4 * full if setup.full_copy else 0
-        once = host["push"] + host.get("engine", 0) + host.get("full_copy", 0)  # dp 0 / rank 0 only
+            host["full_copy"] = (2 * 4 * full - shadow) if setup.full_copy else 0
+            host["rollout"] = sum(rollout_bytes(cfg, setup.rollout).values()) if setup.rollout else 0
+        once = host["push"] + host.get("engine", 0) + host.get("full_copy", 0) + host.get("rollout", 0)  # rank 0
         r.update(grad_bytes=grads, act_bytes=gpu["activations"], gpu_terms=gpu, host_terms=host, dp=par.dp or 1,
                  gpu_bytes=sum(gpu.values()), host_bytes=sum(host.values()),
                  replica_host_bytes=sum(host.values()) - once)
@@ -346,6 +398,7 @@ HOST_COLS = (("optimizer", "optim", "the offloaded optimizer state"),
              ("push", "push", "push payloads"),
              ("engine", "engine", "an embedded engine's loader store or CPU model"),
              ("full_copy", "full", "rank 0's temporary full fp32 copy (world > 1)"),
+             ("rollout", "rollout", "rank 0's rollout data of a step (episodes, R3 records, the packed batch)"),
              ("process", "proc", "Python / torch / CUDA runtime"))
 LEGEND_WIDTH = 120
 
@@ -405,12 +458,18 @@ def main(argv=None) -> str:
                          recompute=a.recompute, offload_optimizer=a.offload)
     setup = Setup(grad_dtype=torch.float32 if a.grad_dtype == "fp32" else None, seq_len=a.seq_len,
                   imbalance=a.imbalance, push=a.push, bucket_bytes=a.bucket_bytes, gpus_per_host=a.gpus_per_host)
-    fit = MEASURED_FLASH if (a.preset == "flash" and MEASURED_FLASH and not a.measure) else measure_layer_bytes(cfg)
-    if a.measure:
-        print("activation fit bytes(S) = a*S + b*pairs(S) per ratio:", {k: (round(x), round(y, 2)) for k, (x, y) in fit.items()})
-    text = _report(plan(cfg, par, fit, setup=setup), a.preset, par, setup)
+    text = report(cfg, a.preset, par, setup, measure=a.measure)
     print(text)
     return text
+
+
+def report(cfg, name: str, par: ParallelConfig, setup: Setup, measure: bool = False) -> str:
+    """The planner's tables for a model config `cfg` (preset `name`) under `par` and `setup`: flash from
+    MEASURED_FLASH, any other preset (or `measure`) from an activation fit measured here on the CPU."""
+    fit = MEASURED_FLASH if (name == "flash" and MEASURED_FLASH and not measure) else measure_layer_bytes(cfg)
+    if measure:
+        print("activation fit bytes(S) = a*S + b*pairs(S) per ratio:", {k: (round(x), round(y, 2)) for k, (x, y) in fit.items()})
+    return _report(plan(cfg, par, fit, setup=setup), name, par, setup)
 
 
 if __name__ == "__main__":

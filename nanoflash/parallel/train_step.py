@@ -152,7 +152,7 @@ def sum_over_data(values: dict, dims: ParallelDims) -> dict:
     (Broadcast along the pipeline first: only last stages hold the values, and only they know the names.)"""
     if dims.pp > 1:
         box = [{k: float(v) for k, v in values.items()} if dims.is_last_stage else None]
-        dist.broadcast_object_list(box, src=dims.pp_ranks[-1], group=dims.pp_group, device=dims.device)
+        dist.broadcast_object_list(box, src=dims.pp_ranks[-1], group=dims.pp_group, device=dims.object_device)
         values = box[0]
     names = sorted(values)
     t = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=dims.device)

@@ -86,18 +86,21 @@ def arith_answer(tc, spec: str | None = None, field: str = "train.data") -> str:
     return answer
 
 
-def make_task(tc, ec, vocab_size: int) -> Task:
+def make_task(tc, ec, vocab_size: int, rewards_here: bool = True) -> Task:
     """arith: synthetic `a+b=` problems with CharTokenizer (`train.data=arith:mod10`: the last-digit family of
     the CPU demo); dapo: DAPO-Math-17K (DAPO instruction re-added) + AIME with the V4 tokenizer; chat: any
     jsonl / parquet of prompt-answer rows, prompts as they are. `train.reward=module:function` replaces the
-    task's reward by a plug-in (`plugins.PluginReward`: the contract, timeouts and errors)."""
-    task = _arith_task(tc, ec, vocab_size) if tc.task == "arith" else _chat_task(tc, ec, vocab_size)
+    task's reward by a plug-in (`plugins.PluginReward`: the contract, timeouts and errors).
+    `rewards_here=False` (every rank but 0, which alone scores): the reward's worker processes (math-verify,
+    a plug-in's) are not started; its imports are still checked."""
+    task = _arith_task(tc, ec, vocab_size) if tc.task == "arith" else _chat_task(tc, ec, vocab_size, rewards_here)
     if tc.warmup_data and (tc.task != "arith" or not tc.warmup_data.startswith("arith:")):
         raise ValueError(f"train.warmup_data={tc.warmup_data!r}: a warm-up set is an arithmetic family, "
                          f"arith:<answer> ({', '.join(data.ARITH_ANSWERS)}), with train.task=arith")
     task.warmup = arith_family(tc, tc.warmup_data, "train.warmup_data")[0] if tc.warmup_data else task.train
     if tc.reward:
-        plugin = plugins.PluginReward(tc.reward, n_workers=tc.reward_workers, timeout_s=tc.reward_timeout_s)
+        plugin = plugins.PluginReward(tc.reward, n_workers=tc.reward_workers, timeout_s=tc.reward_timeout_s,
+                                      start=rewards_here)
         task.reward = plugins.token_plugin_fn(task.decode, plugin)
         task.chance = None   # what a random answer scores under someone else's reward: unknown
     return task
@@ -128,7 +131,7 @@ def arith_family(tc, spec: str, field: str, n_heldout: int = 0) -> tuple[list, l
     return train, data.arithmetic_problems(min(n_heldout, n_held), "heldout", **kw) if n_heldout else []
 
 
-def _chat_task(tc, ec, vocab_size: int) -> Task:
+def _chat_task(tc, ec, vocab_size: int, rewards_here: bool = True) -> Task:
     """task=dapo|chat: the V4 tokenizer and chat format; the model's vocabulary must hold its ids."""
     tok = data.V4Tokenizer()
     if tok.vocab_size > vocab_size:
@@ -140,7 +143,8 @@ def _chat_task(tc, ec, vocab_size: int) -> Task:
     print(f"task {tc.task}: {len(train)} training problems ({skipped} rows skipped), {len(heldout)} eval problems")
     random.Random(tc.seed).shuffle(train)
     eos, decode = tok.token_id(data.EOS), lambda ids: tok.decode(ids, True)
-    reward = None if tc.reward else rewards.token_reward_fn(decode, rewards.MathReward(), tok.vocab_size)  # or plug-in
+    reward = None if tc.reward else rewards.token_reward_fn(decode, rewards.MathReward(start=rewards_here),
+                                                                tok.vocab_size)  # or plug-in
     return Task(train, heldout[:ec.n_problems], tok.encode_chat, decode, reward, [eos], eos)
 
 
@@ -304,10 +308,7 @@ def reward_counts(task: Task) -> dict:
     return dict(getattr(task.reward, "counts", None) or {})
 
 
-def expert_id_dtype(n_experts: int) -> torch.dtype:
-    """The smallest integer type that holds every expert id: an R3 record is [tokens, n_layers, K] per sample
-    (flash: 43 x 6 ids a token, held on rank 0 for every sample of a round), 8x smaller in uint8 than int64."""
-    return torch.uint8 if n_experts <= 256 else torch.int16 if n_experts <= 2 ** 15 else torch.int32
+expert_id_dtype = grpo.expert_id_dtype  # R3 records in the smallest integer type of the expert count
 
 
 def _episodes(gens, prompt_ids, position, task, problem, n_layers: int, topk: int, n_experts: int) -> list:
@@ -409,9 +410,9 @@ def collect(client, task: Task, pos: int, cfg, mcfg, bar=None, on_round=None) ->
             equal = collections.Counter()
             futs = [pool.submit(client.generate, i, {**sp, "sampling_seed": request_seed(seed, p)},
                                 return_routed_experts=rc.routing_replay) for i, p in zip(ids, positions)]
-            for fut, i, p, prob in zip(futs, ids, positions, probs):
-                try:
-                    gens = fut.result()
+            for j, (i, p, prob) in enumerate(zip(ids, positions, probs)):
+                try:   # each answer is let go once read: its R3 payload (base64, 5.3 bytes an id) is not held
+                    gens, futs[j] = futs[j].result(), None   # to the end of the round (planner.rollout_bytes)
                 except RequestRejected as e:  # over the server's context length: skipped and counted
                     if not e.too_long:
                         raise

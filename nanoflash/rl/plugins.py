@@ -97,10 +97,11 @@ class PluginReward:
     Shapes: __call__(responses [N] str, problems [N] Problem) -> [N] float. `counts` tallies ok|timeout|crash.
     """
 
-    def __init__(self, spec: str, n_workers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, spec: str, n_workers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, start: bool = True):
         load_plugin(spec)  # fail here, at startup, not in a worker during the first rollout
         self.spec, self.timeout_s = spec, timeout_s
-        self.pool = VerifierPool(n_workers=n_workers, timeout_s=timeout_s, warm_imports=(spec.partition(":")[0],))
+        self.pool = VerifierPool(n_workers=n_workers, timeout_s=timeout_s, warm_imports=(spec.partition(":")[0],),
+                                 start=start)
         self.counts = collections.Counter()
 
     def __call__(self, responses: Sequence[str], problems: Sequence) -> list[float]:

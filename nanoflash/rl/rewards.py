@@ -183,11 +183,12 @@ class VerifierPool:
     only this module and math-verify, never re-run the caller's `__main__` (spawn would) and never inherit the
     trainer's threads or CUDA state (fork would). `fn` must be a module-level function (it is pickled by name).
 
+    `start=False` defers the processes to the first `map` (the ranks of a multi-rank run that never score).
     Shapes: map(fn, [args_0, ..., args_{N-1}]) -> N outcomes `(status, value)`, status in ok|error|timeout|crash.
     """
 
     def __init__(self, n_workers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 warm_imports: tuple[str, ...] = ("math_verify",)):
+                 warm_imports: tuple[str, ...] = ("math_verify",), start: bool = True):
         if n_workers < 1 or timeout_s <= 0:
             raise ValueError(f"need n_workers >= 1 and timeout_s > 0, got {n_workers}, {timeout_s}")
         missing = [m for m in warm_imports if importlib.util.find_spec(m) is None]
@@ -195,8 +196,15 @@ class VerifierPool:
             raise ImportError(f"the answer verifier needs {missing}, which is not installed (pip install "
                               f"{' '.join(m.replace('_', '-') for m in missing)})")
         self.timeout_s, self.warm_imports = timeout_s, ",".join(warm_imports)
-        self.counts = collections.Counter()
-        self._workers = [self._spawn() for _ in range(n_workers)]  # (process, inbox, outbox) per worker
+        self.counts, self.n_workers = collections.Counter(), n_workers
+        self._workers = []  # (process, inbox, outbox) per worker
+        if start:  # else at the first map: a rank that never scores (all but rank 0) starts no process
+            self.start()
+
+    def start(self) -> None:
+        """Start the worker processes (once)."""
+        if not self._workers:
+            self._workers = [self._spawn() for _ in range(self.n_workers)]
 
     def _spawn(self):
         to_child_r, to_child_w = os.pipe()
@@ -233,6 +241,7 @@ class VerifierPool:
                 self._replace(w)
 
     def map(self, fn: Callable, arg_list: Sequence[tuple]) -> list[tuple[str, Any]]:
+        self.start()
         out: list[tuple[str, Any]] = [("pending", None)] * len(arg_list)
         todo = collections.deque(range(len(arg_list)))
         busy: dict[int, tuple[int, float]] = {}  # worker -> (job, deadline)
@@ -307,10 +316,10 @@ class MathReward:
     """
 
     def __init__(self, pool: VerifierPool | None = None, n_workers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 verify_fn: Callable[[str, str], bool] = None):
+                 verify_fn: Callable[[str, str], bool] = None, start: bool = True):
         self.verify_fn = verify_fn or math_verify_equal  # a top-level function (it is pickled to the workers)
         self._own_pool = pool is None
-        self.pool = pool or VerifierPool(n_workers=n_workers, timeout_s=timeout_s)
+        self.pool = pool or VerifierPool(n_workers=n_workers, timeout_s=timeout_s, start=start)
         self.counts = collections.Counter()
 
     def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> list[float]:

@@ -39,6 +39,7 @@ Tests: `pytest tests/test_trainer.py tests/test_train_e2e.py -q`.
 """
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
@@ -64,14 +65,16 @@ MAX_GATHER_PARAMS = 4_000_000_000
 
 # ---------------------------------------------------------------------------------------------- placement
 def resolve_device(name: str, dims) -> torch.device:
-    """`ParallelConfig.device` -> this rank's device: auto = cuda:LOCAL_RANK under nccl, else the CPU."""
+    """`ParallelConfig.device` -> this rank's device: auto = cuda:LOCAL_RANK under nccl (cuda:0 for colocated
+    ranks), else the CPU."""
     if name == "cpu":
         return torch.device("cpu")
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("parallel.device=cuda but no CUDA device is visible")
-        if dims.world_size > 1 and dist.get_backend() != "nccl":
-            raise ValueError("parallel.device=cuda with several ranks needs the nccl backend (gloo is CPU-only here)")
+        if dims.world_size > 1 and dist.get_backend() != "nccl" and not dims.colocate:
+            raise ValueError("parallel.device=cuda with several ranks needs the nccl backend, or "
+                             "parallel.colocate_ranks (every rank on one GPU over gloo)")
         return torch.device("cuda", torch.cuda.current_device())
     return dims.device
 
@@ -143,6 +146,7 @@ class Trainer:
         elif checkpoint:
             load_hf_checkpoint(self.model, checkpoint, device=self.device)
         self.optimizer: AdamW | None = None
+        self.pending_save, self.save_group = None, None   # an async checkpoint in flight; the gloo group it writes on
         self.served_storage = served_storage  # model -> {name: dtype the servers hold}, or None (the loop's choice)
 
     # ------------------------------------------------------------------ state
@@ -156,13 +160,41 @@ class Trainer:
         """(official name, tensor on this rank's device) for every parameter and buffer this rank holds."""
         yield from self.model.state_dict().items()
 
-    def save(self, root: str, step: int, extra: dict, keep: int) -> None:
+    def save(self, root: str, step: int, extra: dict, keep: int, async_save: bool = False) -> None:
         """DCP save of model + optimizer. The ranks first meet on the gloo side group (long timeout): rank 0
-        may still be evaluating or pushing, and the save's own collectives run under the training timeout."""
+        may still be evaluating or pushing, and the save's own collectives run under the training timeout.
+        `async_save`: written by a thread on a gloo group of its own while the next step's rollout runs;
+        `finish_save` (called by `step` before anything changes the weights) waits for it."""
+        self.finish_save()
         if self.dims.side_group is not None:
             dist.barrier(group=self.dims.side_group)
         self.require_finite("at a checkpoint save")
-        save_checkpoint(root, step, self.model, self.optimizer, self.dims, extra=extra, keep=keep)
+        if async_save and self.dims.world_size > 1 and self.save_group is None:  # every rank, same point: collective
+            self.save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.par.wait_timeout_s))
+        out = save_checkpoint(root, step, self.model, self.optimizer, self.dims, extra=extra, keep=keep,
+                              async_save=async_save, group=self.save_group if async_save else None)
+        self.pending_save = out if async_save else None
+
+    def finish_save(self) -> str | None:
+        """Wait for an asynchronous save in flight; every rank learns whether every rank's part succeeded (one
+        all-reduce on the side group) and all stop together, naming the failed ranks, if one did not. The
+        uncommitted `step_N.tmp` stays behind; the last committed checkpoint is the one a restart resumes."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is None:
+            return None
+        err = ""
+        try:
+            pending.wait()
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+        bad = torch.tensor([float(bool(err))])
+        if self.dims.world_size > 1:
+            dist.all_reduce(bad, group=self.dims.side_group)
+        if int(bad):
+            where = f"rank {self.dims.rank}: {err}" if err else "another rank"
+            raise SystemExit(f"checkpoint {pending.path} failed on {int(bad)} rank(s) ({where}); not committed, "
+                             f"a restart resumes from the last committed checkpoint")
+        return pending.path
 
     def resume(self, root: str) -> tuple[str | None, dict | None]:
         """Model + optimizer state (and RNG) from the newest checkpoint under `root` that verifies (a corrupt
@@ -197,6 +229,7 @@ class Trainer:
         stage gets its shard; every rank learns rank 0's `resync`), the old log-probs are taken,
         `before_update(batch, old)` (rank 0: the loop's hooks) sees them, and one optimizer step runs at
         `lr_at(step)`. -> (resync, metrics). With resync (a server came back: re-push, redo) or no rows, no step."""
+        self.finish_save()   # a checkpoint written meanwhile (the rollout) is done before the weights change
         shard, head = scatter_shards(batch, self.dims, {"resync": resync})
         if head["resync"] or not head["rows"]:
             return head["resync"], {}

@@ -4,6 +4,16 @@
         [--protocol stock|post_process|session] [--api-key KEY] [--checkpoint DIR] [--host 127.0.0.1]
         [--disk-root DIR] [--group-hosts HOST,...] [--read-timeout S] [--max-connections N]
 
+SGLang's launch flags are accepted too, so a rehearsal starts it with SGLang's command line (`python -m
+nanoflash.server` in place of `python3 -m sglang.launch_server`, the rest unchanged; `tests/test_rehearsal.py`
+runs docs/demo.md's four-node commands that way):
+
+    --model-path DIR    = --checkpoint DIR, served in FP8 (--weights fp8 unless given), as SGLang serves it
+    --tp N              = --tp-size N: ranks joined into a weight-update group (SGLang's TP ranks)
+    --skip-tokenizer-init, --enable-return-routed-experts   what this server always does (token ids in and out;
+                                                            R3 records on request)
+    --mem-fraction-static F   SGLang's static KV pool share; this engine has none (its cache is per request)
+
 Routes (JSON in, JSON out; see `client.py` for the request/response shapes):
 
     GET  /health /health_generate /server_info /get_server_info /get_model_info /get_weight_version /openapi.json
@@ -384,13 +394,26 @@ def main(argv=None):
     ap.add_argument("--max-connections", type=int, default=HTTPLimits.max_connections, help="open connections")
     ap.add_argument("--max-request-tokens", type=int, default=0, help="prompts x n x max_new_tokens per "
                     "/generate (0: MAX_N x max_seq_len)")
-    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "fp8"])
+    ap.add_argument("--weights", default=None, choices=["fp32", "bf16", "fp8"], help="default fp32 (fp8 with "
+                    "--model-path)")
     ap.add_argument("--protocol", default="stock", choices=sorted(EXTRA))
     ap.add_argument("--decode", default="auto", choices=["auto", "cache", "full"])
     ap.add_argument("--tp-size", type=int, default=1, help="ranks joined into a weight-update group (as SGLang TP)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:1 ...")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    sg = ap.add_argument_group("SGLang's launch flags (sglang.launch_server), for its command lines unchanged")
+    sg.add_argument("--model-path", default=None, help="= --checkpoint, served in FP8 (as SGLang serves it)")
+    sg.add_argument("--tp", type=int, dest="tp_size", help="= --tp-size")
+    sg.add_argument("--skip-tokenizer-init", action="store_true", help="token ids in and out: what this server does")
+    sg.add_argument("--enable-return-routed-experts", action="store_true", help="R3 records on request: always")
+    sg.add_argument("--mem-fraction-static", type=float, default=None, help="SGLang's static KV pool share; this "
+                    "engine keeps no static pool (its decode cache is per request)")
     args = ap.parse_args(argv)
+    if args.model_path:
+        if args.checkpoint and args.checkpoint != args.model_path:
+            ap.error(f"--model-path {args.model_path} and --checkpoint {args.checkpoint} name two checkpoints")
+        args.checkpoint, args.weights = args.model_path, args.weights or "fp8"
+    args.weights = args.weights or "fp32"
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = build_engine(args)

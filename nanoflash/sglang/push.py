@@ -196,7 +196,8 @@ class StagePusher:
 
     def _open_groups(self):
         host, _, port = self.rc.sync_addr.rpartition(":")
-        backend = "nccl" if self.dims.device.type == "cuda" else "gloo"
+        # NCCL between GPUs; gloo on CPUs and for ranks sharing one GPU (an embedded server's receivers sit on it too)
+        backend = "nccl" if self.dims.device.type == "cuda" and not self.dims.colocate else "gloo"
 
         def open_mine():
             if self.is_source:
@@ -313,7 +314,10 @@ class StagePusher:
             if self.is_source:  # one buffer, the parts are views of it: the bucket needs no concatenation
                 buf = torch.empty(sub.nbytes * d.ep, dtype=torch.uint8, device=sub.flat.device)
                 parts = list(buf.view(d.ep, sub.nbytes).unbind(0))
-            dist.gather(sub.flat, parts, dst=self.src_rank, group=d.ep_group)
+            if d.staging is not None:   # ranks sharing one GPU over gloo: through host buffers (parallel.colocate)
+                d.staging.gather(sub.flat, parts, self.src_rank, d.ep_group)
+            else:
+                dist.gather(sub.flat, parts, dst=self.src_rank, group=d.ep_group)
             if self.is_source:
                 yield FlatBucket.concat([FlatBucket(p, sub.slots).renamed(
                     lambda n, e=e: shift_expert(n, e * per - d.ep_rank * per)) for e, p in enumerate(parts)])
