@@ -5,7 +5,7 @@ with SIGKILL right after its step-2 checkpoint and resumed: same metrics, same w
 bit for bit. The same
 runs check that the train/rollout log-prob difference is exactly 0 in matched mode, and that the metrics
 JSONL, checkpoints, eval records and plots are written. A run checks FP8 rollouts with routing replay, and
-one whose external server crashes mid-rollout and is replaced (`rollout.max_server_restarts`).
+one whose external server crashes mid-rollout, then mid-eval, and is replaced (`rollout.max_server_restarts`).
 
 Run: `pytest tests/test_train_e2e.py -q` (about a minute on 2 cores).
 """
@@ -305,13 +305,13 @@ def test_passk_figure_has_error_bars_and_chance_lines():
     plt.close(fig)
 
 
-# The first /generate a server answers on weight version 1 (step 2's rollout) kills its process: a crash
+# The first /generate a server answers on weight version $NANOFLASH_DIE_AT kills its process: a crash
 DYING_SERVER = """
 import os, sys
 from nanoflash.server import engine, http as server
 real = engine.RolloutEngine.generate
 def generate(self, *a, **k):
-    if str(self.weight_version).split("-")[0] == "1":  # pushed versions are "{step}-{launch}"
+    if str(self.weight_version).split("-")[0] == os.environ["NANOFLASH_DIE_AT"]:  # pushed: "{step}-{launch}"
         os._exit(1)
     return real(self, *a, **k)
 engine.RolloutEngine.generate = generate
@@ -320,43 +320,54 @@ server.main(sys.argv[1:])
 
 
 def test_a_server_that_dies_mid_run_is_waited_for_and_re_pushed(tmp_path):
-    """rollout.max_server_restarts: the run's one external server dies during step 2's rollout and a fresh
-    process (other weights, version 0) takes its port; the trainer's requests fail (retry_s 1: the server counts
-    as gone), it waits for /health, re-pushes (verified), redoes step 2 from the same data position and ends
-    with every step trained once, the restart logged, the new server holding the last push."""
+    """rollout.max_server_restarts, one policy for the rollout and the eval (rl/restarts.py): the run's one
+    external server dies during step 2's rollout (weights v1); its replacement (other weights, version 0) dies
+    during the eval of step 2 (weights v2); a third takes the port. Each time the trainer's requests fail
+    (retry_s 1: the server counts as gone), it waits for /health, re-pushes (verified) and redoes what failed:
+    every step trained once, the eval of step 2 logged once, both restarts logged, the last server holding
+    the last push. Bug caught (issue 39 case 5): a server death during the eval stopped the run."""
     cfg = parse_args(["--recipe", "smoke"])
     ckpt, port = str(tmp_path / "init"), free_port()
     save_hf_checkpoint(Transformer(preset("tiny", **cfg.model)).init_weights(5), ckpt, weights="fp8", experts="fp8")
     serve = ["--checkpoint", ckpt, "--weights", "fp8", "--port", str(port), "--threads", "1"]
-    first = subprocess.Popen([sys.executable, "-c", DYING_SERVER, *serve], cwd=ROOT, stdout=subprocess.DEVNULL)
-    second = None
+
+    def server(die_at: str | None):
+        env = {**os.environ, "NANOFLASH_DIE_AT": die_at or "never"}
+        return subprocess.Popen([sys.executable, "-c", DYING_SERVER, *serve], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL)
+    servers = [server("1")]
     try:
         out = str(tmp_path / "run")
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--recipe", "smoke", "--out", out,
                "--train.progress", "false", "--train.plots", "false", "--train.steps", "2",
-               "--train.warmup_steps", "0", "--train.save_every", "-1", "--eval.every", "0",
+               "--train.warmup_steps", "0", "--train.save_every", "-1", "--eval.every", "2",
+               "--eval.before_train", "false", "--eval.path", "servers",
                "--rollout.urls", f"http://127.0.0.1:{port}", "--rollout.retry_s", "1",
-               "--rollout.max_server_restarts", "1", "--rollout.health_timeout_s", "120"]
+               "--rollout.max_server_restarts", "2", "--rollout.health_timeout_s", "120"]
         trainer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + 240
-        while first.poll() is None and trainer.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        assert first.poll() == 1, f"the server did not die as planned; trainer: {trainer.poll()}"  # crashed
-        second = subprocess.Popen([sys.executable, "-m", "nanoflash.server.http", *serve], cwd=ROOT,
-                                  stdout=subprocess.DEVNULL)
+        for then in ("2", None):   # each death is replaced by a fresh process on the same port
+            deadline = time.time() + 240
+            while servers[-1].poll() is None and trainer.poll() is None and time.time() < deadline:
+                time.sleep(0.05)
+            assert servers[-1].poll() == 1, f"server {len(servers)} did not die as planned; trainer: {trainer.poll()}"
+            servers.append(server(then))
         log = trainer.communicate(timeout=240)[0]
         assert trainer.returncode == 0, log[-3000:]
         # the server dies before a request is sent (ServerGoneError) or after (RequestUnanswered, its subclass:
         # a sent POST is never re-sent), depending on where the kill lands
-        assert re.search(r"\b(ServerGoneError|RequestUnanswered):", log) and "restart 1 of 1" in log, log[-2000:]
+        assert re.search(r"rollout for step 2: (ServerGoneError|RequestUnanswered):", log), log[-2000:]
+        assert re.search(r"eval at step 2: (ServerGoneError|RequestUnanswered):", log), log[-2000:]
+        assert "restart 1 of 2" in log and "restart 2 of 2" in log, log[-2000:]
         recs = read_jsonl(os.path.join(out, "metrics.jsonl"))
         assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2]
+        assert [r["step"] for r in recs if r["kind"] == "eval"] == [2]
         restart = [r for r in recs if r["kind"] == "server_restart"]
-        assert len(restart) == 1 and restart[0]["step"] == 2 and restart[0]["server_restarts"] == 1
-        assert restart[0]["sync_tensors"] > 0
+        assert [(r["step"], r["during"], r["server_restarts"]) for r in restart] == \
+            [(2, "rollout for step 2", 1), (2, "eval at step 2", 2)]
+        assert all(r["sync_tensors"] > 0 for r in restart)
         url = f"http://127.0.0.1:{port}"
         assert SGLangClient(url).get(url, "/get_weight_version")["weight_version"].split("-")[0] == "2"  # the last push landed
     finally:
-        for p in (first, second):
-            if p is not None and p.poll() is None:
+        for p in servers:
+            if p.poll() is None:
                 p.kill()

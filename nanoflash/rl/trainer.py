@@ -122,7 +122,7 @@ def _template(batch: grpo.RolloutBatch, fields) -> dict:
 class Trainer:
     """This rank's trainer: model stage on its device, the `ParallelDims` grid, the optimizer.
 
-        trainer.step(batch, step) -> (resync, metrics)   scatter -> old log-probs -> the GRPO step at lr_at(step)
+        trainer.step(batch, step) -> metrics             scatter -> old log-probs -> the GRPO step at lr_at(step)
         trainer.logprobs(shard)   -> old_logp [b,S]      trainer.train(shard) -> global metrics
         trainer.state_iter()      -> (official name, device tensor) of what this rank holds
 
@@ -192,14 +192,13 @@ class Trainer:
         w = self.cfg.train.lr_warmup_steps
         return self.oc.lr * min(1.0, step / w) if w else self.oc.lr
 
-    def step(self, batch, step: int, resync: bool = False, before_update=None) -> tuple[bool, dict]:
+    def step(self, batch, step: int, before_update=None) -> dict:
         """One GRPO step on every rank: rank 0's packed global `batch` is scattered (each data rank's first
-        stage gets its shard; every rank learns rank 0's `resync`), the old log-probs are taken,
-        `before_update(batch, old)` (rank 0: the loop's hooks) sees them, and one optimizer step runs at
-        `lr_at(step)`. -> (resync, metrics). With resync (a server came back: re-push, redo) or no rows, no step."""
-        shard, head = scatter_shards(batch, self.dims, {"resync": resync})
-        if head["resync"] or not head["rows"]:
-            return head["resync"], {}
+        stage gets its shard), the old log-probs are taken, `before_update(batch, old)` (rank 0: the loop's
+        hooks) sees them, and one optimizer step runs at `lr_at(step)`. -> metrics. With no rows, no step."""
+        shard, head = scatter_shards(batch, self.dims, {})
+        if not head["rows"]:
+            return {}
         t0 = time.time()
         old = self.logprobs(shard)
         m = {"logprobs_s": time.time() - t0}
@@ -212,7 +211,7 @@ class Trainer:
         n_tok = float(batch.mask.sum()) if batch is not None else 0.0
         m.update(train_s=time.time() - t0, train_tokens_per_s=n_tok / (time.time() - t0),
                  optim_s=self.optimizer.last_step_s)
-        return False, m
+        return m
 
     @torch.no_grad()
     def logprobs(self, shard) -> torch.Tensor | None:
@@ -284,7 +283,7 @@ def _answer_ids(task, problem) -> list:
 def scatter_shards(batch: grpo.RolloutBatch | None, dims, header: dict) -> tuple[grpo.RolloutBatch | None, dict]:
     """Rank 0's global batch -> each first-stage rank receives only its data shard's rows, as tensors, over
     the gloo side group (whose long timeout lets the others wait out a minutes-long rollout). `header` (a
-    small dict: the resync flag) reaches every rank. Returns (this rank's shard or None, header)."""
+    small dict) reaches every rank. Returns (this rank's shard or None, header)."""
     header = dict(header, rows=len(batch) if batch is not None else 0)
     if dims.world_size == 1:
         return batch, header
