@@ -414,6 +414,10 @@ class TrainConfig:
     plots: bool = True                # PNG figures at the end (if matplotlib is installed)
     dry_run: bool = False             # print the per-GPU memory plan of the configured layout and exit
     max_skipped_steps: int = 3        # consecutive non-finite (skipped) GRPO steps before the run stops
+    max_abs_weight: float = 1e4       # an update leaving any |w| above this has exploded: stop, nothing pushed or
+                                      # saved. Weights start O(1) (norm scales 1, matrices std <= 0.02) and Adam
+                                      # moves each by ~lr a step; 1e4 is far past any trained value, far below fp32
+                                      # overflow (two chained linears at D=4096 overflow only past ~1e15)
     hooks: tuple = ()                 # instruments attached to the loop: module:Class,... (nanoflash/rl/hooks.py)
 
     def __post_init__(self):
@@ -424,6 +428,8 @@ class TrainConfig:
                              f"reward_workers={self.reward_workers} >= 1")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"TrainConfig.dtype must be fp32|bf16, got {self.dtype!r}")
+        if not self.max_abs_weight > 0:
+            raise ValueError(f"TrainConfig.max_abs_weight={self.max_abs_weight} must be > 0")
         if self.steps < 0 or self.warmup_steps < 0:
             raise ValueError(f"TrainConfig: steps={self.steps}, warmup_steps={self.warmup_steps} must be >= 0")
 

@@ -39,6 +39,7 @@ Tests: `pytest tests/test_trainer.py tests/test_train_e2e.py -q`.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -248,16 +249,26 @@ class Trainer:
         return out
 
     def require_finite(self, when: str) -> None:
-        """Stop the run, on every rank, if any weight of any rank is NaN/inf (nothing non-finite is ever
-        pushed or saved). One fused count per tensor, all-reduced once."""
-        bad = [n for n, t in self.state_iter() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-        n = torch.tensor([len(bad)], device=self.dims.device)
+        """Stop the run, on every rank, if any weight of any rank is NaN/inf or larger in magnitude than
+        `train.max_abs_weight` (an exploded update: finite, but no model any more); nothing such is ever
+        pushed or saved. One |w| max per tensor (NaN propagates through it), all-reduced once."""
+        limit, bad, big = self.cfg.train.max_abs_weight, [], []
+        for n, t in self.state_iter():
+            if t.is_floating_point() and t.numel():
+                a = float(t.detach().abs().amax())
+                if not math.isfinite(a):
+                    bad.append(n)
+                elif a > limit:
+                    big.append(f"{n} |w| {a:.3g}")
+        n = torch.tensor([len(bad), len(big)], device=self.dims.device)
         if self.dims.world_size > 1:
             dist.all_reduce(n)
-        if int(n):
-            where = f"rank {self.dims.rank}: {bad[:3]}" if bad else "another rank"
-            raise SystemExit(f"diverged: {int(n)} weight tensors are non-finite {when} ({where}); nothing was "
-                             f"pushed or saved, the last checkpoint is the last good state -- lower --optim.lr")
+        if int(n.sum()):
+            what = (f"{int(n[0])} weight tensors are non-finite" if int(n[0]) else
+                    f"{int(n[1])} weight tensors exploded past |w| {limit:g} (train.max_abs_weight)")
+            where = f"rank {self.dims.rank}: {(bad or big)[:3]}" if bad or big else "another rank"
+            raise SystemExit(f"diverged: {what} {when} ({where}); nothing was pushed or saved, the last "
+                             f"checkpoint is the last good state -- lower --optim.lr")
 
     def sft_step(self, problems: list, task, optimizer) -> float:
         """One supervised step on reference answers: -mean log p(answer + eos | prompt) over answer tokens.
