@@ -162,7 +162,8 @@ def save(at: int) -> None:
     if tc.save_every < 0:  # no checkpoints at all (throughput runs: the `gpu` recipe)
         return
     data_pos = collector.pos if rank0 else None
-    trainer.save(ckpt_dir, at, extra={"data_pos": data_pos, "model_config": dataclasses.asdict(mcfg)}, keep=tc.keep)
+    trainer.save(ckpt_dir, at, extra={"data_pos": data_pos, "model_config": dataclasses.asdict(mcfg),
+                                      "run_config": to_dict(cfg)}, keep=tc.keep)   # the run's identity (cli.py)
 
 
 t_phase = time.time()

@@ -222,9 +222,20 @@ def parse_args(argv: list[str]) -> RunConfig:
     return cfg
 
 
+REDACTED = "<redacted>"
+
+
 def to_dict(cfg: RunConfig) -> dict:
-    """JSON-able view of the whole tree (written to out_dir/config.json)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    """JSON-able view of the whole tree, every secret (`config.SECRET_FIELDS`) redacted: what config.json, the
+    `info` record of metrics.jsonl, W&B's config and each checkpoint's meta.json record. A literal value becomes
+    REDACTED; `env:VAR` (the variable's name, not the secret) stays as it is."""
+    d = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    for path in config.SECRET_FIELDS:
+        section, name = path.split(".")
+        v = d[section][name]
+        if v and not str(v).startswith("env:"):
+            d[section][name] = REDACTED
+    return d
 
 
 # ---------------------------------------------------------------------------------------------- --help
@@ -325,12 +336,17 @@ def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2)
 
 
 # ---------------------------------------------------------------------------------------------- start-up
-# Fields a resumed run may change (everything else must match the run directory's config.json).
+# A run's identity is its config minus these fields, the ones a resumed run may change (everything else must
+# match what the run directory recorded). The one list: how long and how it runs and logs; where it lives
+# (out_dir: a run moved to a bigger disk resumes); the step size (lr, its warm-up, the clip: the recovery a
+# divergence advises); the layout; the servers and how weights reach them; instruments; the eval's cadence.
 RESUMABLE = {"train": {"steps", "resume", "progress", "plots", "tensorboard", "wandb", "threads", "save_every",
-                       "keep", "dry_run", "max_skipped_steps", "reward_timeout_s", "reward_workers"},
-             "parallel": "*", "eval": {"every"},
+                       "keep", "dry_run", "max_skipped_steps", "max_abs_weight", "reward_timeout_s",
+                       "reward_workers", "out_dir", "lr_warmup_steps", "hooks"},
+             "optim": {"lr", "grad_clip"},
+             "parallel": "*", "eval": {"every", "path", "before_train"},
              "rollout": {"urls", "max_workers", "transport", "sync_addr", "verify", "bucket_bytes", "health_timeout_s",
-                         "api_key", "max_server_restarts", "retry_s"}}
+                         "api_key", "max_server_restarts", "retry_s", "update_timeout_s"}}
 DATA_HELP = ("the defaults point at the project's shared data folder, ../shared/data/ seen from the directory "
              "you run in (README: Data)")
 
@@ -476,23 +492,31 @@ def config_diff(old: dict, new: dict) -> list[str]:
 
 
 def recorded_config(out: str) -> tuple[dict | None, str | None]:
-    """The config a run left in `out` and the file it came from: config.json, else the `info` record that
-    starts its metrics.jsonl (a run whose config.json was lost). (None, None): neither file, or an empty
-    metrics.jsonl; (None, "metrics.jsonl"): records without a config (not a run of this trainer's)."""
+    """The config a run left in `out` and the file it came from: config.json, else the `info` record that starts
+    its metrics.jsonl, else its newest checkpoint's meta.json (`run_config`: every save records it), so a lost
+    config.json never switches the identity check off. (None, None): none of them, or an empty metrics.jsonl
+    and no checkpoint; (None, where): records or checkpoints without a config (not a run of this trainer's)."""
     cfg_path, metrics = os.path.join(out, "config.json"), os.path.join(out, "metrics.jsonl")
     if os.path.exists(cfg_path):
-        try:
-            with open(cfg_path) as f:
-                return json.load(f), "config.json"
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--out {out}: its config.json is not JSON ({e}): pass a new --out, or delete "
-                             f"{out}") from None
-    if os.path.exists(metrics):
-        recs = read_jsonl(metrics)
-        info = next((r["config"] for r in recs if r.get("kind") == "info" and isinstance(r.get("config"), dict)),
-                    None)
-        return (info, "metrics.jsonl") if recs else (None, None)
-    return None, None
+        return _read_json(cfg_path, out), "config.json"
+    recs = read_jsonl(metrics)
+    info = next((r["config"] for r in recs if r.get("kind") == "info" and isinstance(r.get("config"), dict)), None)
+    if info is not None:
+        return info, "metrics.jsonl"
+    latest = latest_checkpoint(os.path.join(out, "checkpoints"))
+    if latest:
+        run = (_read_json(os.path.join(latest, "meta.json"), out).get("extra") or {}).get("run_config")
+        return (run if isinstance(run, dict) else None), os.path.relpath(os.path.join(latest, "meta.json"), out)
+    return None, "metrics.jsonl" if recs else None
+
+
+def _read_json(path: str, out: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--out {out}: its {os.path.relpath(path, out)} is not JSON ({e}): pass a new --out, or "
+                         f"delete {out}") from None
 
 
 def prepare_out_dir(cfg: RunConfig, rank0: bool = True) -> None:

@@ -210,6 +210,8 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 # ---------------------------------------------------------------------------------------------- the run
 TRANSPORTS = ("tensor", "local", "disk", "distributed")  # weight push (rollout/transports.py)
+# Fields holding a secret: never written in clear (cli.to_dict redacts a literal value; `env:VAR` stays)
+SECRET_FIELDS = ("rollout.api_key",)
 
 @dataclass
 class GRPOConfig:
