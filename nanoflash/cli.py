@@ -29,10 +29,12 @@ and reward plug-in (`collector.make_task`: the tokenizer/vocabulary check, field
 prepares the run directory. A user error anywhere in there is ONE line on stderr (`train.py: error: ...`)
 and exit code 2, before any model is built (`NANOFLASH_TRACEBACK=1` shows the traceback instead).
 
-Run directories (`train.out_dir`): a run writes `config.json` (the whole tree, `cli.to_dict`) there at start.
+Run directories (`train.out_dir`): a run writes `config.json` (the whole tree, `cli.to_dict`: secrets redacted)
+there at start.
 A directory that another run wrote into -- its `config.json`, or without one the config that starts its
-`metrics.jsonl` (`recorded_config`), with or without checkpoints -- is taken only by the same run: a config
-that differs in anything but the fields of `RESUMABLE` (steps, logging, layout, server addresses) is refused
+`metrics.jsonl`, or its newest checkpoint's `meta.json` (`recorded_config`), with or without checkpoints -- is
+taken only by the same run: a config that differs in anything but the fields of `RESUMABLE` (steps, logging,
+the step size, the directory's own path, layout, server addresses) is refused
 naming the differences (never overwritten), as is `--no-resume` over checkpoints (they would mix with the new
 run's); a run that already reached `train.steps` says so and exits 0.
 
