@@ -325,11 +325,12 @@ class RolloutConfig:
     routing_replay: bool = False      # R3: replay the rollout engine's expert choices in the trainer forward
     max_rounds: int = 8               # over-sampling rounds per step before training on what was kept
     health_timeout_s: float = 900.0   # wait this long for every external server's /health before the first push
+                                      # and for a lost one (rollout.max_server_restarts)
     retry_s: float = 30.0             # connection retries of one request (backoff) before its server counts as gone
     update_timeout_s: float = 3600.0  # read timeout of one weight-update call (a bucket's load); a sent POST is never
                                       # re-sent, so this is how long a push waits for a server that took one
-    max_server_restarts: int = 0      # a server that dies mid-rollout: wait health_timeout_s for it to come back (its
-                                      # supervisor restarts it), re-push, redo the step -- this many times a run; 0 = stop
+    max_server_restarts: int = 0      # a server lost in a rollout, an eval or a push: wait health_timeout_s for it (its
+                                      # supervisor restarts it), re-push, redo -- this many times a run; 0 = stop
     api_key: str = ""                 # the servers' --api-key (sent as Bearer; also set on embedded ones); env:VAR reads $VAR
 
     def __post_init__(self):
