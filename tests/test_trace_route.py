@@ -14,6 +14,7 @@ import json
 import socket
 
 import pytest
+import torch
 
 from nanoflash.config import preset
 from nanoflash.model import Transformer
@@ -23,6 +24,16 @@ from nanoflash.server.trace import answer_bytes
 
 KEY = "trace-key"
 N_FIT = 3   # the test server's max_trace_bytes holds the answer for this many ids, not one more
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: the server's tiny forwards are latency-bound, and two threads on a loaded 2-core box
+    spin against each other (a 2-token generate measured 2-7 s with two, 0.26 s with one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -200,11 +200,12 @@ class RolloutServer:
     def _update(self, named, body, path):
         if self.protocol == "session" and not self.session_open:
             raise BadRequest(f"{path} outside a weight-update session: call /begin_weight_update first")
-        written = self.engine.load(named)
-        if body.get("weight_version") is not None:
-            self.engine.weight_version = str(body["weight_version"])
-        if self.protocol == "stock" or path == "/update_weights_from_disk":
-            self.engine.post_process()
+        with self.engine.lock:   # a sample carries the new version only once the new weights are live
+            written = self.engine.load(named)
+            if self.protocol == "stock" or path == "/update_weights_from_disk":
+                self.engine.post_process()
+            if body.get("weight_version") is not None:
+                self.engine.weight_version = str(body["weight_version"])
         return {"success": True, "message": f"loaded {len(written)} tensor(s)"}
 
     def r_update_weights_from_tensor(self, body):
@@ -228,7 +229,10 @@ class RolloutServer:
         named = []
         for f in disk_files(self.disk_root, body.get("model_path")):
             with open(f, "rb") as fh:
-                named += decode_blob(fh.read())
+                try:
+                    named += decode_blob(fh.read())
+                except ValueError as e:
+                    raise BadRequest(f"/update_weights_from_disk: {f}: {e}") from None
         return self._update(named, body, "/update_weights_from_disk")
 
     def r_init_weights_update_group(self, body):
