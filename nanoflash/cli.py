@@ -507,7 +507,9 @@ def recorded_config(out: str) -> tuple[dict | None, str | None]:
         return info, "metrics.jsonl"
     latest = latest_checkpoint(os.path.join(out, "checkpoints"))
     if latest:
-        run = (_read_json(os.path.join(latest, "meta.json"), out).get("extra") or {}).get("run_config")
+        meta = _read_json(os.path.join(latest, "meta.json"), out)
+        extra = meta.get("extra") if isinstance(meta, dict) else None
+        run = extra.get("run_config") if isinstance(extra, dict) else None
         return (run if isinstance(run, dict) else None), os.path.relpath(os.path.join(latest, "meta.json"), out)
     return None, "metrics.jsonl" if recs else None
 

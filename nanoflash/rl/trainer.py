@@ -77,15 +77,19 @@ def resolve_device(name: str, dims) -> torch.device:
     return dims.device
 
 
-def build_model(mcfg, dims, par, dtype: torch.dtype, device, seed: int | None = 0, train_mtp: bool = False):
+def build_model(mcfg, dims, par, dtype: torch.dtype, device, seed: int | None = 0, train_mtp: bool = False,
+                materialize: bool = True):
     """Meta -> parallelize -> cast -> materialise on `device` -> seeded init (seed=None: leave the storage for a
-    checkpoint load, which must overwrite every tensor). Returns this rank's stage, experts and buffers."""
+    checkpoint load, which must overwrite every tensor; materialize=False: leave it on meta for a loader that
+    checks the checkpoint first, `load_hf_checkpoint`). Returns this rank's stage, experts and buffers."""
     with torch.device("meta"):
         model = Transformer(mcfg)
     model.full_params = sum(p.numel() for p in model.parameters())  # before the cut: the whole model
     parallelize(model, dims, par, train_mtp)
     if dtype != torch.float32:
         model.cast_(dtype)
+    if not materialize:
+        return model
     model.to_empty(device=device)
     if seed is not None:
         model.init_weights(seed)
@@ -137,8 +141,9 @@ class Trainer:
         self.device, self.dtype = resolve_device(par.device, dims), DTYPES[tc.dtype]
         self.temperature, self.replay = cfg.rollout.temperature, cfg.rollout.routing_replay
         self.matched = cfg.rollout.weights == "fp32" and tc.dtype == "fp32"  # batch-invariant scoring
+        hf = bool(checkpoint) and not checkpoint_is_dcp   # the HF loader checks every header, then materialises
         self.model = build_model(mcfg, dims, par, self.dtype, self.device, None if checkpoint else tc.seed,
-                                 cfg.optim.train_mtp)
+                                 cfg.optim.train_mtp, materialize=not hf)
         if checkpoint and checkpoint_is_dcp:
             load_checkpoint(checkpoint, self.model, None, dims)
         elif checkpoint:
