@@ -65,6 +65,7 @@ from nanoflash.parallel.dcp import latest_checkpoint
 from nanoflash.rl.collector import make_task
 from nanoflash.rl.hooks import load_hook
 from nanoflash.rl.metrics import read_jsonl
+from nanoflash.rl.plots import write_plots
 
 SHORT = {"--preset": "train.preset", "--steps": "train.steps", "--out": "train.out_dir",
          "--checkpoint": "train.checkpoint", "--seed": "train.seed"}
@@ -528,6 +529,11 @@ def prepare_out_dir(cfg: RunConfig, rank0: bool = True) -> None:
     tc, out = cfg.train, cfg.train.out_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"train.out_dir={out!r} is a file, not a directory")
+    metrics = os.path.join(out, "metrics.jsonl")
+    if os.path.isdir(metrics):
+        raise ValueError(f"--out {out}: {metrics} is a directory; the run writes its records there: move it away, "
+                         f"or pass a new --out")
+    read_jsonl(metrics)   # a corrupt line (not a torn last one): this one line now, not after the model is built
     latest, cfg_path = latest_checkpoint(os.path.join(out, "checkpoints")), os.path.join(out, "config.json")
     recorded, where = recorded_config(out)   # with or without checkpoints: another run's files are never overwritten
     if where is not None:
@@ -546,6 +552,9 @@ def prepare_out_dir(cfg: RunConfig, rank0: bool = True) -> None:
         if done == tc.steps:
             print(f"{out}: this run already finished ({done} of {tc.steps} steps); nothing to do. --steps N > "
                   f"{done} continues it; a new --out starts another run.")
+            if tc.plots and rank0 and os.path.exists(metrics):   # a run killed after its final save never drew them
+                for path in write_plots(out):
+                    print(f"wrote {path}")
             raise SystemExit(0)
     if rank0:
         os.makedirs(out, exist_ok=True)

@@ -354,6 +354,28 @@ def test_a_literal_api_key_is_never_written(tmp_path, monkeypatch):
     assert "s3cret-Key" not in (tmp_path / "m.jsonl").read_text()
 
 
+def test_metrics_faults_are_one_line_and_a_finished_run_redraws_its_plots(tmp_path):
+    """Issue 39 (low). Bugs caught: a corrupt middle line of metrics.jsonl, or a metrics.jsonl that is a
+    directory, gave a traceback after the model was built (now: one line at start-up); a run killed after its
+    final save never drew its plots, and every re-run said "already finished" without drawing them."""
+    out = str(tmp_path / "run")
+    _take("--out", out)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write('{"kind": "train", "step": 1, "reward_mean": 0.5}\n{"kind": "tr\n{"kind": "train", "step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
+        _take("--out", out)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write("".join(json.dumps({"kind": "train", "step": s, "reward_mean": 0.1 * s}) + "\n" for s in (1, 2, 3)))
+    fake_checkpoint(out, 3)
+    with pytest.raises(SystemExit) as exc:
+        _take("--out", out, "--train.plots", "true")
+    assert exc.value.code == 0 and os.path.exists(os.path.join(out, "plots", "reward.png"))
+    other = str(tmp_path / "other")
+    os.makedirs(os.path.join(other, "metrics.jsonl"))
+    with pytest.raises(ValueError, match=r"metrics.jsonl is a directory"):
+        _take("--out", other)
+
+
 def test_config_diff_ignores_resumable_and_unknown_fields():
     a = cli.to_dict(cli.parse_args(["--recipe", "smoke"]))
     b = cli.to_dict(cli.parse_args(["--recipe", "smoke", "--steps", "9", "--parallel.pp", "2", "--seed", "7"]))
