@@ -24,15 +24,25 @@ Four things the loop's own metrics do not show, each a hook point of `nanoflash.
    in the server's decode path; both above it, in what the two paths share (weights, kernels).
 3. **A behavioural probe after every push** (`after_push`): `rollout.probe.probe` on one fixed held-out
    prompt (fixed sampling seed), scored by the trainer's new weights and by the warm start's; a probe gap above
-   `probe.PROBE_MAX_MEAN` stops the run. The push's `/weights_checker` counts (exact hashes, change sets) are
+   `probe.PROBE_MAX_MEAN`, or a server reporting another weight version than the push's (`StagePusher.tag`:
+   the step and the launch's nonce), stops the run. The push's `/weights_checker` counts (exact hashes, change sets) are
    logged beside it.
 4. **The warm start re-evaluated at each eval point** (`after_eval`, the `eval_warm` record): push the warm-start weights (verified),
    evaluate them with exactly the eval's seeds, push the current weights back (verified); the paired
    difference of per-problem accuracy gives pass@1 gain +- its standard error.
 
 Each step's per-token values are also kept, one file a step (`<train.out_dir>/live_tokens/step_NNNN.pt`: gap,
-floor, FP8-only floor, entropy, token id, position in the response, prefill gap; ~100 KB for 3,600 tokens), so a
-gap the floor does not explain can be traced to the tokens that carry it (`runstats.excess_by_token`).
+floor, FP8-only floor, entropy, token id, position in the response, the scoring query's absolute position, prefill
+gap; ~100 KB for 3,600 tokens), so a gap the floor does not explain can be traced to the tokens that carry it
+(`runstats.excess_by_token`). Every step also splits gap and floor by position band (`bands.band_stats`: the
+window, the C4 layers keeping every entry, the indexer's top-k selecting), with each band's share of the tokens.
+
+`LiveChecksLong` (`--train.hooks instruments.live:LiveChecksLong`, the long-context run of issue 42) is the same
+with the floor's model scoring its indexer in FP8 as SGLang does (`ModelConfig.indexer_quant="fp8"`: the floor
+then measures what SGLang computes, not the official FP4 QAT), and, each step, the C4 entries the trainer's
+indexer keeps against those SGLang's FP8 scores would keep, on the scored positions where the top-k selects
+(`indexer_agreement`). Its forwards run in row chunks of LIVE_TOKENS tokens and score the entropy at the response
+positions only, so 2-4K-token sequences never hold [rows, S, vocabulary] logits.
 
 Costs per step: two forward passes over the batch (entropy, sim; a third when the weights the push sends bf16
 do not hold bf16 values, i.e. without `optim.round_to_served`), one prefill request to the server and
@@ -49,6 +59,8 @@ import time
 
 import torch
 
+from instruments import bands
+from nanoflash.model import fp32_linear
 from nanoflash.rl.evaluate import evaluate
 from nanoflash.rl.hooks import Hook
 from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
@@ -57,6 +69,9 @@ from nanoflash.sglang.layout import sglang_fp8
 from nanoflash.sglang.buckets import served_dtype
 
 ENTROPY_ROWS = 16  # rows per entropy forward: [16, S, 129280] fp32 logits stay under 1 GiB at S <= 128
+LIVE_TOKENS = 16384   # tokens per row chunk of the live forwards (the recipe's parallel.micro_batch_tokens)
+HEAD_CHUNK = 1024     # response positions per head chunk of `masked_entropy`: [1024, 129280] fp32 = 0.5 GiB
+AGREEMENT_ROWS = 2    # LiveChecksLong: sequences a step whose scored positions the indexer agreement reads
 PREFILL_ROWS = 32  # sequences per prefill request: the server's [tokens, 129280] fp32 logits stay ~1.5 GiB
 WARM_VERSION = 1_000_000  # weight version of the warm start's re-evaluation push (+ the eval step)
 
@@ -94,6 +109,44 @@ def token_entropy(model, input_ids: torch.Tensor, temperature: float = 1.0, rows
         logp = torch.log_softmax(model(input_ids[a:a + rows]).float() / temperature, -1)  # [b,S,V]
         out.append(-(logp.exp() * logp).sum(-1))                                          # [b,S]
     return torch.cat(out)
+
+
+def row_chunks(B: int, S: int, tokens: int = LIVE_TOKENS) -> list:
+    """Row ranges [a, b) of at most `tokens` tokens each (at least one row) over a [B, S] batch."""
+    n = max(1, tokens // max(S, 1))
+    return [(a, min(a + n, B)) for a in range(0, B, n)]
+
+
+@torch.no_grad()
+def masked_entropy(model, input_ids: torch.Tensor, on: torch.Tensor, temperature: float = 1.0,
+                   tokens: int = LIVE_TOKENS) -> torch.Tensor:
+    """`token_entropy(...)[on]` without logits at the other positions: the layers run in row chunks of `tokens`
+    tokens, the head only at the positions of `on`, HEAD_CHUNK at a time. [B,S] ids, [B,S] bool -> [N] fp32 in
+    the row-major order of `on` (as `tensor[on]`)."""
+    out = []
+    for a, b in row_chunks(*input_ids.shape, tokens):
+        ids, m = input_ids[a:b], on[a:b].to(input_ids.device)
+        y = model.hidden(model.run_layers(model.embed_streams(ids), ids))[m]                 # [n,D]
+        for c in range(0, y.shape[0], HEAD_CHUNK):
+            logp = torch.log_softmax(fp32_linear(y[c:c + HEAD_CHUNK], model.head.weight, model.cfg) / temperature, -1)
+            out.append(-(logp.exp() * logp).sum(-1).float().cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+@torch.no_grad()
+def masked_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, on: torch.Tensor,
+                    temperature: float = 1.0, tokens: int = LIVE_TOKENS) -> torch.Tensor:
+    """`model.token_logprobs(...)[on]` with the head only at the positions of `on` (the full-vocabulary fp32
+    head over every prompt position is most of a forward at 2-4K-token prompts), the layers in row chunks of
+    `tokens` tokens. [B,S] ids, targets, bool -> [N] fp32 on the CPU, in the row-major order of `on`."""
+    out = []
+    for a, b in row_chunks(*input_ids.shape, tokens):
+        ids, m = input_ids[a:b], on[a:b].to(input_ids.device)
+        y, t = model.hidden(model.run_layers(model.embed_streams(ids), ids))[m], targets[a:b].to(ids.device)[m]
+        for c in range(0, y.shape[0], HEAD_CHUNK):
+            logp = torch.log_softmax(fp32_linear(y[c:c + HEAD_CHUNK], model.head.weight, model.cfg) / temperature, -1)
+            out.append(logp.gather(-1, t[c:c + HEAD_CHUNK, None])[:, 0].float().cpu())
+    return torch.cat(out) if out else torch.zeros(0)
 
 
 def tail_stats(d: torch.Tensor, prefix: str) -> dict:
@@ -147,6 +200,7 @@ class LiveChecks(Hook):
     start), from a `HookContext`: its trainer, collector (the client), pusher (`sglang.push.StagePusher`), task."""
 
     name = "warm"   # the eval record: eval_warm
+    SIM_INDEXER_QUANT = "qat"   # the floor model's indexer precision (ModelConfig.indexer_quant): qat = FP4 QAT
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -155,7 +209,8 @@ class LiveChecks(Hook):
             cfg, mcfg, actor, ctx.collector, ctx.pusher, task)
         self.warm = copy.deepcopy(actor.model).eval()           # the warm start, kept for probe and re-eval
         with torch.device(actor.device):   # built (not copied) with qat on: the flag is read at construction
-            self.sim = type(actor.model)(dataclasses.replace(actor.model.cfg, qat=True))
+            self.sim = type(actor.model)(dataclasses.replace(actor.model.cfg, qat=True,
+                                                             indexer_quant=self.SIM_INDEXER_QUANT))
         self.sim.cast_(next(actor.model.parameters()).dtype).eval()
         self.probe_prompt = task.encode(task.heldout[0] if task.heldout else task.train[0])
         self.probe_seed = cfg.train.seed + 7
@@ -172,19 +227,22 @@ class LiveChecks(Hook):
         on = batch.mask > 0                                                       # [B,S]
         ids, tgt = batch.input_ids.to(dev), batch.targets.to(dev)
         gap = (old - batch.rollout_logprobs)[on]
-        ent = token_entropy(self.actor.model, ids, T).cpu()[on]
+        ent = masked_entropy(self.actor.model, ids, on, T)
         self.sim.load_state_dict(self.actor.model.state_dict())
         fp8_roundtrip_(self.sim, self.mcfg)
-        sim8 = self.sim.token_logprobs(ids, tgt, temperature=T).float().cpu()     # [B,S] FP8 weights only
-        sim = (self.sim.token_logprobs(ids, tgt, temperature=T).float().cpu()    # [B,S] as the server holds
+        sim8 = masked_logprobs(self.sim, ids, tgt, on, T)                          # [N] FP8 weights only
+        sim = (masked_logprobs(self.sim, ids, tgt, on, T)                         # [N] as the server holds
                if storage_roundtrip_(self.sim, self.mcfg) else sim8)
-        floor, floor_fp8 = (sim - old)[on].abs(), (sim8 - old)[on].abs()
+        floor, floor_fp8 = (sim - old[on]).abs(), (sim8 - old[on]).abs()
         pos = on.cumsum(1) - 1                                    # [B,S] index in the response (one per row)
+        qpos = torch.arange(on.shape[1]).expand_as(on)[on]        # the scoring query's absolute position
         dump = {"gap": gap.float(), "floor": floor.float(), "floor_fp8": floor_fp8.float(),
-                "entropy": ent.float(), "token": batch.targets[on].int(), "pos": pos[on].short()}
-        out = {**token_stats(gap, floor, ent), "floor_fp8_mean": float(floor_fp8.mean()),
+                "entropy": ent.float(), "token": batch.targets[on].int(), "pos": pos[on].short(),
+                "qpos": qpos.int()}
+        out = {**token_stats(gap, floor, ent), **bands.band_stats(gap, floor, qpos, self.mcfg),
+               "floor_fp8_mean": float(floor_fp8.mean()),
                "gap_over_floor_fp8": float(gap.abs().sum() / floor_fp8.sum().clamp_min(1e-12)),
-               "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs)[on].abs().mean())}
+               "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs[on]).abs().mean())}
         t1 = time.time()
         pre = self._prefill(batch)                                # [B,S] the server's prefill scores, or None
         if pre is not None:
@@ -224,7 +282,7 @@ class LiveChecks(Hook):
         t0 = time.time()
         p = probe_lib.probe(self.rollouts.client, self.actor.model, self.probe_prompt, seed=self.probe_seed,
                             temperature=self.cfg.rollout.temperature, other=self.warm)
-        probe_lib.require_landed(p, version)
+        probe_lib.require_landed(p, self.pusher.tag(version))
         return {**{f"probe_{k}": v for k, v in p.items() if k != "tokens"}, **verify_counts(self.pusher.summary),
                 "probe_s": time.time() - t0}
 
@@ -255,5 +313,35 @@ class LiveChecks(Hook):
         """The probe of a swap push, against the weights that were pushed (stops the run when it fails)."""
         p = probe_lib.probe(self.rollouts.client, model, self.probe_prompt, seed=self.probe_seed,
                             temperature=self.cfg.rollout.temperature)
-        probe_lib.require_landed(p, version)
+        probe_lib.require_landed(p, self.pusher.tag(version))
         return p["mean"]
+
+
+class LiveChecksLong(LiveChecks):
+    """The long-context run's live checks (issue 42; the module docstring): the floor's indexer in FP8 as SGLang
+    scores it, and each step the C4 top-k agreement (`indexer_agreement.agreement`: the trainer's exact scores
+    against the FP8 reproduction, same weights) on the scored positions where the top-k selects, in the
+    AGREEMENT_ROWS longest sequences. Records `agree_<layer>_{overlap_mean, overlap_min, identical_share,
+    swapped_mean, positions}` per C4 layer (layer = its index)."""
+
+    SIM_INDEXER_QUANT = "fp8"
+
+    @torch.no_grad()
+    def before_update(self, batch, old: torch.Tensor, step: int) -> dict:
+        from instruments import indexer_agreement
+        out = super().before_update(batch, old, step)
+        t0, sel, sets = time.time(), bands.edges(self.mcfg)[1], {}
+        lens = (batch.prompt_lens + batch.response_lens).tolist()
+        for b in sorted(range(len(lens)), key=lambda i: -lens[i])[:AGREEMENT_ROWS]:
+            qpos = (batch.mask[b] > 0).nonzero()[:, 0]
+            qpos = qpos[qpos >= sel]                      # scored positions where the top-k selects
+            if len(qpos):
+                ids = batch.input_ids[b:b + 1, :lens[b] - 1].to(self.actor.device)
+                for name, ab in indexer_agreement.agreement_sets(self.actor.model, ids,
+                                                                 qpos.to(self.actor.device)).items():
+                    sets.setdefault(name, []).append(ab)
+        for name, parts in sets.items():                  # layers.<L>.attn.indexer -> agree_<L>_...
+            st = indexer_agreement.overlap_stats(torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts]))
+            out.update({f"agree_{name.split('.')[1]}_{k}": v for k, v in st.items()})
+        out["agree_s"] = time.time() - t0
+        return out

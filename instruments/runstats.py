@@ -23,6 +23,10 @@ Statistics (pure functions, tested against hand-computed values):
   (is the jump one rare token the FP8 floor carries too?).
 * reward slope: `ols` on the per-step reward; pass@1 gain: the paired difference against the warm start
   re-evaluated on the same seeds (`live.LiveChecks.eval_warm`: gain, SE, z).
+* when the steps logged them (issue 42, `live.LiveChecksLong`): `bands` (`instruments.bands.summarize`: the gap
+  and floor per position band, the excess's drift and jumps per band, the share of tokens at >= 2048),
+  `indexer_agreement` (`agreement_summary`: per C4 layer the overlap of the exact and FP8-score top-k sets),
+  `rollout_truncated_frac_mean` (responses cut at rollout.max_new_tokens).
 
 Figures: dlogp.png (mean |dlogp| per step with its p99, the FP8 floor, the pushes marked, the warm-start swap
 pushes of eval points marked), reward.png (per step, 5-step moving average, linear fit), passk.png (pass@k per
@@ -209,6 +213,24 @@ def column(recs: list, key: str, kind: str | None = None) -> tuple[list, list]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def agreement_summary(train: list) -> dict:
+    """Per C4 layer, the run's indexer agreement (`live.LiveChecksLong`'s agree_<layer>_* keys): position-weighted
+    mean overlap and identical share, the smallest overlap seen, steps and positions measured."""
+    layers = sorted({k.split("_")[1] for r in train for k in r if k.startswith("agree_") and k.endswith("_positions")})
+    out = {}
+    for L in layers:
+        rows = [r for r in train if r.get(f"agree_{L}_positions", 0) > 0]
+        n = sum(r[f"agree_{L}_positions"] for r in rows)
+        if n:
+            out[f"layer_{L}"] = {
+                "steps": len(rows), "positions": n,
+                "overlap_mean": sum(r[f"agree_{L}_overlap_mean"] * r[f"agree_{L}_positions"] for r in rows) / n,
+                "identical_share": sum(r[f"agree_{L}_identical_share"] * r[f"agree_{L}_positions"] for r in rows) / n,
+                "swapped_mean": sum(r[f"agree_{L}_swapped_mean"] * r[f"agree_{L}_positions"] for r in rows) / n,
+                "overlap_min": min(r[f"agree_{L}_overlap_min"] for r in rows)}
+    return out
+
+
 def summarize(recs: list) -> dict:
     """The bars of issue 20 from a run's records."""
     train = [r for r in recs if r.get("kind") == "train"]
@@ -245,6 +267,15 @@ def summarize(recs: list) -> dict:
     last = warm[-1] if warm else {}
     timing = ("rollout_s", "logprobs_s", "train_s", "sync_s", "live_s", "probe_s", "step_s")
     out["time_mean_s"] = {k: sum(column(train, k)[1]) / max(len(column(train, k)[1]), 1) for k in timing}
+    if any("band_window_tokens" in r for r in train):   # the position bands (instruments.bands), from issue 42
+        from instruments import bands
+        out["bands"] = bands.summarize(train)
+    agree = agreement_summary(train)
+    if agree:
+        out["indexer_agreement"] = agree
+    _, trunc = column(train, "truncated_frac")
+    if trunc:
+        out["rollout_truncated_frac_mean"] = sum(trunc) / len(trunc)
     out["bars"] = {
         "steps": len(train),
         "gap_mean_below_0.09": out.get("gap_mean") is not None and out["gap_mean"] < GAP_BAR,

@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 
 
 
+INDEXER_QUANTS = ("qat", "fp8", "fp4", "none")   # ModelConfig.indexer_quant
+
+
 @dataclass
 class ModelConfig:
     """DeepSeek-V4 hyper-parameters, named as in the official `inference/config.json`."""
@@ -75,6 +78,9 @@ class ModelConfig:
     scale_dtype: str = "fp8"          # scales stored as float8_e8m0fnu
     # nanoflash switches.
     qat: bool = False                 # simulate the official FP8/FP4 activation quantization (straight-through)
+    indexer_quant: str = "qat"        # the C4 indexer's q and keys: qat follows `qat` (official Hadamard + FP4
+                                      # when on, exact when off); fp8 = SGLang 0.5.16's FP8 index scores on Hopper
+                                      # (quant.fp8_index_sim), with or without qat; fp4 / none: always that
     attn_chunk: int = 1024            # queries per attention chunk (memory knob; results do not depend on it)
     kernels: str = "auto"             # auto (GPU-proven kernels) | reference | triton (+ mHC, bf16 GEMMs)
 
@@ -96,6 +102,8 @@ class ModelConfig:
             raise ValueError(f"V4 has exactly one shared expert, got n_shared_experts={self.n_shared_experts}")
         if self.score_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
             raise ValueError(f"unknown score_func {self.score_func!r}")
+        if self.indexer_quant not in INDEXER_QUANTS:
+            raise ValueError(f"ModelConfig.indexer_quant must be one of {INDEXER_QUANTS}, got {self.indexer_quant!r}")
         if self.kernels not in ("auto", "reference", "triton"):
             raise ValueError(f"ModelConfig.kernels must be auto|reference|triton, got {self.kernels!r}")
 

@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nanoflash.names import EXPERT_STACKS, official_parameters, official_views
 from nanoflash.config import ModelConfig
-from nanoflash.quant import ACT_QAT_BLOCK, fp4_sim, fp8_sim, hadamard, qat_block
+from nanoflash.quant import ACT_QAT_BLOCK, fp4_sim, fp8_index_sim, fp8_sim, hadamard, qat_block
 
 KV_QAT_BLOCK = 64      # official act_quant block on kv nope dims
 FP4_QAT_BLOCK = 32     # official FP4 simulation block on indexer q / keys
@@ -53,6 +53,19 @@ def fp8_sim_nope(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """FP8-simulate the nope dims of kv (per 64 channels); the rope dims stay in the activation dtype."""
     nope = x[..., :-rope_dim]
     return torch.cat([fp8_sim(nope, qat_block(nope.shape[-1], KV_QAT_BLOCK)), x[..., -rope_dim:]], -1)
+
+
+def index_sim(cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    """The indexer's q or keys (after rope) as the engine `cfg.indexer_quant` names scores them: "fp4" (and
+    "qat" with cfg.qat on) the official Hadamard + FP4 QAT (x.dtype); "fp8" SGLang 0.5.16's Hadamard + FP8 row
+    with an fp32 scale (`quant.fp8_index_sim`, fp32 out); "none" (and "qat" with qat off) x unchanged.
+    Shapes: [..., dI] -> [..., dI]"""
+    mode = cfg.indexer_quant if cfg.indexer_quant != "qat" else ("fp4" if cfg.qat else "none")
+    if mode == "fp4":
+        return fp4_sim(hadamard(x), qat_block(x.shape[-1], FP4_QAT_BLOCK))
+    if mode == "fp8":
+        return fp8_index_sim(x)
+    return x
 
 
 # ---------------------------------------------------------------------------------------------- norms, rope
@@ -221,8 +234,8 @@ class Compressor(nn.Module):
         c = self.norm(c.to(dtype))
         pos = (w0 + torch.arange(c.shape[1], device=c.device)) * self.ratio
         c = apply_rope(c, *rope_angles(self.cfg, True, pos))
-        if self.cfg.qat and self.rotate:
-            c = fp4_sim(hadamard(c), qat_block(c.shape[-1], FP4_QAT_BLOCK))
+        if self.rotate:                # the indexer's keys: FP4 QAT, SGLang's FP8 or exact (`index_sim`)
+            c = index_sim(self.cfg, c)
         elif self.cfg.qat:
             c = fp8_sim_nope(c, self.cfg.rope_head_dim)
         return c
@@ -248,29 +261,42 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.dim, cfg.index_n_heads)
         self.compressor = Compressor(cfg, 4, cfg.index_head_dim, rotate=True)
 
-    def forward(self, x, qr, start_pos: int, keys_before: Optional[torch.Tensor], state=None, fast=False):
-        cfg, (B, S, _) = self.cfg, x.shape
-        pos = torch.arange(start_pos, start_pos + S, device=x.device)
+    def query(self, qr: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """qI: wq_b(qr) per head, rope at the query positions, then `index_sim`. [B,S,q_lora] -> [B,S,HI,dI]"""
+        cfg = self.cfg
+        pos = torch.arange(start_pos, start_pos + qr.shape[1], device=qr.device)
         q = self.wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))    # [B,S,HI,dI]
-        q = apply_rope(q, *rope_angles(cfg, True, pos))
-        if cfg.qat:
-            q = fp4_sim(hadamard(q), qat_block(q.shape[-1], FP4_QAT_BLOCK))
+        return index_sim(cfg, apply_rope(q, *rope_angles(cfg, True, pos)))
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """w = weights_proj(x) / sqrt(dI * HI), fp32. [B,S,D] -> [B,S,HI]"""
+        return self.weights_proj(x).float() * (self.cfg.index_head_dim ** -0.5 * self.cfg.index_n_heads ** -0.5)
+
+    def forward(self, x, qr, start_pos: int, keys_before: Optional[torch.Tensor], state=None, fast=False):
+        q = self.query(qr, start_pos)                                                 # [B,S,HI,dI]
         new_keys, state = self.compressor(x, start_pos, state)
         keys = new_keys if keys_before is None else torch.cat([keys_before, new_keys], 1)  # [B,C,dI]
-        w = self.weights_proj(x).float() * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+        w = self.head_weights(x)                                                      # [B,S,HI]
         if fast:   # nanoflash.kernels: fused scores, torch.topk on [B,S,C], the same tie-break
             from nanoflash.kernels import indexer_topk
-            return indexer_topk(q, keys.to(q.dtype), w.detach(), start_pos, cfg.index_topk), keys, state
+            return indexer_topk(q, keys.to(q.dtype), w.detach(), start_pos, self.cfg.index_topk), keys, state
         with torch.no_grad():
-            score = torch.einsum("bshd,bcd->bshc", q.float(), keys.float()).relu()     # [B,S,HI,C]
-            score = (score * w.detach()[..., None]).sum(2)                              # [B,S,C]
-            visible = torch.arange(keys.shape[1], device=x.device)[None, :] < (pos[:, None] + 1) // 4  # [S,C]
-            score = score.masked_fill(~visible, float("-inf"))
-            k = min(cfg.index_topk, keys.shape[1])
+            score = index_scores(q, keys, w.detach(), start_pos)                       # [B,S,C]
+            k = min(self.cfg.index_topk, keys.shape[1])
             # A stable sort breaks ties (ReLU zeros) by the lower entry index, the same in prefill and decode.
             top = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]     # [B,S,k]
-            keep = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True) & visible
+            keep = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True) & (score > float("-inf"))
         return keep, keys, state
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """score[b,t,u] = sum_h relu(qI[b,t,h] . KI[b,u]) * w[b,t,h] in fp32, -inf where entry u is not yet visible
+    to query t (u >= (start_pos + t + 1) // 4). q [B,S,HI,dI], keys [B,C,dI], w [B,S,HI] -> [B,S,C] fp32"""
+    pos = torch.arange(start_pos, start_pos + q.shape[1], device=q.device)
+    score = torch.einsum("bshd,bcd->bshc", q.float(), keys.float()).relu()             # [B,S,HI,C]
+    score = (score * w.float()[..., None]).sum(2)                                      # [B,S,C]
+    visible = torch.arange(keys.shape[1], device=q.device)[None, :] < (pos[:, None] + 1) // 4   # [S,C]
+    return score.masked_fill(~visible, float("-inf"))
 
 
 # ---------------------------------------------------------------------------------------------- attention

@@ -26,6 +26,11 @@ What is here, and who uses it:
   with (qmax, floor) = (448, 1e-4) for FP8 e4m3 and (6, 6*2^-126) for FP4 e2m1. The backward pass is the
   straight-through estimator (gradient = identity), which is what QAT training uses.
 * **Walsh-Hadamard rotation** (`hadamard`): Sylvester order, scale dim^-0.5, as `fast_hadamard_transform`.
+* **SGLang's FP8 indexer operands** (`fp8_index_sim`): SGLang 0.5.16 on Hopper scores the C4 lightning indexer
+  in FP8 (DeepGEMM `fp8_paged_mqa_logits`), not the official FP4 QAT: q per (token, head) and each indexer key
+  per entry, Hadamard-rotated, then one FP8 e4m3 row of 128 with an fp32 (not power-of-two) scale
+      s = max(amax, 1e-4) / 448,   x <- e4m3(clamp(x * (1/s), +-448)) * s
+  (`ModelConfig.indexer_quant="fp8"`; the sources are cited at the function).
 
 Rounding rules: e4m3 casts are torch's round-to-nearest-even (saturating); e2m1 rounding is
 round-to-nearest with ties to the even code (mantissa bit 0), i.e. IEEE RNE, as the hardware `cvt.rn`:
@@ -360,6 +365,32 @@ def fp4_sim(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     """Official fp4_act_quant(inplace=True): per 1 x block, s = 2^ceil(log2(max(amax,6*2^-126)/6)),
     x <- e2m1(clamp(x/s, +-6)) * s. STE backward. Shapes: [..., N] -> [..., N], N % block == 0."""
     return _StraightThrough.apply(x, _fp4_fake, block)
+
+
+SGLANG_INDEX_AMAX_FLOOR = 1e-4  # SGLang 0.5.16's fmaxf(1e-4f, abs_max) in both indexer FP8 kernels (cited below)
+
+
+def fp8_index_sim(x: torch.Tensor) -> torch.Tensor:
+    """The C4 indexer's q or key as SGLang 0.5.16 hands it to DeepGEMM's `fp8_paged_mqa_logits` on Hopper,
+    dequantized: y = hadamard(x) in fp32, then per row of the last dim (one (token, head) of q, one entry of the
+    keys) s = max(amax |y|, 1e-4) / 448 in fp32, y <- e4m3(clamp(y * (1/s), +-448)) * s.
+
+    Sources (the sglang-0.5.16 wheel): q -- `jit_kernel/csrc/deepseek_v4/main_norm_rope.cuh` 434-586
+    (`fused_q_indexer_rope_hadamard_quant`: rope, the 128-point Hadamard x 128^-0.5, `scale = fmaxf(1e-4f,
+    abs_max) / FP8_E4M3_MAX`, `inv_scale = 1 / scale`; the scale is folded into the head weight, `weights_out =
+    weight * weight_scale * scale`); keys -- `srt/layers/attention/dsv4/compressor.py` 64-157 + 191-229 (fp32
+    norm and rope, `rotate_activation`, then `set_index_k_fused` as `SGLANG_OPT_USE_FUSED_STORE_CACHE` defaults
+    on) -> `jit_kernel/csrc/deepseek_v4/store.cuh` 79-120 (`fused_store_indexer_cache`: 128 FP8 values + one
+    fp32 scale per entry, "use normal fp32 scale"); the cast -- `jit_kernel/include/sgl_kernel/deepseek_v4/
+    fp8_utils.cuh` `pack_fp8` (clip to +-448, round to nearest even); the score -- `srt/layers/attention/dsv4/
+    indexer.py` `fp8_paged_mqa_logits_torch` 55-118, DeepGEMM's reference: sum_h relu(q8_h . k8) * w_h * s_k.
+    With both scales multiplied back in, that score is `Indexer`'s sum_h relu(q_h . k) * w_h on these values.
+    Not modelled: SGLang's fp32 (we: bf16) rounding of the rotated operands before quantization, and the FP8
+    MMA's accumulation order. Returns fp32 (the dequantized values, exact in fp32). No gradient flows through
+    the indexer's selection, so none is defined here. Shapes: [..., d] -> [..., d] fp32, d a power of 2."""
+    y = hadamard(x.float())                                                             # [..., d] fp32
+    s = y.abs().amax(-1, keepdim=True).clamp_min(SGLANG_INDEX_AMAX_FLOOR) / E4M3_MAX    # [..., 1]
+    return (y * (1.0 / s)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
 
 
 # ---------------------------------------------------------------------------- Hadamard

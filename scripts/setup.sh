@@ -46,6 +46,6 @@ rm -f "$pin"
 python -c "import torch, triton; print('torch', torch.__version__, torch.version.hip and 'rocm' or
                                       torch.cuda.is_available() and 'cuda' or 'cpu', '| triton', triton.__version__)"
 if [ "${1:-}" = "--test" ]; then
-  python -m pytest -q -x --durations=15
+  python -m pytest -q -x -n auto --dist loadscope --durations=15  # one worker per core, a module per worker
 fi
 echo "next (no activation needed): .venv/bin/python train.py --recipe demo    # or .venv/bin/python train.py --help"

@@ -1,7 +1,7 @@
 """The suite's size (and, with --run, its time): docs/results/suite.json, which README's numbers quote.
 
     .venv/bin/python scripts/suite_stats.py          # count: `pytest --collect-only` of the default selection
-    .venv/bin/python scripts/suite_stats.py --run    # also run it (`pytest -q`, as CI) and time it
+    .venv/bin/python scripts/suite_stats.py --run    # also run it (`pytest -q -n auto --dist loadscope`, as CI) and time it
 
 Writes {"commit", "selected", "deselected", and with --run "passed", "failed", "wall_s"}; a field it did not
 measure this time is dropped, never carried over from an older file. tests/test_readme.py fails when the README
@@ -44,7 +44,7 @@ def main() -> None:
     res = {"commit": git_commit(), "selected": int(m.group(1)), "deselected": count(last, "deselected")}
     if args.run:
         t0 = time.time()
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q"], cwd=ROOT, capture_output=True, text=True)
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "auto", "--dist", "loadscope"], cwd=ROOT, capture_output=True, text=True)
         tail = run.stdout.strip().splitlines()[-1]
         res.update(wall_s=round(time.time() - t0, 1), passed=count(tail, "passed"), failed=count(tail, "failed"))
     with open(OUT, "w") as f:

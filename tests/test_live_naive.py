@@ -45,6 +45,15 @@ FP8_SERVED = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.(expert
 KEPT_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread (two threads on a loaded 2-core box spin far slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _naive_fp8_roundtrip(w):
     """dequant(quant(w)) by 128x128 blocks: S = max(amax, 1e-10)/448, Q = e4m3(clamp(w * (1/S), +-448))."""
     out = torch.empty_like(w, dtype=torch.float32)
@@ -147,3 +156,77 @@ def test_live_step_numbers_match_a_naive_recomputation(tmp_path, gen):
                  "prefill_gap": -pre_offset[on]}.items():
         torch.testing.assert_close(dump[k], v.float(), atol=LOGP_ABS_TOL, rtol=0, msg=k)
     assert torch.equal(dump["token"], batch.targets[on].int())
+
+
+def test_live_checks_long_logs_bands_an_fp8_index_floor_and_the_topk_agreement(tmp_path, gen):
+    """LiveChecksLong (issue 42): the floor's model scores its indexer in FP8 (SGLang's), the gap and floor are
+    split by the band of the query scoring each token, and each step's C4 top-k agreement is the overlap of the
+    entries the trainer's indexer keeps with those the same indexer keeps with FP8 scores. Bugs caught: the floor
+    still built on the FP4-QAT indexer; a band formed on token instead of query positions, or from other tokens'
+    floor; the agreement read at unscored positions, below the top-k band, or on the floor model's weights.
+    Reference: the naive sim with indexer_quant="fp8", and the Indexer module's own keep mask on its captured
+    inputs with the model's config switched to FP8 scores."""
+    from instruments import bands
+    from instruments.live import LiveChecksLong
+    cfg = preset("tiny")                       # window 8, top-4 of (t + 1) // 4: the top-k band starts at 16
+    trainer = Transformer(cfg).init_weights(0).eval()
+    eps = []
+    for i, (P, R) in enumerate([(14, 8), (5, 4), (12, 10)]):
+        ids = torch.randint(0, cfg.vocab_size, (P + R,), generator=gen).tolist()
+        eps.append(Episode(ids[:P], ids[P:], [0.0] * R, float(i % 2), i))
+    batch = pack(eps, [0.0] * len(eps))
+    on = batch.mask > 0
+    old, _ = _naive_logp(trainer, batch.input_ids, batch.targets)
+    old = old * batch.mask
+    offset = 0.1 * torch.randn(old.shape, generator=gen)
+    batch.rollout_logprobs = (old + offset) * batch.mask
+    sim = Transformer(dataclasses.replace(cfg, qat=True, indexer_quant="fp8"))
+    sim.load_state_dict(_naive_sim(trainer, storage=True).state_dict())
+    sim_lp, _ = _naive_logp(sim.eval(), batch.input_ids, batch.targets)
+    recorded = [old[b, :int(batch.prompt_lens[b] + batch.response_lens[b]) - 1].tolist() for b in range(len(batch))]
+    run_cfg = types.SimpleNamespace(train=types.SimpleNamespace(out_dir=str(tmp_path), seed=0),
+                                    rollout=types.SimpleNamespace(temperature=T))
+    actor = types.SimpleNamespace(model=trainer, device=torch.device("cpu"))
+    task = types.SimpleNamespace(heldout=["1+1"], train=["1+1"], encode=lambda s: [1, 2, 3])
+    ctx = HookContext(run_cfg, cfg, actor, types.SimpleNamespace(client=_FakeServer(recorded)), None, task)
+    hook = LiveChecksLong(ctx)
+    assert hook.sim.cfg.indexer_quant == "fp8" and hook.sim.cfg.qat
+    out = hook.before_update(batch, old, step=1)
+
+    qpos = torch.arange(on.shape[1]).expand_as(on)[on]
+    gap, floor = offset[on].abs(), (sim_lp - old)[on].abs()
+    for b, lo, hi in (("window", 0, 8), ("c4_all", 8, 16), ("c4_topk", 16, 99)):
+        m = (qpos >= lo) & (qpos < hi)
+        assert out[f"band_{b}_tokens"] == int(m.sum()) > 0, b
+        assert out[f"band_{b}_gap_mean"] == pytest.approx(float(gap[m].mean()), abs=LOGP_ABS_TOL), b
+        assert out[f"band_{b}_floor_mean"] == pytest.approx(float(floor[m].mean()), abs=LOGP_ABS_TOL), b
+    assert bands.BANDS == ("window", "c4_all", "c4_topk")
+
+    captured = {}
+    for name, mod in trainer.named_modules():
+        if name.endswith("attn.indexer"):
+            mod.register_forward_pre_hook(lambda m, a, name=name: captured.setdefault(name, []).append(a[:2]))
+    exact, fp8 = {}, {}
+    for b in (0, 2):                               # the two longest rows
+        L = int(batch.prompt_lens[b] + batch.response_lens[b])
+        captured.clear()
+        with torch.no_grad():
+            trainer(batch.input_ids[b:b + 1, :L - 1])
+        pos = [t for t in range(L - 1) if on[b, t] and t >= 16]
+        for name, ((x, qr),) in captured.items():
+            mod = trainer.get_submodule(name)
+            keep = mod(x, qr, 0, None)[0][0]
+            cfg8 = dataclasses.replace(cfg, indexer_quant="fp8")
+            saved = mod.cfg, mod.compressor.cfg
+            mod.cfg = mod.compressor.cfg = cfg8
+            keep8 = mod(x, qr, 0, None)[0][0]
+            mod.cfg, mod.compressor.cfg = saved
+            for t in pos:
+                a, c = set(keep[t].nonzero()[:, 0].tolist()), set(keep8[t].nonzero()[:, 0].tolist())
+                exact.setdefault(name, []).append(len(a & c) / len(a))
+                fp8.setdefault(name, []).append(a == c)
+    for name, ov in exact.items():
+        layer = name.split(".")[1]
+        assert out[f"agree_{layer}_positions"] == len(ov)
+        assert out[f"agree_{layer}_overlap_mean"] == pytest.approx(sum(ov) / len(ov))
+        assert out[f"agree_{layer}_identical_share"] == pytest.approx(sum(fp8[name]) / len(ov))

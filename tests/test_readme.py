@@ -189,7 +189,8 @@ def test_demo_md_table_is_written_from_controls_json():
 def test_the_suite_size_is_suite_json():
     with open(os.path.join(ROOT, "docs", "results", "suite.json")) as f:
         suite = json.load(f)
-    m = re.search(r"The suite \(`python -m pytest -q`, CI's command\): ([\d,]+) tests at commit (\w+)", flat(README))
+    m = re.search(r"The suite \(`python -m pytest -q -n auto --dist loadscope`, CI's command\): ([\d,]+) tests at "
+                  r"commit (\w+)", flat(README))
     assert m, "the README's suite line changed shape: update this test with it"
     assert (int(m.group(1).replace(",", "")), suite["commit"].startswith(m.group(2))) == (suite["selected"], True)
 

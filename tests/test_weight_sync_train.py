@@ -27,7 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET = 1 << 15   # several buckets per stage, expert sub-buckets of 16 KiB gathered over EP
 
 
-@pytest.mark.parametrize("weights", ["fp8", "fp32"])
+# fp32 under -m slow (suite time): fp8 is the deployed path; the fp32 layout's bit identity is checked at the
+# stage level (test_weight_sync_stage [fp32-distributed]) in the default suite.
+@pytest.mark.parametrize("weights", ["fp8", pytest.param("fp32", marks=pytest.mark.slow)])
 def test_train_pp2_ep2_distributed_push_equals_single_process_push(tmp_path, weights):
     out = str(tmp_path / weights)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),

@@ -15,6 +15,14 @@ checkpoint (FP8 128x128 linears, FP8 experts: what the server will hold) plus sf
 phases, why each stopped). The validation split is disjoint from the held-out one, so no stopping rule looks at
 an eval problem.
 
+The task is the recipe's `train.data` (`py:experiments.h200.<module>:<family>:<split>`: synth.py's sums, or
+longctx.py's long-context facts, issue 42), or `--sft-data` for the SFT's problems (the long run's short-heavy
+`factssft`) and `--val-data` for its validation problems. With `--val forced` (the long run: sampling a 3K-token
+prompt in-process recomputes the whole sequence per token) the stopping rule reads `forced_accuracy` instead:
+one teacher-forced forward per problem of the canonical worked response, a problem counting as right when
+every number token of it (the looked-up values, the partial sums, the answer) is the argmax -- greedy pass@1 of
+the worked chain -- reported per length class at the end (`longctx.length_class`).
+
 `warmup` sends a fresh SGLang a rollout's worth of requests (the task's first training prompts, `n` samples
 each, all at once) as soon as its HTTP server answers: SGLang compiles its kernels (DeepGEMM,
 flashinfer, tilelang, Triton) in the first forwards -- 4.6 minutes before /health answered, then ~2 more in the
@@ -34,6 +42,8 @@ import torch
 
 from nanoflash.rl import collector, data, trainer
 from nanoflash.sglang.buckets import optimizer_storage
+import importlib
+
 from experiments.h200 import synth
 from nanoflash import grpo
 from nanoflash.checkpoint import save_hf_checkpoint
@@ -47,6 +57,39 @@ CHECK_EVERY = 10      # SFT steps between validation checks
 VAL_PROBLEMS = 32     # validation problems per check
 VAL_SAMPLES = 2       # samples per validation problem (temperature 1): 64 draws, SE <= 0.06
 SFT_LR_WARMUP = 10    # linear learning-rate warm-up steps of the SFT
+
+
+def task_module(spec: str):
+    """`py:experiments.h200.<module>:<family>:<split>` -> (the module, family, split); one error otherwise."""
+    parts = spec.split(":")
+    if len(parts) != 4 or parts[0] != "py" or not parts[1].startswith("experiments.h200."):
+        raise ValueError(f"{spec!r}: the h200 tasks are named py:experiments.h200.<synth|longctx>:<family>:<split>")
+    return importlib.import_module(parts[1]), parts[2], parts[3]
+
+
+def numbers_at(ids: list, tok) -> list:
+    """Indices of the tokens of `ids` that are numbers (the values a worked response must get right)."""
+    return [i for i, t in enumerate(ids) if tok.decode([t]).strip().isdigit()]
+
+
+@torch.no_grad()
+def forced_accuracy(model, tok, module, probs: list) -> dict:
+    """Teacher-forced greedy check of the canonical worked response (`module.solution(prompt)`): a problem is
+    right when the argmax at every number token of it is that token. One forward per problem (prompts differ in
+    length). -> {"all": share, <class>: share, ...} (classes by `length_class`, when the module names them)."""
+    dev, right = next(model.parameters()).device, []
+    for p in probs:
+        prompt, resp = tok.encode_chat(p), tok.encode(module.solution(p.prompt)) + [tok.eos_id]
+        x = torch.tensor([prompt + resp[:-1]], device=dev)
+        h = model.run_layers(model.embed_streams(x), x)[:, len(prompt) - 1:]              # [1,R,M,D]
+        pred = model.logits(h)[0].argmax(-1).tolist()                                   # [R]
+        right.append(all(pred[i] == resp[i] for i in numbers_at(resp, tok)))
+    out = {"all": sum(right) / len(right)}
+    if hasattr(module, "length_class"):
+        for cls in sorted({module.length_class(p) for p in probs}):
+            r = [ok for ok, p in zip(right, probs) if module.length_class(p) == cls]
+            out[cls] = sum(r) / len(r)
+    return out
 
 
 def sft_batch_step(actor, pairs: list, optimizer, pad_id: int) -> float:
@@ -93,7 +136,10 @@ def cmd_sft(a, overrides):
         torch.set_num_threads(cfg.train.threads)
     mcfg = run_preset(cfg)
     task = collector.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
-    family, tok = cfg.train.data.split(":")[-2], _tokenizer()   # py:experiments.h200.synth:<family>:train
+    tok = _tokenizer()
+    module, family, _ = task_module(a.sft_data or cfg.train.data)
+    sft_train = module.problems(family, "train", seed=cfg.train.seed) if a.sft_data else task.train
+    vmod, vfamily, _ = task_module(a.val_data) if a.val_data else (module, family, None)
     think_end = tok.encode(data.THINK_END)
     if len(think_end) != 1:
         raise ValueError(f"{data.THINK_END!r} is {think_end} in this tokenizer; P(worked) needs it as one token")
@@ -101,7 +147,7 @@ def cmd_sft(a, overrides):
     torch.manual_seed(cfg.train.seed)
     rng = random.Random(cfg.train.seed)
     actor = trainer.Trainer(cfg, mcfg, init_distributed(1, 1, None), served_storage=optimizer_storage(cfg, mcfg))
-    val = synth.problems(family, "val")[:VAL_PROBLEMS]
+    val = vmod.problems(vfamily, "val")[:VAL_PROBLEMS]
     val_prompts = [task.encode(p) for p in val]
     opt = trainer.make_optimizer(actor.model, cfg.optim, lr=a.lr)
     curve, t0, i, why, nll = [], time.time(), 0, {}, float("nan")
@@ -109,7 +155,10 @@ def cmd_sft(a, overrides):
     def check(phase: str, sample: bool) -> dict:
         row = {"step": i, "phase": phase, "nll": nll,
                "p_worked": round(p_worked(actor.model, val_prompts, think_end), 4)}
-        if sample:
+        if sample and a.val == "forced":
+            acc = forced_accuracy(actor.model, tok, vmod, val)
+            row["val_pass@1"], row["val_forced_by_class"] = acc["all"], acc
+        elif sample:
             row["val_pass@1"] = val_pass1(actor, task, val, i, cfg.eval.max_new_tokens)
         curve.append({**row, "time_s": round(time.time() - t0, 1)})
         print(json.dumps(curve[-1]), flush=True)
@@ -117,13 +166,13 @@ def cmd_sft(a, overrides):
 
     def step(share: float, lr: float) -> float:
         opt.lr = lr * min(1.0, i / SFT_LR_WARMUP)
-        batch = [task.train[((i - 1) * a.batch + j) % len(task.train)] for j in range(a.batch)]
-        return sft_batch_step(actor, synth.sft_pairs(batch, tok, share, rng), opt, task.pad_id)
+        batch = [sft_train[((i - 1) * a.batch + j) % len(sft_train)] for j in range(a.batch)]
+        return sft_batch_step(actor, module.sft_pairs(batch, tok, share, rng), opt, task.pad_id)
 
     while i < a.max_steps and "worked" not in why:                       # phase 1: learn the steps
         i += 1
         nll = step(1.0, a.lr)
-        if i % CHECK_EVERY == 0 and check("worked", True)["val_pass@1"] >= a.target:
+        if i % a.check_every == 0 and check("worked", True)["val_pass@1"] >= a.target:
             why["worked"] = f"val pass@1 >= target {a.target} at step {i}"
         elif time.time() - t0 > a.max_seconds:
             why["worked"] = f"time limit {a.max_seconds}s at step {i}"
@@ -189,7 +238,8 @@ def cmd_warmup(a):
     from concurrent.futures import ThreadPoolExecutor
     from nanoflash.sglang.client import SGLangClient
     tok = _tokenizer()
-    prompts = [tok.encode_chat(p) for p in synth.problems("sum4", "train")[:a.prompts]]
+    module, family, split = task_module(a.task)
+    prompts = [tok.encode_chat(p) for p in module.problems(family, split)[:a.prompts]]
     client, t0 = SGLangClient(a.url, timeout=a.wait, retry_s=a.wait), time.time()
     client.server_info(a.url)                     # retried until the HTTP server answers
     t_up = time.time() - t0
@@ -232,6 +282,13 @@ def main(argv=None):
     ap.add_argument("--glance-steps", type=int, default=60, help="phase 2: at most this many steps")
     ap.add_argument("--glance-lr", type=float, default=3e-5, help="phase 2's learning rate: at 1e-4 (run 4) P(worked) "
                     "went 0.99 -> 0.47 -> 0.085 in two steps, past --worked-max")
+    ap.add_argument("--sft-data", default="", help="the SFT's problems (py:experiments.h200.<module>:<family>:"
+                    "train), if not the recipe's train.data (the long run: longctx factssft, short-heavy)")
+    ap.add_argument("--val-data", default="", help="the validation problems' family (its val split is read)")
+    ap.add_argument("--val", default="sample", choices=["sample", "forced"],
+                    help="stopping rule's pass@1: sampled in-process (sums) or teacher-forced (long prompts)")
+    ap.add_argument("--check-every", type=int, default=CHECK_EVERY, help="SFT steps between validation checks")
+    ap.add_argument("--task", default="py:experiments.h200.synth:sum4:train", help="warmup: whose prompts")
     ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--max-seconds", type=float, default=240.0)
     ap.add_argument("--run", default="runs/h200")

@@ -11,6 +11,14 @@
 # scheduler: 2026-12-01's run died in `event_loop_overlap` (illegal memory access in a 128-request decode).
 # The CPU dry run of the same pipeline, with nanoflash's embedded server in SGLang's place and a tiny model:
 #   bash experiments/h200/grpo_h200.sh dry
+# The long-context run (issue 42) is the same pipeline with H20_TASK=long (go, dry, collect alike): the task of
+# experiments/h200/longctx.py (two facts at the start of a 2-4K-token prompt, ~2/3 of the scored tokens at
+# positions >= 2048), its short-heavy SFT with a teacher-forced stopping rule, 40 GRPO steps of 4 prompts x 8
+# (lr 1e-5 after 5 steps of warm-up), the live checks of instruments.live:LiveChecksLong (the FP8 floor with
+# SGLang's FP8 index scores, the floor per position band, the C4 top-k agreement), evals of 64 held-out problems
+# x 8 at steps 0 / 20 / 40, then the parity table on 2-4K prompts of the same task. `diagnose` (H20_DIAGNOSE=1 runs it after the parity) restarts
+# SGLang with its tensor dump and top-k report on the warm start and names the module where it leaves nanoflash
+# (experiments/h200/sglang_dump_compare.py). experiments/h200/README.md has the time budget of one hold.
 set -uo pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export H20_HOME=${H20_HOME:-$R}   # the checkout (its .venv for the dry run), when running from the copy
@@ -18,6 +26,8 @@ W=${H20_WORK:-/tmp/h20}; mkdir -p "$W"
 URL=http://127.0.0.1:${H20_PORT:-30000}
 PACK=${H20_PACK:-/tmp/acc}   # offline install: SGLang 0.5.16 as sgl0516_lean.tar.xz.part* + SHA256SUMS, extra wheels (*.whl), compile caches (jit_cache.tgz.*)
 export PYTHONUNBUFFERED=1 NF_URL=$URL
+LONG=0; [ "${H20_TASK:-sums}" = long ] && LONG=1   # issue 42's long-context run (see the header)
+LT=py:experiments.h200.longctx   # the long task's data specs: $LT:<family>:<split>
 
 gpu_env() {
   export PYTHONPATH=/tmp/site2:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$R PATH=/tmp/site/bin:$PATH
@@ -34,16 +44,33 @@ dry_env() {
 }
 # train.py / sft overrides of each mode (the recipe is h200 in both)
 overrides() {
-  if [ "$MODE" = gpu ]; then
+  [ "$LONG" = 1 ] && long_overrides
+  if [ "$MODE" = gpu ] && [ "$LONG" = 1 ]; then
+    echo "--train.steps ${H20_STEPS:-40} --eval.every ${H20_EVAL_EVERY:-20} --optim.lr ${H20_LR:-1e-5}" \
+         "--train.lr_warmup_steps ${H20_LR_WARMUP:-5} --eval.n_problems ${H20_EVAL_PROBLEMS:-64} --train.progress false"
+    return
+  elif [ "$MODE" = gpu ]; then
     echo "--train.steps ${H20_STEPS:-60} --eval.every ${H20_EVAL_EVERY:-10} ${H20_LR:+--optim.lr $H20_LR}" \
          "${H20_LR_WARMUP:+--train.lr_warmup_steps $H20_LR_WARMUP} --train.progress false"
     return
   fi
+  local new=8; [ "$LONG" = 1 ] && new=40   # the dry long run writes whole responses (~30 tokens)
   echo "--train.preset tiny --model.vocab_size 129280 --model.n_mtp_layers 0 --model.n_hash_layers 2 --model.compress_ratios 0,4,8,4" \
        "--parallel.device cpu --train.dtype fp32 --train.threads 1" \
        "--train.steps ${H20_STEPS:-3} --grpo.n_prompts 2 --grpo.group_size 4 --grpo.over_sampling_batch_size 2" \
-       "--grpo.dynamic_sampling false --rollout.max_rounds 2 --rollout.max_workers 2 --rollout.max_new_tokens 8 --eval.every 2" \
-       "--eval.n_problems 4 --eval.k_samples 2 --eval.max_new_tokens 8 --train.progress false"
+       "--grpo.dynamic_sampling false --rollout.max_rounds 2 --rollout.max_workers 2 --rollout.max_new_tokens $new --eval.every 2" \
+       "--eval.n_problems 4 --eval.k_samples 2 --eval.max_new_tokens $new --train.progress false"
+}
+# the long run's data, cap, batch, kernels and live checks; the GPU numbers are README's budget for one hold:
+# 4 prompts x 8 samples a step (run 9: 16 x 8; at ~2,250 tokens a sequence the trainer's forwards are most of a
+# step), responses capped at 64 tokens (worked ones take ~30: the truncation rate is the rollouts' truncated_frac
+# and the evals' truncation_rate), Triton attention, indexer and MoE kernels (model.kernels auto: the
+# reference's [S, 64, C] indexer scores and dense masks cost GiBs at 4K tokens; the head stays fp32)
+long_overrides() {
+  local fam=${H20_FAMILY:-facts}; [ "$MODE" = dry ] && fam=factsdry   # H20_FAMILY=facts4k: prompts to 4K
+  echo "--train.data $LT:$fam:train --eval.data $LT:$fam:heldout --train.hooks instruments.live:LiveChecksLong"
+  [ "$MODE" = gpu ] && echo "--rollout.max_new_tokens 64 --eval.max_new_tokens 64 --grpo.n_prompts ${H20_PROMPTS:-4}" \
+    "--grpo.over_sampling_batch_size ${H20_PROMPTS:-4} --model.kernels auto"
 }
 
 install() {
@@ -118,12 +145,13 @@ serve_sglang() {  # $1: log suffix of a restart (".1", ...)
     --disable-overlap-schedule --enable-fp32-lm-head $running \
     --port ${URL##*:} \
     > $W/server${1:-}.log 2>&1 < /dev/null &
+  echo $! > $W/server.pid   # setsid: its own process group, which `stop_server` ends whole
 }
 watchdog() {  # while GRPO runs: the server's processes gone (SGLang died twice on 2026-12-01: an illegal memory
   # access in a decode) -> start it again; train.py (rollout.max_server_restarts) waits for /health, re-pushes and
   # redoes the step. The pattern's [x] keeps grep from matching its own command line.
   local n=0 pat="[s]glang.launch_server" serve=serve_sglang
-  [ "$MODE" = dry ] && pat="[n]anoflash.rollout.server" serve=serve_embedded
+  [ "$MODE" = dry ] && pat="[n]anoflash.server" serve=serve_embedded   # python -m nanoflash.server
   while [ ! -e $W/TRAIN_DONE ]; do
     sleep 5
     if ! grep -qsa "$pat" /proc/[0-9]*/cmdline; then  # no process of the server left
@@ -139,7 +167,9 @@ serve_embedded() {  # $1: log suffix of a restart
   echo $! > $W/server.pid
 }
 warmup() {  # rollout-shaped requests as soon as the server answers: its compiles overlap the SFT
-  local sizes=""; [ "$MODE" = dry ] && sizes="--prompts 2 --n 2 --new-tokens 4 --rounds 1"
+  local sizes=""; [ "$LONG" = 1 ] && sizes="--task $LT:facts:train --prompts 8 --n 8 --new-tokens 64"
+  [ "$MODE" = dry ] && sizes="--prompts 2 --n 2 --new-tokens 4 --rounds 1"
+  [ "$MODE" = dry ] && [ "$LONG" = 1 ] && sizes="$sizes --task $LT:factsdry:train"
   setsid nohup bash -c "$PY '$R/experiments/h200/grpo_h200.py' warmup --url $URL $sizes; touch $W/WARMUP_DONE" \
     > $W/warmup.log 2>&1 < /dev/null
 }
@@ -159,6 +189,11 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   cd "$R"
   local sft="--max-seconds ${H20_SFT_S:-240}"
   [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3 --glance-steps 2"
+  if [ "$LONG" = 1 ]; then   # short-heavy demonstrations, the run's mix for the teacher-forced stopping rule
+    local fam=${H20_FAMILY:-facts} sftfam=factssft; [ "$MODE" = dry ] && fam=factsdry sftfam=factsdry
+    [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-180} --batch ${H20_SFT_BATCH:-64} --target ${H20_SFT_TARGET:-0.5}"
+    sft="$sft --sft-data $LT:$sftfam:train --val-data $LT:$fam:val --val forced"
+  fi
   stamp "knobs: SGLANG_OPT_DEEPGEMM_HC_PRENORM=${SGLANG_OPT_DEEPGEMM_HC_PRENORM:-} H20_OFFICIAL_ROPE=${H20_OFFICIAL_ROPE:-1}"
   stamp sft; $PY experiments/h200/grpo_h200.py sft --out $W/warm $sft $(overrides) || { echo "FAILED sft"; touch $W/DONE; exit 1; }
   touch $W/SFT_DONE
@@ -168,7 +203,13 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   stamp "warm-up done: $(tail -n 1 $W/warmup.log)"
   watchdog >> $W/watchdog.log 2>&1 &
   stamp train; $PY train.py --recipe experiments/h200/h200.txt --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
-    $(overrides) || echo "FAILED train"
+    $(overrides) & local tp=$!
+  # H20_GRPO_DEADLINE_S (the long run: 870, README's budget + 30 s): Ctrl-C for train.py that long after it
+  # started, so a run slower than the budget still leaves the hold time for the report and the parity (its
+  # steps so far are all logged; the last eval point may then be missing)
+  local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=870
+  [ -n "$dl" ] && ( sleep $dl; kill -0 $tp 2>/dev/null && { echo "=== $(date +%T) GRPO deadline ${dl}s: SIGINT"; kill -INT $tp; } ) &
+  wait $tp || echo "FAILED train (or stopped at the deadline)"
   touch $W/TRAIN_DONE; stamp report
   report
   # parity last (2026-12-01's run measured it first: 4 of the budget's minutes before any GRPO step); the
@@ -177,10 +218,38 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 4 --prompt-len 64 --prompt-len-max 96 --sweep 32,48"
   # rows: the reference attention beside the GPU kernels (ref), nanoflash with SGLang's shared-expert clamp and
   # with the C128 entries / the window changed (experiments/h200/parity_variants.py): which one meets the floor past 128
-  par="$par --modes bf16,qat,ref --variants shared_expert_clamp,no_c128_entries,window_127,window_129"
-  stamp parity; $PY experiments/h200/sglang_check.py parity --dir $W/warm --restore 1 --synth 1 --out $W/parity.json \
+  par="$par --modes bf16,qat,ref --variants shared_expert_clamp,no_c128_entries,window_127,window_129 --synth 1"
+  # the long run: the same 2-4K prompts as its far class (longctx.prompt_of_length) and two shorter ones for the
+  # lower bands; the floor with SGLang's FP8 index scores (qat8) beside the FP4 one; nanoflash with FP8 index
+  # scores only, the C4 layers one at a time, no C128 entries (which row meets the floor past the EOS)
+  [ "$LONG" = 1 ] && par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2052 --prompt-len-max 3968 --sweep 64,1024 --synth long
+    --modes bf16,qat,qat8 --variants fp8_index_scores,fp8_index_scores_layer1,fp8_index_scores_layer3,no_c128_entries"
+  [ "$LONG" = 1 ] && [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 8 --prompt-len 100 --prompt-len-max 160
+    --sweep 64 --synth long --modes bf16,qat,qat8 --variants fp8_index_scores"
+  stamp parity; $PY experiments/h200/sglang_check.py parity --dir $W/warm --restore 1 --out $W/parity.json \
     --wait 600 $par && report || echo "FAILED parity"
+  [ "${H20_DIAGNOSE:-0}" = 1 ] && [ "$MODE" = gpu ] && { stamp diagnose; diagnose; }
   touch $W/DONE; stamp done
+}
+# issue 42, item 4: SGLang restarted on the warm start with its per-module tensor dump and its C4 top-k report
+# (`--enable-return-indexer-topk`; --max-total-tokens bounds the report's pinned host buffer, 4 KiB a token),
+# one prefill of long-task sequences past their EOS, compared module by module with nanoflash bf16 and with
+# nanoflash's FP8 model on the same tokens per position band: the first module whose excess over its own FP8
+# floor jumps names the component (experiments/h200/sglang_dump_compare.py); ~3 minutes with the caches warm
+diagnose() {
+  stop_server; rm -rf $W/dump
+  setsid nohup python3 -m sglang.launch_server --model-path $W/warm --load-format auto --tp 1 --disable-cuda-graph \
+    --skip-server-warmup --skip-tokenizer-init --mem-fraction-static ${H20_MEM:-0.45} --context-length 8192 \
+    --disable-overlap-schedule --enable-fp32-lm-head --max-running-requests 8 --max-total-tokens 65536 \
+    --debug-tensor-dump-output-folder $W/dump --enable-return-indexer-topk --port ${URL##*:} \
+    > $W/server.diagnose.log 2>&1 < /dev/null &
+  echo $! > $W/server.pid
+  $PY experiments/h200/sglang_dump_compare.py --dir $W/warm --dump $W/dump --out $W/diagnose.json --wait 600 \
+    || echo "FAILED diagnose"
+  stop_server
+}
+stop_server() {  # the last server started (its process group: SGLang's scheduler and detokenizer with it)
+  [ -s $W/server.pid ] && kill -- -"$(cat $W/server.pid)" 2>/dev/null; sleep 5
 }
 stamp() { echo "=== $(date +%T) $1"; }  # the pipeline's phases, timed in pipeline.log
 report() {
@@ -200,7 +269,7 @@ collect() {  # <= 8 files back: one tarball of the results + the logs (a run sti
   local out=${OUT:-/tmp/out}; mkdir -p "$out"
   [ -e $W/DONE ] || report > $W/report.log 2>&1
   tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl run/live_tokens report parity.json warm/sft.json pipeline.log \
-    $(cd $W && ls watchdog.log server.*.log 2>/dev/null)
+    $(cd $W && ls watchdog.log server.*.log diagnose.json 2>/dev/null)
   tail -c 4000000 $W/server.log > "$out/server.log"; cp $W/pipeline.log "$out/" 2>/dev/null
   [ "$MODE" = gpu ] && jit_save "$out/jit"
   ls -la "$out" "$out/jit" 2> /dev/null
@@ -228,9 +297,10 @@ case "${1:-}" in
   pipeline_dry) dry_env; pipeline ;;
   poll) poll "${2:-540}" ;;
   jit_only) gpu_env; jit_only "${2:-300}" ;;
+  diagnose) [ -d $W/repo ] && R=$W/repo; cd "$R"; gpu_env; diagnose ;;
   collect) [ -d $W/repo ] && R=$W/repo; [ -d /tmp/site ] && gpu_env || dry_env; collect ;;
   dry) snapshot checkout && exec bash $W/repo/experiments/h200/grpo_h200.sh dry_here "${2:-1800}" ;;
   dry_here) dry_env; rm -rf $W/DONE $W/TRAIN_DONE $W/SFT_DONE $W/watchdog.log $W/run $W/warm $W/report; start && poll "${2:-1800}"
        kill "$(cat $W/server.pid)" 2>/dev/null; tail -n 30 $W/pipeline.log ;;
-  *) echo "usage: $0 go|poll SECONDS|collect|dry [SECONDS]|jit_only SECONDS" >&2; exit 2 ;;
+  *) echo "usage: [H20_TASK=long] $0 go|poll SECONDS|collect|dry [SECONDS]|jit_only SECONDS|diagnose" >&2; exit 2 ;;
 esac

@@ -15,8 +15,13 @@ the C4 overlap all official):
   would do; it changes positions >= ratio - 1 only).
 * `window_127`, `window_129` -- controls: the window off by one either way (the largest mechanical effect an
   off-by-one there could have).
+* `fp8_index_scores` -- issue 42: nanoflash with its C4 indexer scoring in FP8 as SGLang 0.5.16 does on Hopper
+  (`ModelConfig.indexer_quant="fp8"`, `quant.fp8_index_sim`), everything else bf16: the row that meets the floor
+  past 2048 if the top-512 SGLang keeps is the difference; `fp8_index_scores_layer<L>` the same in C4 layer L
+  only (which layer's selection matters).
 """
 import contextlib
+import dataclasses
 
 import torch
 
@@ -49,12 +54,19 @@ def variants(model) -> dict:
     """name -> a zero-argument context manager under which `model`'s forward has that one change."""
     cfg = model.cfg
     shared = [m.shared_experts for m in model.modules() if isinstance(m, M.MoE)]
-    return {
+    out = {
         "shared_expert_clamp": lambda: _set(shared, "swiglu_limit", cfg.swiglu_limit),
         "no_c128_entries": lambda: _set([M.Attention], "compressed_keys", _no_c128_keys),
         "window_127": lambda: _set([cfg], "window_size", cfg.window_size - 1),
         "window_129": lambda: _set([cfg], "window_size", cfg.window_size + 1),
+        "fp8_index_scores": lambda: _set([cfg], "indexer_quant", "fp8"),
     }
+    fp8 = dataclasses.replace(cfg, indexer_quant="fp8")   # one layer's indexer (and its compressor) only
+    for name, mod in model.named_modules():
+        if isinstance(mod, M.Indexer):
+            out[f"fp8_index_scores_layer{name.split('.')[1]}"] = \
+                lambda mod=mod: _set([mod, mod.compressor], "cfg", fp8)
+    return out
 
 
 @contextlib.contextmanager

@@ -128,12 +128,22 @@ def synth_prompt(length: int, seed: int) -> list:
     return ids[:length - len(last)] + last
 
 
-def sample(client, n_prompts, n, prompt_len, new_tokens, seed=0, prompt_len_max=0, synth=False):
+def long_prompt(length: int, seed: int) -> list:
+    """A prompt of the long-context task (experiments/h200/longctx.py, issue 42) of about `length` tokens
+    (longctx.PROMPT_BASE + 4 n): the run's far-class prompts, scored as the rollouts score them."""
+    from experiments.h200 import longctx
+    from nanoflash.rl.data import V4Tokenizer
+    return V4Tokenizer().encode_chat(longctx.prompt_of_length(length, seed))
+
+
+def sample(client, n_prompts, n, prompt_len, new_tokens, seed=0, prompt_len_max=0, synth=""):
+    """`synth`: "" random token prompts, "sums" `synth_prompt`, "long" `long_prompt`."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n_prompts):
         L = prompt_len + (i * (prompt_len_max - prompt_len)) // max(n_prompts - 1, 1) if prompt_len_max else prompt_len
-        prompt = synth_prompt(L, seed + i) if synth else torch.randint(3, VOCAB_HI, (L,), generator=g).tolist()
+        prompt = (synth_prompt(L, seed + i) if synth == "sums" else long_prompt(L, seed + i) if synth == "long"
+                  else torch.randint(3, VOCAB_HI, (L,), generator=g).tolist())
         gens = client.generate(prompt, {"n": n, "temperature": 1.0, "max_new_tokens": new_tokens,
                                         "ignore_eos": True})
         out += [(prompt, gen.output_ids, gen.logprobs) for gen in gens]
@@ -203,6 +213,21 @@ def by_position(samples, rows: dict) -> list:
     return bands(torch.cat([torch.arange(len(p), len(p) + len(ids)) for p, ids, _ in samples]), rows)
 
 
+def by_band(samples, rows: dict, cfg) -> list:
+    """Each row's mean over the scored tokens by position band of the query that scores them (instruments.bands:
+    the window, the C4 layers keeping every entry, the indexer's top-k selecting; query = token position - 1),
+    with the band's share of the tokens. `rows`: name -> per-token |dlogp| in sample order."""
+    from instruments import bands
+    qpos = torch.cat([torch.arange(len(p) - 1, len(p) - 1 + len(ids)) for p, ids, _ in samples])
+    b, out = bands.band_index(qpos, cfg), []
+    for i, name in enumerate(bands.BANDS):
+        m = b == i
+        if m.any():
+            out.append({"band": name, "tokens": int(m.sum()), "share": float(m.double().mean()),
+                        **{k: round(float(v[m].double().mean()), 5) for k, v in rows.items()}})
+    return out
+
+
 def by_eos(samples, rows: dict, eos_id: int) -> list:
     """Each row's mean over the scored tokens up to and including the first `eos_id` of their generation
     ("in_response": what a rollout scores) and over those after it ("past_eos": `ignore_eos` text the model was
@@ -241,20 +266,23 @@ def cmd_parity(a):
         restore(client, a)
     t = time.time()
     samples = sample(client, a.prompts, a.n, a.prompt_len, a.new_tokens, prompt_len_max=a.prompt_len_max,
-                     synth=bool(a.synth))
+                     synth=a.synth)
     head = sum(len(ids) for _, ids, _ in samples)   # the table's tokens; the sweep's follow
     for L in [int(x) for x in a.sweep.split(",") if x]:
-        samples += sample(client, 1, a.n, L, a.new_tokens, seed=L, synth=bool(a.synth))
+        samples += sample(client, 1, a.n, L, a.new_tokens, seed=L, synth=a.synth)
     lens = [len(p) + len(ids) for p, ids, _ in samples[:a.prompts * a.n]]
     res = {"protocol": client.protocol(URL), "generate_s": round(time.time() - t, 2), "samples": len(samples),
-           "seq_len_min": min(lens), "seq_len_max": max(lens), "synth_prompts": bool(a.synth), "dir": a.dir}
+           "seq_len_min": min(lens), "seq_len_max": max(lens), "synth_prompts": a.synth or False, "dir": a.dir}
     modes = {"bf16": {}, "qat": {"qat": True}, "fp32": {"dtype": torch.float32},
-             "fp32_qat": {"dtype": torch.float32, "qat": True}, "ref": {"kernels": "reference"}}
+             "fp32_qat": {"dtype": torch.float32, "qat": True}, "ref": {"kernels": "reference"},
+             "qat8": {"qat": True, "indexer_quant": "fp8"}}   # the floor with SGLang's FP8 index scores
     server = torch.tensor([lp for _, _, lps in samples for lp in lps])   # [tokens] the server's decode
     ours = {mode: our_logprobs(load_model(a, **modes[mode]), samples) for mode in a.modes.split(",")}
     rows = {mode: (lp - server).abs() for mode, lp in ours.items()}      # name -> per-token |dlogp|
     if "bf16" in ours and "qat" in ours:   # the FP8 floor on the same tokens: what FP8 alone moves nanoflash by
         rows["floor_qat_vs_bf16"] = (ours["qat"] - ours["bf16"]).abs()
+    if "bf16" in ours and "qat8" in ours:  # ... with the indexer scored in FP8 as SGLang does (issue 42)
+        rows["floor_qat8_vs_bf16"] = (ours["qat8"] - ours["bf16"]).abs()
     pre = server_prefill(client, samples)
     if isinstance(pre, str):
         res["server_prefill_error"] = pre
@@ -281,6 +309,7 @@ def write_parity(a, res, rows, head, samples):
     samples and over the table's) -> a.out (rewritten whole)."""
     res.update({k: tails(v[:head]) for k, v in rows.items()})
     res["by_length"], res["by_position"] = by_length(samples, rows, a.n), by_position(samples, rows)
+    res["by_band"] = by_band(samples, rows, small_cfg())
     if a.synth:   # the warm start's responses end at the EOS; the sampled text runs on past it (ignore_eos)
         from nanoflash.rl.data import V4Tokenizer
         eos, k = V4Tokenizer().eos_id, a.prompts * a.n   # by_eos_table: the 2-4K samples alone (no sweep)
@@ -491,13 +520,15 @@ def main():
     ap.add_argument("--sync-port", type=int, default=29611, help="push --transport distributed: the group's port")
     ap.add_argument("--join-timeout", type=float, default=600, help="push --transport distributed: group join, s")
     ap.add_argument("--prompt-len-max", type=int, default=0, help="prompt lengths spread over prompt-len..this")
-    ap.add_argument("--synth", type=int, default=0, help="prompts of held-out synth problems (a trained model)")
+    ap.add_argument("--synth", default="0", choices=["0", "1", "long"],
+                    help="prompts of a trained model's task: 1 = synth.py's sums, long = longctx.py's facts")
     ap.add_argument("--restore", type=int, default=0, help="/update_weights_from_disk --dir before sampling")
     ap.add_argument("--variants", default="",
                     help="experiments/h200/parity_variants.py names, e.g. shared_expert_clamp,window_127")
     ap.add_argument("--sweep", default="",
                     help="more prompt lengths, one prompt each, for `by_length` / `by_position` only")
     a = ap.parse_args()
+    a.synth = {"0": "", "1": "sums", "long": "long"}[a.synth]
     {"ckpt": cmd_ckpt, "parity": cmd_parity, "push": cmd_push}[a.phase](a)
 
 

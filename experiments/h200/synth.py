@@ -98,13 +98,19 @@ def solution(prompt: str, rng: random.Random | None = None) -> str:
     vary it: each step acc+x or x+acc (1/2 each), each separator uniform over SEPARATORS -- choices the reward
     never sees, so a worked response keeps ~(K-1) ln 2 + (K-2) ln 6 nats of entropy (module docstring)."""
     ops = parse_prompt(prompt)
+    return chain(ops, rng) + ".</think>\\boxed{" + str(sum(ops)) + "}"
+
+
+def chain(ops: tuple, rng: random.Random | None = None) -> str:
+    """The running sum of `ops` written out, one step per partial sum ("3+8=11, 11+5=16"), phrased as
+    `solution` describes (canonical without `rng`, drawn with it)."""
     text, acc = "", ops[0]
     for i, x in enumerate(ops[1:]):
         a, b = (x, acc) if rng is not None and rng.random() < 0.5 else (acc, x)
         sep = "" if i == 0 else SEPARATORS[0] if rng is None else rng.choice(SEPARATORS)
         text += f"{sep}{a}+{b}={acc + x}"
         acc += x
-    return text + ".</think>\\boxed{" + str(acc) + "}"
+    return text
 
 
 def problems(family: str, split: str, seed: int = 0) -> list[Problem]:

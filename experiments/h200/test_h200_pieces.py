@@ -184,6 +184,33 @@ def test_probe_matches_same_weights_and_flags_others(tiny_pair):
         probe_lib.require_landed({**same, "mean": probe_lib.PROBE_MAX_MEAN * 2}, 3)
 
 
+def test_live_probe_after_a_push_expects_the_pushers_tagged_version(tiny_pair, tmp_path):
+    """The live hook's probe compares the server's weight version with the one the pusher told it
+    (`StagePusher.tag`: '{step}-{launch nonce}', issue 39), for the step's push and a swap push alike. Bug
+    caught: comparing with the bare step number stopped every run at its first push ('the server reports weight
+    version 0-6db11911'), in the CPU dry run and on the H200 alike."""
+    import types
+    from nanoflash.rl.hooks import HookContext
+    cfg, a, _ = tiny_pair
+
+    class Short(FakeServer):                # 4 probe tokens: the version is what is tested, not the gap
+        def generate(self, prompt, sp, url=None):
+            return super().generate(prompt, {**sp, "max_new_tokens": 4}, url)
+    pusher = types.SimpleNamespace(tag=lambda v: f"{v}-abc123", summary={"verified": {"u": "checksums"}})
+    run_cfg = types.SimpleNamespace(train=types.SimpleNamespace(out_dir=str(tmp_path), seed=0),
+                                    rollout=types.SimpleNamespace(temperature=1.0))
+    task = types.SimpleNamespace(heldout=[], train=["x"], encode=lambda p: [1, 5, 9, 12])
+    ctx = HookContext(run_cfg, cfg, types.SimpleNamespace(model=a, device=torch.device("cpu")),
+                      types.SimpleNamespace(client=Short(a, version="3-abc123")), pusher, task)
+    hook = live.LiveChecks(ctx)
+    out = hook.after_push(3)
+    assert out["probe_mean"] < FP32_TOL and out["verify_full_checksums"] == 1
+    assert hook._probe_swap(a, 3) < FP32_TOL
+    hook.rollouts.client = Short(a, version="3")                     # a server that never took this launch's push
+    with pytest.raises(SystemExit, match="weight version 3"):
+        hook.after_push(3)
+
+
 def test_token_entropy_against_naive(tiny_pair):
     cfg, a, _ = tiny_pair
     ids = torch.randint(3, cfg.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
