@@ -24,8 +24,9 @@ Instruments (the live FP8-floor checks of experiments/h200, ...) attach through 
 
 Failures: a crash resumes from the last checkpoint (re-run the command); Ctrl-C stops within seconds with one
 line naming it (`rl/interrupt.py`); a non-finite step is skipped on every
-rank; a rollout server that dies mid-rollout is, with `rollout.max_server_restarts`, waited for, re-pushed and
-the step redone from the same data position (the `resync` header every rank reads); else one line, stop.
+rank; a rollout server that dies (or loses the weights) during a rollout, an eval or a push is, within
+`rollout.max_server_restarts`, waited for, re-pushed and what failed redone (`rl/restarts.py`, one policy for
+all three); else one line, stop.
 
 Tests: `pytest tests/test_train_cli.py tests/test_train_e2e.py -q`.
 """
@@ -46,15 +47,15 @@ from nanoflash.cli import startup, to_dict
 from nanoflash.model import Transformer
 from nanoflash.parallel.dcp import latest_checkpoint
 from nanoflash.parallel.dims import all_gather_values, init_distributed, print0, shutdown_distributed
-from nanoflash.rl.collector import Collector, StaleServerError, eval_seeds
+from nanoflash.rl.collector import Collector, eval_seeds
 from nanoflash.rl.evaluate import evaluate
 from nanoflash.rl.hooks import HookContext, Hooks
 from nanoflash.rl.interrupt import Interrupt
 from nanoflash.rl.metrics import MetricsLog
 from nanoflash.rl.plots import write_plots
+from nanoflash.rl.restarts import ServerRestarts
 from nanoflash.rl.trainer import Trainer, gather_full_state, make_optimizer
 from nanoflash.sglang.buckets import optimizer_storage
-from nanoflash.sglang.client import ServerGoneError
 from nanoflash.sglang.push import StagePusher
 
 # ---------------------------------------------------------------------------------------------- config
@@ -122,13 +123,14 @@ t_phase = time.time()
 collector = Collector(cfg, task, mcfg, shadow, pos) if rank0 else None  # embedded servers, or waits for SGLang
 pusher = StagePusher(dims, collector.client if rank0 else None, rc, mcfg, disk_dir=os.path.join(tc.out_dir, "sync"))
 phases["servers_s"] = time.time() - t_phase
+restarts = ServerRestarts(rc, dims, collector.client if rank0 else None, pusher, log.log)  # rollout, eval, push
 hooks = Hooks(tc.hooks, None)  # instruments (--train.hooks), built on rank 0 after the first push
 
 
 def push(version: int) -> dict:
     """Each stage pushes its own slice to every server, verified (collective; rank 0 reports)."""
     t0 = time.time()
-    info = pusher.push(trainer.state_iter, version)
+    info = restarts.push(trainer.state_iter, version)
     if not rank0:
         return {}
     return {"sync_s": time.time() - t0, "sync_tensors": info["tensors"], "sync_buckets": info["buckets"],
@@ -142,14 +144,15 @@ def gen_at(at: int):
 
 def run_eval(at: int) -> None:
     """pass@k on held-out problems of the weights the rollout servers hold, just pushed (rank 0): in-process on
-    the embedded engine or through the servers (`eval.path`, `Collector.eval_generate`)."""
-    if not rank0 or not ec.every:
+    the embedded engine or through the servers (`eval.path`, `Collector.eval_generate`). Collective: a server
+    that died or lost the weights is never scored; the restart policy re-pushes and the eval is redone."""
+    if not ec.every:
         return
     t0 = time.time()
-    try:  # a server that restarted (or died) since the push is never scored: one line, stop (resume re-pushes)
-        res = evaluate(task.heldout, gen_at(at), ec.k_samples, task.reward, ec.max_new_tokens, task.encode)
-    except (ServerGoneError, StaleServerError) as e:
-        raise SystemExit(f"eval at step {at} failed: {type(e).__name__}: {e}") from None
+    res = restarts.run(f"eval at step {at}", at, lambda: evaluate(task.heldout, gen_at(at), ec.k_samples, task.reward,
+                                                                  ec.max_new_tokens, task.encode))
+    if not rank0:
+        return
     acc = torch.tensor(res.pop("per_problem_correct"), dtype=torch.float64) / ec.k_samples  # [P] per problem
     passk = [k for k in res if k.startswith("pass@") and not k.endswith("_se")]
     print0(f"eval step {at}: " + " ".join(f"{k}={res[k]:.3f}+-{res[k + '_se']:.3f}" for k in passk))
@@ -162,7 +165,8 @@ def save(at: int) -> None:
     if tc.save_every < 0:  # no checkpoints at all (throughput runs: the `gpu` recipe)
         return
     data_pos = collector.pos if rank0 else None
-    trainer.save(ckpt_dir, at, extra={"data_pos": data_pos, "model_config": dataclasses.asdict(mcfg)}, keep=tc.keep,
+    trainer.save(ckpt_dir, at, extra={"data_pos": data_pos, "model_config": dataclasses.asdict(mcfg),
+                                      "run_config": to_dict(cfg)}, keep=tc.keep,  # the run's identity (cli.py)
                  async_save=tc.async_save)   # async: written during the next rollout, waited for before its update
 
 
@@ -185,13 +189,10 @@ if not latest:
 streak = total_skipped = 0  # consecutive / all skipped (non-finite) steps
 while step < tc.steps:
     t0, interrupt.at = time.time(), step + 1
-    batch, m = collector.next_batch(step + 1) if rank0 else (None, {})
-    resync, tm = trainer.step(batch, step + 1, m.get("resync", False),
-                              before_update=lambda b, old: hooks.before_update(b, old, step + 1))
-    if resync:  # a server restarted with other weights: every rank re-pushes, then the step is redone
-        pusher.reconnect(restarted=True)   # from the same data position, so with the same prompts and seeds
-        log.log("server_restart", step + 1, {**push(step), "server_restarts": m.get("server_restarts")})
-        continue
+    # a server lost: wait, re-push, redo from the same data position (same prompts and seeds): rl/restarts.py
+    batch, m = restarts.run(f"rollout for step {step + 1}", step + 1, lambda: collector.next_batch(step + 1)) \
+        or (None, {})
+    tm = trainer.step(batch, step + 1, before_update=lambda b, old: hooks.before_update(b, old, step + 1))
     step, m = step + 1, {**m, **tm}
     skipped = m.pop("skipped", False)
     streak, total_skipped = (streak + 1 if skipped else 0), total_skipped + skipped
@@ -221,7 +222,8 @@ while step < tc.steps:
 # ---------------------------------------------------------------------------------------------- wrap up
 trainer.finish_save()   # the last checkpoint, when written asynchronously
 if trainer.device.type == "cuda":   # every rank's own allocator peak (ranks sharing one GPU: one each)
-    log.log("memory", step, {"gpu_peak_gib_per_rank": all_gather_values(dims, torch.cuda.max_memory_allocated() / 2 ** 30)})
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    log.log("memory", step, {"gpu_peak_gib_per_rank": all_gather_values(dims, peak)})
 if rank0 and tc.plots:
     for path in write_plots(tc.out_dir):
         print(f"wrote {path}")

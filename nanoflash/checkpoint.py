@@ -18,7 +18,11 @@ model is materialized first (`to_empty`, then every tensor is overwritten). "Une
 maps to no tensor of the FULL model described by `cfg` (nor is the scale of one); tensors of layers or
 experts this model does not hold are simply not read. Every defect raises one `CheckpointError` naming the
 tensor and the file: missing or unexpected tensor, wrong shape or dtype, missing or non-finite scale,
-truncated/corrupt shard, index naming a file that is not there.
+truncated/corrupt shard, index naming a file that is not there, an index whose `weight_map` is no name -> file
+map. Every header is checked against the config before a meta-built model takes any memory (`check_headers`).
+Integrity: safetensors has no checksum, so a bit flipped inside a tensor's bytes loads as it is (a NaN/inf that
+results is refused; a finite wrong value is not detectable here). A nanoflash training checkpoint (DCP,
+`parallel/dcp.py`) carries a CRC per file and is verified; an HF checkpoint is trusted as its files are.
 
 `save_hf_checkpoint(model, path, weights, experts)` writes the same layout: weights="fp8", experts="fp4" is
 the official release; experts="fp8" the re-pack SGLang serves on Hopper (Miles sets SGLANG_DSV4_FP4_EXPERTS=0);
@@ -76,6 +80,9 @@ def read_weight_map(path: str) -> dict[str, str]:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"cannot read the index {index}: {e!r}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"the index {index}: weight_map must map tensor names to shard files, got "
+                                  f"{type(weight_map).__name__} {str(weight_map)[:80]}")
     elif os.path.exists(os.path.join(path, SINGLE_FILE)):
         with _open_shard(os.path.join(path, SINGLE_FILE)) as f:
             weight_map = {k: SINGLE_FILE for k in f.keys()}
@@ -186,6 +193,23 @@ def read_tensor(shards, name: str, weight_map: dict, shape: tuple, dtype: torch.
     return shards.read(name, file, shape).to(dtype)
 
 
+def check_headers(shards, model, weight_map: dict) -> None:
+    """Every tensor the model holds against its shard's header (a dtype its kind allows, the stored shape the
+    config implies) before the model takes any memory: a checkpoint that contradicts its config.json fails
+    here, not after 284B parameters were allocated."""
+    for name, dst in model.state_dict(keep_vars=True).items():
+        kind, file = release_kind(name), weight_map[name]
+        stored, got = shards.header(name, file)
+        if stored not in ALLOWED[kind]:
+            raise CheckpointError(f"tensor {name!r} in {file} has dtype {stored}; a {kind} tensor is stored as "
+                                  f"one of {ALLOWED[kind]}")
+        want = tuple(dst.shape)
+        want = (want[0], want[1] // 2) if stored in ("I8", "U8") and kind == "fp4" else want
+        if got != want:
+            raise CheckpointError(f"tensor {name!r} in {file} has shape {list(got)}; expected {list(want)} (its "
+                                  f"config's)")
+
+
 # ---------------------------------------------------------------------------- load
 def _materialize(model: torch.nn.Module, device) -> None:
     """A meta-built model gets real (uninitialized) storage; loading then overwrites every tensor.
@@ -229,10 +253,12 @@ def load_hf_checkpoint(model: torch.nn.Module, path: str, cfg=None, device="cpu"
     cfg = cfg if cfg is not None else model.cfg
     weight_map = read_weight_map(path)
     check_unexpected(weight_map, cfg)
-    _materialize(model, device)
-    plan = _plan(model, weight_map, cfg, path)
+    _plan(model, weight_map, cfg, path)   # names and shapes against the config, before any memory is taken
     with contextlib.ExitStack() as stack:
         shards = _Shards(stack)
+        check_headers(shards, model, weight_map)   # and against the shards' headers (no tensor bytes read)
+        _materialize(model, device)
+        plan = _plan(model, weight_map, cfg, path)
         for file in sorted(plan):
             for name, dst in plan[file].items():
                 t = read_tensor(shards, name, weight_map, tuple(dst.shape), dst.dtype)

@@ -29,10 +29,12 @@ and reward plug-in (`collector.make_task`: the tokenizer/vocabulary check, field
 prepares the run directory. A user error anywhere in there is ONE line on stderr (`train.py: error: ...`)
 and exit code 2, before any model is built (`NANOFLASH_TRACEBACK=1` shows the traceback instead).
 
-Run directories (`train.out_dir`): a run writes `config.json` (the whole tree, `cli.to_dict`) there at start.
+Run directories (`train.out_dir`): a run writes `config.json` (the whole tree, `cli.to_dict`: secrets redacted)
+there at start.
 A directory that another run wrote into -- its `config.json`, or without one the config that starts its
-`metrics.jsonl` (`recorded_config`), with or without checkpoints -- is taken only by the same run: a config
-that differs in anything but the fields of `RESUMABLE` (steps, logging, layout, server addresses) is refused
+`metrics.jsonl`, or its newest checkpoint's `meta.json` (`recorded_config`), with or without checkpoints -- is
+taken only by the same run: a config that differs in anything but the fields of `RESUMABLE` (steps, logging,
+the step size, the directory's own path, layout, server addresses) is refused
 naming the differences (never overwritten), as is `--no-resume` over checkpoints (they would mix with the new
 run's); a run that already reached `train.steps` says so and exits 0.
 
@@ -63,6 +65,7 @@ from nanoflash.parallel.dcp import latest_checkpoint
 from nanoflash.rl.collector import make_task
 from nanoflash.rl.hooks import load_hook
 from nanoflash.rl.metrics import read_jsonl
+from nanoflash.rl.plots import write_plots
 
 SHORT = {"--preset": "train.preset", "--steps": "train.steps", "--out": "train.out_dir",
          "--checkpoint": "train.checkpoint", "--seed": "train.seed"}
@@ -222,9 +225,20 @@ def parse_args(argv: list[str]) -> RunConfig:
     return cfg
 
 
+REDACTED = "<redacted>"
+
+
 def to_dict(cfg: RunConfig) -> dict:
-    """JSON-able view of the whole tree (written to out_dir/config.json)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    """JSON-able view of the whole tree, every secret (`config.SECRET_FIELDS`) redacted: what config.json, the
+    `info` record of metrics.jsonl, W&B's config and each checkpoint's meta.json record. A literal value becomes
+    REDACTED; `env:VAR` (the variable's name, not the secret) stays as it is."""
+    d = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    for path in config.SECRET_FIELDS:
+        section, name = path.split(".")
+        v = d[section][name]
+        if v and not str(v).startswith("env:"):
+            d[section][name] = REDACTED
+    return d
 
 
 # ---------------------------------------------------------------------------------------------- --help
@@ -324,12 +338,17 @@ def dry_run_text(cfg: RunConfig, gpus_per_node: int = 8, rollout_nodes: int = 2)
 
 
 # ---------------------------------------------------------------------------------------------- start-up
-# Fields a resumed run may change (everything else must match the run directory's config.json).
+# A run's identity is its config minus these fields, the ones a resumed run may change (everything else must
+# match what the run directory recorded). The one list: how long and how it runs and logs; where it lives
+# (out_dir: a run moved to a bigger disk resumes); the step size (lr, its warm-up, the clip: the recovery a
+# divergence advises); the layout; the servers and how weights reach them; instruments; the eval's cadence.
 RESUMABLE = {"train": {"steps", "resume", "progress", "plots", "tensorboard", "wandb", "threads", "save_every",
-                       "keep", "async_save", "dry_run", "max_skipped_steps", "reward_timeout_s", "reward_workers"},
-             "parallel": "*", "eval": {"every"},
+                       "keep", "async_save", "dry_run", "max_skipped_steps", "max_abs_weight",
+                       "reward_timeout_s", "reward_workers", "out_dir", "lr_warmup_steps", "hooks"},
+             "optim": {"lr", "grad_clip"},
+             "parallel": "*", "eval": {"every", "path", "before_train"},
              "rollout": {"urls", "max_workers", "transport", "sync_addr", "verify", "bucket_bytes", "health_timeout_s",
-                         "api_key", "max_server_restarts", "retry_s"}}
+                         "api_key", "max_server_restarts", "retry_s", "update_timeout_s"}}
 DATA_HELP = ("the defaults point at the project's shared data folder, ../shared/data/ seen from the directory "
              "you run in (README: Data)")
 
@@ -475,23 +494,33 @@ def config_diff(old: dict, new: dict) -> list[str]:
 
 
 def recorded_config(out: str) -> tuple[dict | None, str | None]:
-    """The config a run left in `out` and the file it came from: config.json, else the `info` record that
-    starts its metrics.jsonl (a run whose config.json was lost). (None, None): neither file, or an empty
-    metrics.jsonl; (None, "metrics.jsonl"): records without a config (not a run of this trainer's)."""
+    """The config a run left in `out` and the file it came from: config.json, else the `info` record that starts
+    its metrics.jsonl, else its newest checkpoint's meta.json (`run_config`: every save records it), so a lost
+    config.json never switches the identity check off. (None, None): none of them, or an empty metrics.jsonl
+    and no checkpoint; (None, where): records or checkpoints without a config (not a run of this trainer's)."""
     cfg_path, metrics = os.path.join(out, "config.json"), os.path.join(out, "metrics.jsonl")
     if os.path.exists(cfg_path):
-        try:
-            with open(cfg_path) as f:
-                return json.load(f), "config.json"
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--out {out}: its config.json is not JSON ({e}): pass a new --out, or delete "
-                             f"{out}") from None
-    if os.path.exists(metrics):
-        recs = read_jsonl(metrics)
-        info = next((r["config"] for r in recs if r.get("kind") == "info" and isinstance(r.get("config"), dict)),
-                    None)
-        return (info, "metrics.jsonl") if recs else (None, None)
-    return None, None
+        return _read_json(cfg_path, out), "config.json"
+    recs = read_jsonl(metrics)
+    info = next((r["config"] for r in recs if r.get("kind") == "info" and isinstance(r.get("config"), dict)), None)
+    if info is not None:
+        return info, "metrics.jsonl"
+    latest = latest_checkpoint(os.path.join(out, "checkpoints"))
+    if latest:
+        meta = _read_json(os.path.join(latest, "meta.json"), out)
+        extra = meta.get("extra") if isinstance(meta, dict) else None
+        run = extra.get("run_config") if isinstance(extra, dict) else None
+        return (run if isinstance(run, dict) else None), os.path.relpath(os.path.join(latest, "meta.json"), out)
+    return None, "metrics.jsonl" if recs else None
+
+
+def _read_json(path: str, out: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--out {out}: its {os.path.relpath(path, out)} is not JSON ({e}): pass a new --out, or "
+                         f"delete {out}") from None
 
 
 def prepare_out_dir(cfg: RunConfig, rank0: bool = True) -> None:
@@ -499,6 +528,11 @@ def prepare_out_dir(cfg: RunConfig, rank0: bool = True) -> None:
     tc, out = cfg.train, cfg.train.out_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"train.out_dir={out!r} is a file, not a directory")
+    metrics = os.path.join(out, "metrics.jsonl")
+    if os.path.isdir(metrics):
+        raise ValueError(f"--out {out}: {metrics} is a directory; the run writes its records there: move it away, "
+                         f"or pass a new --out")
+    read_jsonl(metrics)   # a corrupt line (not a torn last one): this one line now, not after the model is built
     latest, cfg_path = latest_checkpoint(os.path.join(out, "checkpoints")), os.path.join(out, "config.json")
     recorded, where = recorded_config(out)   # with or without checkpoints: another run's files are never overwritten
     if where is not None:
@@ -517,6 +551,9 @@ def prepare_out_dir(cfg: RunConfig, rank0: bool = True) -> None:
         if done == tc.steps:
             print(f"{out}: this run already finished ({done} of {tc.steps} steps); nothing to do. --steps N > "
                   f"{done} continues it; a new --out starts another run.")
+            if tc.plots and rank0 and os.path.exists(metrics):   # a run killed after its final save never drew them
+                for path in write_plots(out):
+                    print(f"wrote {path}")
             raise SystemExit(0)
     if rank0:
         os.makedirs(out, exist_ok=True)

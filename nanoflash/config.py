@@ -218,6 +218,8 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 # ---------------------------------------------------------------------------------------------- the run
 TRANSPORTS = ("tensor", "local", "disk", "distributed")  # weight push (rollout/transports.py)
+# Fields holding a secret: never written in clear (cli.to_dict redacts a literal value; `env:VAR` stays)
+SECRET_FIELDS = ("rollout.api_key",)
 
 @dataclass
 class GRPOConfig:
@@ -333,11 +335,12 @@ class RolloutConfig:
     routing_replay: bool = False      # R3: replay the rollout engine's expert choices in the trainer forward
     max_rounds: int = 8               # over-sampling rounds per step before training on what was kept
     health_timeout_s: float = 900.0   # wait this long for every external server's /health before the first push
+                                      # and for a lost one (rollout.max_server_restarts)
     retry_s: float = 30.0             # connection retries of one request (backoff) before its server counts as gone
     update_timeout_s: float = 3600.0  # read timeout of one weight-update call (a bucket's load); a sent POST is never
                                       # re-sent, so this is how long a push waits for a server that took one
-    max_server_restarts: int = 0      # a server that dies mid-rollout: wait health_timeout_s for it to come back (its
-                                      # supervisor restarts it), re-push, redo the step -- this many times a run; 0 = stop
+    max_server_restarts: int = 0      # a server lost in a rollout, an eval or a push: wait health_timeout_s for it (its
+                                      # supervisor restarts it), re-push, redo -- this many times a run; 0 = stop
     api_key: str = ""                 # the servers' --api-key (sent as Bearer; also set on embedded ones); env:VAR reads $VAR
 
     def __post_init__(self):
@@ -426,6 +429,10 @@ class TrainConfig:
     plots: bool = True                # PNG figures at the end (if matplotlib is installed)
     dry_run: bool = False             # print the per-GPU memory plan of the configured layout and exit
     max_skipped_steps: int = 3        # consecutive non-finite (skipped) GRPO steps before the run stops
+    max_abs_weight: float = 1e4       # an update leaving any |w| above this has exploded: stop, nothing pushed or
+                                      # saved. Weights start O(1) (norm scales 1, matrices std <= 0.02) and Adam
+                                      # moves each by ~lr a step; 1e4 is far past any trained value, far below fp32
+                                      # overflow (two chained linears at D=4096 overflow only past ~1e15)
     hooks: tuple = ()                 # instruments attached to the loop: module:Class,... (nanoflash/rl/hooks.py)
 
     def __post_init__(self):
@@ -436,6 +443,8 @@ class TrainConfig:
                              f"reward_workers={self.reward_workers} >= 1")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"TrainConfig.dtype must be fp32|bf16, got {self.dtype!r}")
+        if not self.max_abs_weight > 0:
+            raise ValueError(f"TrainConfig.max_abs_weight={self.max_abs_weight} must be > 0")
         if self.steps < 0 or self.warmup_steps < 0:
             raise ValueError(f"TrainConfig: steps={self.steps}, warmup_steps={self.warmup_steps} must be >= 0")
 

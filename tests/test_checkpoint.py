@@ -298,6 +298,40 @@ def test_clean_copy_loads(tmp_path, release):
     assert load_hf_checkpoint(meta_model(cfg), str(tmp_path))["loaded"] == len(official_inventory(cfg))
 
 
+def test_a_weight_map_that_is_no_map_is_named(tmp_path, release):
+    """Issue 39 (low). Bug caught: an index whose weight_map is a list raised AttributeError ('list' object has
+    no attribute 'items') instead of one CheckpointError naming the index."""
+    cfg, tensors = release
+    write_dir(str(tmp_path), tensors)
+    index = tmp_path / INDEX_FILE
+    index.write_text(json.dumps({"weight_map": sorted(json.loads(index.read_text())["weight_map"])}))
+    with pytest.raises(CheckpointError, match=r"weight_map must map tensor names to shard files, got list"):
+        load_hf_checkpoint(meta_model(cfg), str(tmp_path))
+
+
+def test_a_checkpoint_contradicting_its_config_fails_before_the_model_takes_memory(tmp_path, release, monkeypatch):
+    """Issue 39 (low). Bug caught: the model was materialised (`to_empty`: at flash scale ~0.5 TB allocated)
+    before the checkpoint's tensors were compared with the shapes its config.json implies. Now every header is
+    checked on the meta model first; the trainer leaves an HF start on meta for that (`build_model`)."""
+    import dataclasses
+    from nanoflash.cli import parse_args
+    from nanoflash.parallel.dims import ParallelDims
+    from nanoflash.rl.trainer import Trainer
+    cfg, tensors = release
+    write_dir(str(tmp_path), tensors)
+    wider = dataclasses.replace(cfg, moe_inter_dim=2 * cfg.moe_inter_dim)     # what a wrong config.json says
+    model = meta_model(wider)
+    with pytest.raises(CheckpointError, match=r"w1\.weight' in .* shape \[32, 32\]; expected \[64, 32\]"):
+        load_hf_checkpoint(model, str(tmp_path))
+    assert all(p.is_meta for p in model.parameters())                         # nothing was allocated
+    calls = []
+    monkeypatch.setattr(Transformer, "to_empty", lambda self, **kw: calls.append(kw))
+    with pytest.raises(CheckpointError, match="expected"):
+        Trainer(parse_args(["--recipe", "smoke", "--train.checkpoint", str(tmp_path)]), wider, ParallelDims(),
+                str(tmp_path))
+    assert calls == []
+
+
 def test_missing_tensor(tmp_path, release):
     cfg, tensors = release
     t = dict(tensors)

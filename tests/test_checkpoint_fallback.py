@@ -145,3 +145,38 @@ def test_a_step_dir_without_meta_is_moved_aside_on_a_fresh_start(tmp_path):
     assert load_latest(str(tmp_path), None, None, ParallelDims(), log=messages.append) == (None, None)
     assert len(messages) == 1 and "step_00000001.corrupt-1" in messages[0], messages
     _save(tmp_path, 1)
+
+
+@pytest.fixture(scope="module")
+def one_save(tmp_path_factory):
+    return _save(tmp_path_factory.mktemp("one"), 3)
+
+
+@pytest.mark.parametrize("fault", ["meta_a_list", "meta_files_a_list", "meta_no_step", "rng_forged_crc"])
+def test_a_malformed_meta_or_rng_file_is_corrupt_not_a_traceback(one_save, tmp_path, fault):
+    """Issue 39 (low). Bug caught: a meta.json of the wrong structure (AttributeError / KeyError / TypeError) or
+    an RNG file replaced along with its crc in meta.json (weights_only unpickling or set_rng_state failing)
+    raised a raw exception, which `load_latest` does not catch: no fall-back to the previous checkpoint. Now
+    each is CheckpointCorrupt naming the file (the fall-back itself: the tests above)."""
+    import shutil
+    import torch
+    from nanoflash.parallel.dcp import file_crc32, load_checkpoint
+    bad = str(tmp_path / "step_00000003")
+    shutil.copytree(one_save, bad)
+    with open(os.path.join(bad, "meta.json")) as f:
+        meta = json.load(f)
+    if fault == "meta_a_list":
+        meta = [meta]
+    elif fault == "meta_files_a_list":
+        meta["files"] = sorted(meta["files"])
+    elif fault == "meta_no_step":
+        del meta["step"]
+    else:   # another valid pickle where the RNG state was, its crc forged to match
+        rng = os.path.join(bad, "rng_rank0.pt")
+        torch.save({"torch": torch.zeros(3)}, rng)
+        meta["files"]["rng_rank0.pt"] = file_crc32(rng)
+    with open(os.path.join(bad, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    model = _model(99)
+    with pytest.raises(CheckpointCorrupt, match="rng_rank0.pt" if fault.startswith("rng") else "meta.json"):
+        load_checkpoint(bad, model, make_optimizer(model, OptimConfig()), ParallelDims())

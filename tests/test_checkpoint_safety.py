@@ -126,12 +126,18 @@ def test_no_resume_into_an_old_runs_folder_is_refused(tmp_path):
 
 
 def test_diverging_learning_rate_stops_with_one_message(tmp_path):
-    """lr 1e30: the first update leaves finite but overflowing weights; the next rollout's logits are
-    non-finite, and the run stops naming that, instead of a traceback or a silent exit 0."""
-    p = _train(tmp_path / "lr", "--steps", "4", "--optim.lr", "1e30", "--grpo.dynamic_sampling", "false", check=False)
+    """lr 1e30: the first update leaves finite weights of ~1e30. The run stops right after that update naming
+    it (train.max_abs_weight), before any push or save: the last checkpoint stays the step-0 one. Bug caught
+    (issue 39 case 6): the exploded weights passed the finiteness check, were pushed and saved as step 1, and
+    every resume then failed with "non-finite logits"."""
+    out = tmp_path / "lr"
+    p = _train(out, "--steps", "4", "--optim.lr", "1e30", "--grpo.dynamic_sampling", "false", check=False)
     assert p.returncode != 0
     last = p.stderr.strip().splitlines()[-1]
-    assert "non-finite" in last and ("diverged" in last or "broken" in last), p.stderr[-2000:]
+    assert last.startswith("diverged: ") and "exploded past |w| 10000 (train.max_abs_weight) after the " \
+        "optimizer update (lr 1e+30)" in last and "lower --optim.lr" in last, p.stderr[-2000:]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000000"]    # step 1 was never saved
+    assert "step 1:" not in p.stdout                                       # nor logged as a finished step
 
 
 def test_torn_last_metrics_line_is_dropped_a_corrupt_middle_line_is_an_error(tmp_path, capsys):

@@ -88,3 +88,15 @@ def test_a_verifier_that_cannot_start_is_an_error_and_its_counts_are_kept(tmp_pa
     token = rewards.token_reward_fn(lambda ids: "Answer: x/2", rewards.MathReward(pool=NoPool()), vocab_size=8)
     assert token([Problem("a", "p", "1/2")] * 2, [[1, 2], [9]]) == [0.0, 0.0]
     assert token.counts == {"verify_error": 1, "oov": 1}  # what collect logs as reward_verify_error, reward_oov
+
+
+def test_a_bom_and_a_non_utf8_line_cost_one_row_each_named(tmp_path, capsys):
+    """Issue 39 (low). Bugs caught: a UTF-8 byte-order mark made the first row unparseable (skipped silently);
+    one invalid UTF-8 byte failed the whole file (UnicodeDecodeError) without naming the file or the line."""
+    rows = [b'{"prompt": "1+1", "answer": "2"}', b'{"prompt": "caf\xe9", "answer": "3"}',
+            b'{"prompt": "2+2", "answer": "4"}']
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"\n".join(rows) + b"\n")
+    problems, skipped = data.load_problems(str(path), "t")
+    assert [p.answer for p in problems] == ["2", "4"] and skipped == 1
+    assert f"{path}:2: not UTF-8" in capsys.readouterr().err

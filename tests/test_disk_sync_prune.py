@@ -21,6 +21,7 @@ from nanoflash.server.engine import RolloutEngine
 from nanoflash.server.http import serve
 from nanoflash.sglang.client import RequestRejected, SGLangClient
 from nanoflash.sglang.push import StagePusher
+from nanoflash.sglang.transports import PushFailed
 
 BUCKET = 1 << 16  # 64 KiB: the tiny model's push is a few dozen bucket files
 PUSHES = 3
@@ -47,7 +48,7 @@ def test_only_the_last_verified_push_stays_on_disk():
                     raise RequestRejected(u + path, 500, "injected failure")
                 return real_post(u, path, body, **kw)
             client.post = refuse
-            with pytest.raises(SystemExit, match="injected failure"):
+            with pytest.raises(PushFailed, match="injected failure"):
                 pusher.push(lambda: model.state_dict().items(), version=PUSHES)
             assert f"v{PUSHES - 1}" in os.listdir(sync), "a failed push deleted the push the servers hold"
         finally:

@@ -109,3 +109,29 @@ def test_the_line_names_the_step_and_the_last_checkpoint(tmp_path, monkeypatch):
     it.at = 23
     assert it.line() == (f"interrupted at step 23; last checkpoint step 20 ({tmp_path}/checkpoints/step_00000020); "
                          f"re-run the same command to resume")
+
+
+def test_a_full_disk_is_one_line_naming_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """Issue 39 (low). Bug caught: a disk that filled up (ENOSPC in a save, the metrics file, a disk push) ended
+    the run with a traceback; now one line naming the file and the checkpoint to resume from, exit code 1."""
+    import errno
+    import signal as sig
+    from nanoflash.rl import interrupt as mod
+    before = (sig.getsignal(sig.SIGINT), sys.excepthook)
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / "step_00000004").mkdir(parents=True)
+    (ckpts / "step_00000004" / "meta.json").write_text("{}")
+    try:
+        it = mod.Interrupt(str(ckpts))
+        it.at = 5
+        exits = []
+        monkeypatch.setattr(mod.os, "_exit", lambda code: exits.append(code))
+        err = OSError(errno.ENOSPC, "No space left on device", str(ckpts / "step_00000005.tmp" / "__0_0.distcp"))
+        sys.excepthook(OSError, err, None)
+    finally:
+        sig.signal(sig.SIGINT, before[0])
+        sys.excepthook = before[1]
+    line = capsys.readouterr().err.strip()
+    assert exits == [1] and "\n" not in line and "Traceback" not in line
+    assert line.startswith("disk full (") and "__0_0.distcp: No space left on device) at step 5" in line
+    assert "last checkpoint step 4" in line and "re-run the same command to resume" in line

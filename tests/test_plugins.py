@@ -38,6 +38,15 @@ def even(response, problem):
 
 def one_arg(response):
     return 0.0
+
+def numpy_or_fork(response, problem):
+    import numpy as np, os, subprocess, time
+    if response == "np":
+        return np.float32(0.5)
+    child = subprocess.Popen(["sleep", "60"])
+    with open(os.path.join(os.path.dirname(__file__), "child.pid"), "w") as f:
+        f.write(str(child.pid))
+    time.sleep(30)
 '''
 
 
@@ -154,3 +163,26 @@ def test_reward_workers_start_only_on_the_rank_that_scores(plugin_dir, tmp_path,
     for pid in set(_children()) - before:   # the workers this test started (they would exit with the test process)
         os.kill(pid, signal.SIGKILL)
     assert len(new) == 2, "rank 0 starts train.reward_workers (2) workers at start-up"
+
+
+def test_numpy_values_forked_children_and_a_hanging_import(plugin_dir):
+    """Issue 39 (low). Bugs caught: a plug-in returning np.float32 stopped the run ("not a finite number"); a
+    plug-in's forked children outlived the worker killed for its timeout; a plug-in that hangs at import hung
+    start-up (now: one ValueError after the import timeout, the check's process group killed)."""
+    import time
+    p = Problem("t-0", "0527+1=", "8")
+    reward = plugins.PluginReward("my_rewards:numpy_or_fork", n_workers=1, timeout_s=TIMEOUT_S)
+    try:
+        assert reward(["np", "fork"], [p, p]) == [0.5, 0.0] and reward.counts["timeout"] == 1
+    finally:
+        reward.close()
+    child = int((plugin_dir / "child.pid").read_text())
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:   # killed; reaped by init
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}") or "zombie" in open(f"/proc/{child}/status").read().lower()
+    (plugin_dir / "slow_import.py").write_text("import time\ntime.sleep(60)\ndef score(r, p):\n    return 0.0\n")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"importing 'slow_import' did not finish in 1 s"):
+        plugins.PluginReward("slow_import:score", n_workers=1, timeout_s=TIMEOUT_S, import_timeout_s=1.0)
+    assert time.monotonic() - t0 < 30

@@ -298,7 +298,7 @@ def test_health_generate_runs_the_model_and_fails_on_nan_weights():
         with torch.no_grad():
             engine.model.embed.weight.fill_(float("nan"))
         status, out = call(url, "GET", "/health_generate")
-        assert status == 503 and "non-finite logits" in out["error"]["message"]
+        assert status == 503 and "non-finite weights in ['embed.weight']" in out["error"]["message"]
         assert call(url, "POST", "/generate", gen_body())[0] == 500  # generation fails too ...
         assert call(url, "GET", "/health")[0] == 200                   # ... while the process lives
     finally:

@@ -284,6 +284,98 @@ def test_finished_run_says_so_and_exits_0_while_more_steps_continue(capsys, tmp_
     assert cfg.train.steps == 5                                      # resumable fields may change
 
 
+def _take(*argv: str):
+    """What startup does with a run directory (`prepare_out_dir`), without loading the task. -> the config"""
+    cfg = cli.parse_args(["--recipe", "smoke", *argv])
+    startup.prepare_out_dir(cfg)
+    return cfg
+
+
+def test_the_advised_recovery_and_a_moved_run_resume(tmp_path):
+    """Issue 39 case 7. Bugs caught: after "diverged ... lower --optim.lr" the re-run with a lower lr was refused
+    as another run; a run directory moved (or copied) to a bigger disk could not be resumed because its path
+    was part of its identity (`train.out_dir ... there`)."""
+    out, moved = str(tmp_path / "run"), str(tmp_path / "bigger_disk" / "run")
+    _take("--out", out, "--steps", "5")
+    fake_checkpoint(out, 2)
+    cfg = _take("--out", out, "--steps", "5", "--optim.lr", "1e-4", "--optim.grad_clip", "0.5",
+                "--train.lr_warmup_steps", "3")
+    assert (cfg.optim.lr, cfg.train.lr_warmup_steps) == (1e-4, 3)
+    with pytest.raises(ValueError, match="optim.weight_decay 0.1 there, 0.2 here"):   # the rest is identity
+        _take("--out", out, "--steps", "5", "--optim.weight_decay", "0.2")
+    import shutil
+    shutil.copytree(out, moved)
+    assert _take("--out", moved, "--steps", "5").train.out_dir == moved
+    with open(os.path.join(moved, "config.json")) as f:
+        assert json.load(f)["train"]["out_dir"] == moved              # the record follows the run
+
+
+@pytest.mark.parametrize("lost", ["config.json", "config.json+metrics.jsonl"])
+def test_a_lost_config_json_keeps_the_identity_check(tmp_path, lost):
+    """Issue 39 (low). Bug caught: with config.json deleted (and metrics.jsonl too), a run directory with
+    checkpoints took any config silently. Each checkpoint's meta.json records the run's config (`run_config`),
+    the last place the check reads; checkpoints that record none are refused, not adopted."""
+    out = str(tmp_path / "run")
+    theirs = cli.to_dict(cli.parse_args(["--recipe", "smoke", "--out", out, "--seed", "7"]))
+    d = os.path.join(out, "checkpoints", "step_00000002")
+    os.makedirs(d)
+    with open(os.path.join(d, "meta.json"), "w") as f:
+        json.dump({"step": 2, "extra": {"run_config": theirs}}, f)
+    if lost == "config.json":
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"kind": "train", "step": 1}) + "\n")   # its info record lost too
+    with pytest.raises(ValueError, match="checkpoints/step_00000002/meta.json: train.seed 7 there, 1234 here"):
+        _take("--out", out)
+    _take("--out", out, "--seed", "7")                                   # the same run resumes
+    os.remove(os.path.join(out, "config.json"))
+    with open(os.path.join(d, "meta.json"), "w") as f:
+        json.dump({"step": 2, "extra": {}}, f)                           # a checkpoint that records none
+    with pytest.raises(ValueError, match="its config is not recorded"):
+        _take("--out", out, "--seed", "7")
+
+
+def test_a_literal_api_key_is_never_written(tmp_path, monkeypatch):
+    """Issue 39 case 9. Bug caught: a literal --rollout.api_key landed in clear in config.json (and, through the
+    same dict, the `info` record of metrics.jsonl, W&B's config and the checkpoints' meta.json). `env:VAR`
+    names the variable, not the key, and stays."""
+    out = str(tmp_path / "run")
+    cfg = _take("--out", out, "--rollout.api_key", "s3cret-Key")
+    assert cfg.rollout.key() == "s3cret-Key"                                   # the run itself still has it
+    with open(os.path.join(out, "config.json")) as f:
+        text = f.read()
+    assert "s3cret-Key" not in text and json.loads(text)["rollout"]["api_key"] == cli.REDACTED
+    _take("--out", out, "--rollout.api_key", "an0ther")                        # resumable, and redacted too
+    monkeypatch.setenv("NF_TEST_KEY", "from-env")
+    assert cli.to_dict(cli.parse_args(["--rollout.api_key", "env:NF_TEST_KEY"]))["rollout"]["api_key"] == \
+        "env:NF_TEST_KEY"
+    from nanoflash.rl.metrics import MetricsLog                                  # train.py's info record
+    log = MetricsLog(str(tmp_path / "m.jsonl"), config=cli.to_dict(cfg))
+    log.log("info", 0, {"config": cli.to_dict(cfg)})
+    assert "s3cret-Key" not in (tmp_path / "m.jsonl").read_text()
+
+
+def test_metrics_faults_are_one_line_and_a_finished_run_redraws_its_plots(tmp_path):
+    """Issue 39 (low). Bugs caught: a corrupt middle line of metrics.jsonl, or a metrics.jsonl that is a
+    directory, gave a traceback after the model was built (now: one line at start-up); a run killed after its
+    final save never drew its plots, and every re-run said "already finished" without drawing them."""
+    out = str(tmp_path / "run")
+    _take("--out", out)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write('{"kind": "train", "step": 1, "reward_mean": 0.5}\n{"kind": "tr\n{"kind": "train", "step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
+        _take("--out", out)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write("".join(json.dumps({"kind": "train", "step": s, "reward_mean": 0.1 * s}) + "\n" for s in (1, 2, 3)))
+    fake_checkpoint(out, 3)
+    with pytest.raises(SystemExit) as exc:
+        _take("--out", out, "--train.plots", "true")
+    assert exc.value.code == 0 and os.path.exists(os.path.join(out, "plots", "reward.png"))
+    other = str(tmp_path / "other")
+    os.makedirs(os.path.join(other, "metrics.jsonl"))
+    with pytest.raises(ValueError, match=r"metrics.jsonl is a directory"):
+        _take("--out", other)
+
+
 def test_config_diff_ignores_resumable_and_unknown_fields():
     a = cli.to_dict(cli.parse_args(["--recipe", "smoke"]))
     b = cli.to_dict(cli.parse_args(["--recipe", "smoke", "--steps", "9", "--parallel.pp", "2", "--seed", "7"]))

@@ -5,7 +5,8 @@ with SIGKILL right after its step-2 checkpoint and resumed: same metrics, same w
 bit for bit. The same
 runs check that the train/rollout log-prob difference is exactly 0 in matched mode, and that the metrics
 JSONL, checkpoints, eval records and plots are written. A run checks FP8 rollouts with routing replay, and
-one whose external server crashes mid-rollout and is replaced (`rollout.max_server_restarts`).
+one whose external server crashes mid-rollout and is replaced, then loses the weights mid-eval
+(`rollout.max_server_restarts`).
 
 Run: `pytest tests/test_train_e2e.py -q` (about a minute on 2 cores).
 """
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from nanoflash.checkpoint import load_hf_checkpoint, save_hf_checkpoint
-from nanoflash.cli import parse_args
+from nanoflash.cli import config_diff, parse_args
 from nanoflash.config import preset
 from nanoflash.model import Transformer
 from nanoflash.rl.metrics import read_jsonl
@@ -143,7 +144,10 @@ def test_resume_continues_from_the_right_step_with_identical_state(runs):
     assert [_no_timing(r) for r in a] == [_no_timing(r) for r in b]
     meta_a, model_a, opt_a = _state(full)
     meta_b, model_b, opt_b = _state(split)
-    assert meta_a["step"] == meta_b["step"] == 3 and meta_a["extra"] == meta_b["extra"]
+    ea, eb = dict(meta_a["extra"]), dict(meta_b["extra"])
+    ra, rb = ea.pop("run_config"), eb.pop("run_config")   # each save records the run's identity (cli.py)
+    assert meta_a["step"] == meta_b["step"] == 3 and ea == eb
+    assert config_diff(ra, rb) == [] and ra["train"]["out_dir"] != rb["train"]["out_dir"]   # same run, two dirs
     for k in model_a:
         assert torch.equal(model_a[k], model_b[k]), k
     assert set(opt_a) == set(opt_b) and opt_a["step"] == opt_b["step"] > 0
@@ -307,14 +311,19 @@ def test_passk_figure_has_error_bars_and_chance_lines():
     plt.close(fig)
 
 
-# The first /generate a server answers on weight version 1 (step 2's rollout) kills its process: a crash
+# The first /generate a server answers on weight version $NANOFLASH_DIE_AT kills its process (a crash); the first
+# on version $NANOFLASH_FORGET_AT makes it report version 0 (once), as a server restarted unnoticed would
 DYING_SERVER = """
 import os, sys
 from nanoflash.server import engine, http as server
-real = engine.RolloutEngine.generate
+real, forgot = engine.RolloutEngine.generate, []
 def generate(self, *a, **k):
-    if str(self.weight_version).split("-")[0] == "1":  # pushed versions are "{step}-{launch}"
+    v = str(self.weight_version).split("-")[0]   # pushed versions are "{step}-{launch}"
+    if v == os.environ["NANOFLASH_DIE_AT"]:
         os._exit(1)
+    if v == os.environ["NANOFLASH_FORGET_AT"] and not forgot:   # once: the re-push then holds
+        forgot.append(v)
+        self.weight_version = "0"
     return real(self, *a, **k)
 engine.RolloutEngine.generate = generate
 server.main(sys.argv[1:])
@@ -322,40 +331,50 @@ server.main(sys.argv[1:])
 
 
 def test_a_server_that_dies_mid_run_is_waited_for_and_re_pushed(tmp_path):
-    """rollout.max_server_restarts: the run's one external server dies during step 2's rollout and a fresh
-    process (other weights, version 0) takes its port; the trainer's requests fail (retry_s 1: the server counts
-    as gone), it waits for /health, re-pushes (verified), redoes step 2 from the same data position and ends
-    with every step trained once, the restart logged, the new server holding the last push."""
+    """rollout.max_server_restarts, one policy for the rollout and the eval (rl/restarts.py): the run's one
+    external server dies during step 2's rollout (weights v1) and a fresh process (other weights, version 0)
+    takes its port; the trainer's requests fail (retry_s 1: the server counts as gone), it waits for /health,
+    re-pushes (verified) and redoes the step. During the eval of step 2 the new server reports version 0 (as
+    one restarted unnoticed would): the eval is refused, re-pushed and redone. Every step trained once, the
+    eval of step 2 logged once, both restarts logged, the server holding the last push. Bug caught (issue 39
+    case 5): a server lost during the eval stopped the run ("eval at step 2 failed: ...", exit 1)."""
     cfg = parse_args(["--recipe", "smoke"])
     ckpt, port = str(tmp_path / "init"), free_port()
     save_hf_checkpoint(Transformer(preset("tiny", **cfg.model)).init_weights(5), ckpt, weights="fp8", experts="fp8")
     serve = ["--checkpoint", ckpt, "--weights", "fp8", "--port", str(port), "--threads", "1"]
-    first = subprocess.Popen([sys.executable, "-c", DYING_SERVER, *serve], cwd=ROOT, stdout=subprocess.DEVNULL)
-    second = None
+
+    def server(die_at: str, forget_at: str):
+        env = {**os.environ, "NANOFLASH_DIE_AT": die_at, "NANOFLASH_FORGET_AT": forget_at}
+        return subprocess.Popen([sys.executable, "-c", DYING_SERVER, *serve], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL)
+    first, second = server("1", "never"), None
     try:
         out = str(tmp_path / "run")
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--recipe", "smoke", "--out", out,
                "--train.progress", "false", "--train.plots", "false", "--train.steps", "2",
-               "--train.warmup_steps", "0", "--train.save_every", "-1", "--eval.every", "0",
+               "--train.warmup_steps", "0", "--train.save_every", "-1", "--eval.every", "2",
+               "--eval.before_train", "false", "--eval.path", "servers", "--eval.n_problems", "4",
                "--rollout.urls", f"http://127.0.0.1:{port}", "--rollout.retry_s", "1",
-               "--rollout.max_server_restarts", "1", "--rollout.health_timeout_s", "120"]
+               "--rollout.max_server_restarts", "2", "--rollout.health_timeout_s", "120"]
         trainer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 240
         while first.poll() is None and trainer.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert first.poll() == 1, f"the server did not die as planned; trainer: {trainer.poll()}"  # crashed
-        second = subprocess.Popen([sys.executable, "-m", "nanoflash.server.http", *serve], cwd=ROOT,
-                                  stdout=subprocess.DEVNULL)
+        second = server("never", "2")
         log = trainer.communicate(timeout=240)[0]
         assert trainer.returncode == 0, log[-3000:]
         # the server dies before a request is sent (ServerGoneError) or after (RequestUnanswered, its subclass:
         # a sent POST is never re-sent), depending on where the kill lands
-        assert re.search(r"\b(ServerGoneError|RequestUnanswered):", log) and "restart 1 of 1" in log, log[-2000:]
+        assert re.search(r"rollout for step 2: (ServerGoneError|RequestUnanswered):", log), log[-2000:]
+        assert "eval at step 2: StaleServerError:" in log and "restart 2 of 2" in log, log[-2000:]
         recs = read_jsonl(os.path.join(out, "metrics.jsonl"))
         assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2]
+        assert [r["step"] for r in recs if r["kind"] == "eval"] == [2]
         restart = [r for r in recs if r["kind"] == "server_restart"]
-        assert len(restart) == 1 and restart[0]["step"] == 2 and restart[0]["server_restarts"] == 1
-        assert restart[0]["sync_tensors"] > 0
+        assert [(r["step"], r["during"], r["server_restarts"]) for r in restart] == \
+            [(2, "rollout for step 2", 1), (2, "eval at step 2", 2)]
+        assert all(r["sync_tensors"] > 0 for r in restart)
         url = f"http://127.0.0.1:{port}"
         assert SGLangClient(url).get(url, "/get_weight_version")["weight_version"].split("-")[0] == "2"  # the last push landed
     finally:

@@ -26,7 +26,7 @@ from nanoflash.quant import quant_scratch_bytes
 from nanoflash.sglang.layout import sglang_fp8
 from nanoflash.parallel.planner import live_budget
 from nanoflash.sglang.push import StagePusher
-from nanoflash.sglang.transports import Broadcaster, iter_sglang_buckets, push_weights
+from nanoflash.sglang.transports import Broadcaster, PushFailed, iter_sglang_buckets, push_weights
 from conftest import free_port, run_ranks
 
 BUCKET = 1 << 15            # 32 KiB: the tiny model's stream becomes ~20-50 buckets, and experts sub-buckets
@@ -190,7 +190,7 @@ def test_failed_push_keeps_servers_paused_then_retries_or_names_the_server(tmp_p
     assert [h.rollout.engine.weight_version for h, _ in servers] == [pusher.tag(5)] * 2
     assert not any(h.rollout.engine.paused for h, _ in servers)
     calls["always"] = True
-    with pytest.raises(SystemExit, match=client.urls[1]):
+    with pytest.raises(PushFailed, match=client.urls[1]):
         pusher.push(lambda: model.state_dict().items(), version=6)
     assert all(h.rollout.engine.paused for h, _ in servers)                       # left paused
     assert [h.rollout.engine.weight_version for h, _ in servers] == [pusher.tag(5)] * 2    # still the last good version
@@ -220,7 +220,7 @@ def _failing_source_ranks(rank, world, port):
     try:
         pusher.push(list(model.state_dict().items()), version=2)
         return "pushed"
-    except SystemExit as e:
+    except PushFailed as e:
         return str(e)
     finally:
         for h, _ in servers:
@@ -251,7 +251,7 @@ def test_manifest_names_a_lost_or_doubled_bucket(fault, match):
         if fault == "doubled" and len(seen) == 2:
             record(fb, ledger)
     pusher._record = faulty
-    with pytest.raises(SystemExit, match=match) as e:
+    with pytest.raises(PushFailed, match=match) as e:
         pusher.push(list(model.state_dict().items()), version=1)
     assert any(slot.name in str(e.value) for slot in seen[1].slots), e.value   # named by the bucket's tensors
     for h, _ in servers:

@@ -247,13 +247,29 @@ def _prune(root: str, keep: int) -> None:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
-def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
-    """Load a checkpoint written by `save_checkpoint` under any PP/EP/DP layout; returns its meta dict."""
+def read_meta(path: str) -> dict:
+    """A checkpoint's meta.json, checked for the structure `save_checkpoint` writes (step and world_size ints,
+    files {name: crc32}, extra a dict); anything else is CheckpointCorrupt naming the file (-> fall-back)."""
     meta_path = os.path.join(path, META)
     if not os.path.exists(meta_path):
         raise ValueError(f"{path} is not a committed checkpoint (no {META}); an interrupted save?")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointCorrupt(f"{meta_path} is not readable JSON: {e}") from e
+    files = meta.get("files", {}) if isinstance(meta, dict) else None
+    if not (isinstance(meta, dict) and type(meta.get("step")) is int and type(meta.get("world_size")) is int
+            and isinstance(meta.get("extra", {}), dict) and isinstance(files, dict)
+            and all(isinstance(k, str) and type(v) is int for k, v in files.items())):
+        raise CheckpointCorrupt(f"{meta_path} is not a checkpoint's meta.json (want step and world_size ints, "
+                                f"files {{name: crc32}}, extra {{...}}): {str(meta)[:120]}")
+    return meta
+
+
+def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
+    """Load a checkpoint written by `save_checkpoint` under any PP/EP/DP layout; returns its meta dict."""
+    meta = read_meta(path)
     verify_checkpoint(path, meta, dims)
     state = {"model": model.state_dict()}
     if optimizer is not None:
@@ -267,7 +283,10 @@ def load_checkpoint(path: str, model, optimizer, dims: ParallelDims) -> dict:
         optimizer.load_state_dict(state["optim"])
     rng_path = os.path.join(path, f"rng_rank{dims.rank}.pt")
     if meta["world_size"] == dims.world_size and os.path.exists(rng_path):
-        _set_rng_state(torch.load(rng_path, weights_only=True))  # tensors and ints only: cannot run code
+        try:   # tensors and ints only (weights_only): cannot run code; a file of another shape is corrupt
+            _set_rng_state(torch.load(rng_path, weights_only=True))
+        except Exception as e:
+            raise CheckpointCorrupt(f"{rng_path} is not an RNG state ({type(e).__name__}: {e})") from e
     return meta
 
 

@@ -5,6 +5,7 @@
     rewards, plugins answer checking; a user's own `--train.reward module:function`
     trainer          the training half: `Trainer.step(batch)` -> old log-probs, the GRPO step over the engine
     evaluate         pass@k / avg@n on held-out problems
+    restarts         one policy for a server lost during a rollout, an eval or a push (wait, re-push, redo)
     hooks            the one interface instruments attach through (`--train.hooks module:Class`)
     metrics, plots   one JSON line per event and the run's figures
 

@@ -204,12 +204,12 @@ class Collector:
         collector.eval_generate(prompts, n, seeds) -> samples of the weights the servers hold
 
     `model` (the full weights for the embedded servers' first copy) is only read when no URLs are given.
-    `pos` is the data position (a checkpoint's `data_pos`); `restarts` the servers that died and came back.
+    `pos` is the data position (a checkpoint's `data_pos`).
     """
 
     def __init__(self, cfg, task: Task, mcfg, model, pos: int = 0):
         self.cfg, self.task, self.mcfg, rc = cfg, task, mcfg, cfg.rollout
-        self.pos, self.restarts = pos, 0
+        self.pos = pos
         if rc.urls:
             self.client, self.engines, self.httpds = SGLangClient(list(rc.urls), api_key=rc.key(),
                                                                   retry_s=rc.retry_s,
@@ -224,25 +224,14 @@ class Collector:
 
     def next_batch(self, at: int) -> tuple:
         """Dynamic-sampling rollout for step `at` -> advantages -> the packed global batch and its metrics.
-        A server that died (gone, or back with other weights) is, within `rollout.max_server_restarts`,
-        waited for and the step redone from the same data position: metrics {"resync": True}; the loop
-        re-pushes. A failed request or a reward verifier that cannot start: one line, stop."""
-        tc, gc, rc = self.cfg.train, self.cfg.grpo, self.cfg.rollout
+        The data position advances only when it succeeds: a server that died (`ServerGoneError`) or lost the
+        weights (`StaleServerError`) raises, and the loop's restart policy (`rl/restarts.py`) redoes the step
+        from the same position. A rejected request or a reward verifier that cannot start: one line, stop."""
+        tc, gc = self.cfg.train, self.cfg.grpo
         t0, bar = time.time(), progress(gc.n_prompts, f"rollout {at}/{tc.steps}", tc.progress)
         on_round = lambda r: bar.write(round_line(r, f"rollout {at}/{tc.steps}", self.cfg))  # noqa: E731
         try:
             kept, seen, pos, counts = collect(self.client, self.task, self.pos, self.cfg, self.mcfg, bar, on_round)
-        except (ServerGoneError, StaleServerError) as e:
-            bar.close()
-            if self.restarts >= rc.max_server_restarts:
-                raise SystemExit(f"rollout for step {at} failed: {e} (rollout.max_server_restarts="
-                                 f"{rc.max_server_restarts})") from None
-            self.restarts += 1
-            print(f"rollout for step {at}: {type(e).__name__}: {e}; waiting up to {rc.health_timeout_s:g} s for "
-                  f"the servers (restart {self.restarts} of {rc.max_server_restarts}), then re-push and redo the "
-                  f"step", flush=True)
-            wait_for_servers(self.client, rc.health_timeout_s)  # its supervisor brings it back
-            return None, {"resync": True, "server_restarts": self.restarts}
         except (RequestRejected, VerifierUnavailable) as e:
             raise SystemExit(f"rollout for step {at} failed: {e}") from None
         finally:

@@ -57,6 +57,7 @@ import json
 import os
 import random
 import shutil
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -153,16 +154,26 @@ def _rows_to_problems(rows: list, source: str, add_dapo_instruction: bool, promp
 
 
 def _read_jsonl(path: str) -> list:
-    """Parse a jsonl file; an unparseable line becomes a `None` row (skipped and counted downstream)."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    """Parse a jsonl file; an unparseable line, or one that is not UTF-8, becomes a `None` row (skipped and
+    counted downstream; the first line that is not UTF-8 is named on stderr, file and line). A UTF-8 byte-order
+    mark before the first row is dropped (it is no JSON: the first row used to be skipped)."""
+    rows, first_bad = [], None
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                first_bad = first_bad or f"{path}:{i}: not UTF-8 ({e.reason} at byte {e.start})"
+                rows.append(None)
+                continue
             if not line.strip():
                 continue
             try:  # parse_int=str: an integer of any length stays exact (int() refuses > 4,300 digits)
                 rows.append(json.loads(line, parse_int=str))
             except ValueError:  # JSONDecodeError and the like
                 rows.append(None)
+    if first_bad:
+        print(f"warning: {first_bad}; every such line is skipped", file=sys.stderr)
     return rows
 
 

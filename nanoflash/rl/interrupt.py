@@ -18,10 +18,16 @@ so nothing logged is lost. A second SIGINT while the first is handled exits at o
 
 Checkpoints are atomic (`parallel.dcp`), so a press during a save leaves the previous checkpoint as the last.
 
+A full disk (an OSError ENOSPC / EDQUOT reaching the top: a checkpoint, the metrics file, a disk push) is one
+line too, naming the file and the checkpoint to resume from, exit code 1: the failed save's `step_N.tmp` is
+removed at the next start (`dcp.tidy`), and the run directory may move to a bigger disk (its path is no part of
+the run's identity, `cli.RESUMABLE`).
+
 Tests: `pytest tests/test_interrupt.py -q`.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -40,14 +46,14 @@ class Interrupt:
         signal.signal(signal.SIGINT, self._on_sigint)
         sys.excepthook = self._on_exception
 
-    def line(self) -> str:
-        """The one line of an interrupted run: where it stopped, where it resumes from."""
+    def line(self, what: str = "interrupted") -> str:
+        """The one line of an interrupted (or stopped) run: where it stopped, where it resumes from."""
         where = f"step {self.at}" if isinstance(self.at, int) else self.at
         latest = latest_checkpoint(self.ckpt_dir)
         if latest is None:
-            return f"interrupted at {where}; no checkpoint yet; re-run the same command to start again"
+            return f"{what} at {where}; no checkpoint yet; re-run the same command to start again"
         step = int(os.path.basename(latest)[len("step_"):])
-        return f"interrupted at {where}; last checkpoint step {step} ({latest}); re-run the same command to resume"
+        return f"{what} at {where}; last checkpoint step {step} ({latest}); re-run the same command to resume"
 
     def _on_sigint(self, signum, frame):
         if self.pressed:   # the second press: do not wait for the servers' aborts or anything else
@@ -57,6 +63,13 @@ class Interrupt:
         raise KeyboardInterrupt
 
     def _on_exception(self, tp, value, tb):
+        if issubclass(tp, OSError) and value.errno in (errno.ENOSPC, errno.EDQUOT):
+            sys.stdout.flush()
+            if self.rank0:
+                print(self.line(f"disk full ({value.filename or 'a write'}: {value.strerror})") +
+                      " once there is space (or with the run directory moved to a bigger disk)", file=sys.stderr,
+                      flush=True)
+            return os._exit(1)
         if not issubclass(tp, KeyboardInterrupt):
             return self._excepthook(tp, value, tb)
         sys.stdout.flush()

@@ -7,12 +7,14 @@ The contract (`PluginReward`):
 * inputs: the decoded response text (special tokens dropped; after the stop token nothing) and the `Problem`
   (`.prompt` the user message, `.answer` the reference answer string from the dataset's answer field, `.id`,
   `.source`); called once per sample, for rollouts and for the held-out eval alike;
-* output: a finite number (a bool counts as 0/1). pass@k and accuracy count a sample as correct when the
+* output: a finite real number (a bool counts as 0/1; numpy scalars such as np.float32 are numbers). pass@k and accuracy count a sample as correct when the
   reward equals REWARD_CORRECT (1.0); GRPO uses any value (advantages are normalised per group);
 * where it runs: in `train.reward_workers` fresh worker processes (`VerifierPool`), so it may use
-  `signal.alarm`, C extensions or subprocesses; `module` must be importable from the current directory or
-  PYTHONPATH, and is imported once per worker. It is also imported once at startup, before the model is
-  built, so a typo in the name or an import error is one line and exit code 2;
+  `signal.alarm`, C extensions or subprocesses (a worker killed for a timeout takes its process group, the
+  plug-in's children, with it); `module` must be importable from the current directory or PYTHONPATH, and is
+  imported once per worker. It is also imported once at startup, before the model is built, in a fresh
+  interpreter given at most `IMPORT_TIMEOUT_S` (`check_plugin`), so a typo in the name, an import error or a
+  module that hangs at import is one line and exit code 2;
 * timeouts: a call that runs past `train.reward_timeout_s` (default 10 s) has its worker killed and
   respawned and the sample scores REWARD_WRONG (0); each call batch that had one prints one line counting them;
 * exceptions: a plug-in must score bad responses itself (return 0), so an exception, or a return value that is
@@ -32,11 +34,13 @@ import collections
 import importlib
 import inspect
 import math
+import numbers
 import os
+import subprocess
 import sys
 from typing import Callable, Sequence
 
-from nanoflash.rl.rewards import DEFAULT_TIMEOUT_S, REWARD_WRONG, VerifierPool
+from nanoflash.rl.rewards import DEFAULT_TIMEOUT_S, REWARD_WRONG, VerifierPool, kill_group
 
 
 class RewardPluginError(SystemExit):
@@ -51,6 +55,9 @@ class RewardPluginError(SystemExit):
 
 
 _PLUGINS: dict = {}
+# start-up's check import of a plug-in (`check_plugin`): far above a heavy import (sympy, math-verify: seconds),
+# so only a module that never finishes importing is stopped, with one line instead of a start-up that hangs
+IMPORT_TIMEOUT_S = 120.0
 
 
 def load_plugin(spec: str) -> Callable:
@@ -61,8 +68,7 @@ def load_plugin(spec: str) -> Callable:
         raise ValueError(f"train.reward={spec!r}: expected 'module:function', e.g. my_rewards:score")
     if spec in _PLUGINS:
         return _PLUGINS[spec]
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    _cwd_on_path()
     try:
         mod = importlib.import_module(module)
     except Exception as e:  # ImportError, or anything the module raises while importing
@@ -83,10 +89,39 @@ def load_plugin(spec: str) -> Callable:
     return fn
 
 
+def _cwd_on_path() -> None:
+    """The directory train.py runs in comes first on the import path (here, and so in every worker's PYTHONPATH)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def check_plugin(spec: str, timeout_s: float = IMPORT_TIMEOUT_S) -> None:
+    """`load_plugin(spec)` in a fresh interpreter (its own process group), given at most `timeout_s`: the
+    trainer never calls the plug-in itself (its workers do), so a module that hangs at import costs one line
+    (ValueError), not a start-up that never ends; load_plugin's own errors come back as they are."""
+    code = ("import sys\nfrom nanoflash.rl.plugins import load_plugin\ntry:\n    load_plugin(sys.argv[1])\n"
+            "except ValueError as e:\n    print(e, file=sys.stderr)\n    sys.exit(3)")
+    _cwd_on_path()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.Popen([sys.executable, "-c", code, spec], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        err = proc.communicate(timeout=timeout_s)[1]
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        raise ValueError(f"train.reward={spec!r}: importing {spec.partition(':')[0]!r} did not finish in "
+                         f"{timeout_s:g} s (does it run something at import?)") from None
+    lines = err.strip().splitlines() or [f"exit code {proc.returncode}"]
+    if proc.returncode == 3:
+        raise ValueError(lines[-1])
+    if proc.returncode:
+        raise ValueError(f"train.reward={spec!r}: checking it failed: {lines[-1]}")
+
+
 def _plugin_call(spec: str, response: str, problem) -> float:
     """Worker side: one plug-in call, its value checked (a bool is 0/1; anything else must be a finite number)."""
     value = load_plugin(spec)(response, problem)
-    if isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value)):
+    if isinstance(value, numbers.Real) and math.isfinite(value):   # bool, int, float, numpy scalars
         return float(value)
     raise TypeError(f"returned {value!r}, not a finite number")
 
@@ -97,8 +132,9 @@ class PluginReward:
     Shapes: __call__(responses [N] str, problems [N] Problem) -> [N] float. `counts` tallies ok|timeout|crash.
     """
 
-    def __init__(self, spec: str, n_workers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S, start: bool = True):
-        load_plugin(spec)  # fail here, at startup, not in a worker during the first rollout
+    def __init__(self, spec: str, n_workers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 import_timeout_s: float = IMPORT_TIMEOUT_S, start: bool = True):
+        check_plugin(spec, import_timeout_s)  # fail here, at startup, not in a worker during the first rollout
         self.spec, self.timeout_s = spec, timeout_s
         self.pool = VerifierPool(n_workers=n_workers, timeout_s=timeout_s, warm_imports=(spec.partition(":")[0],),
                                  start=start)

@@ -41,6 +41,7 @@ import collections
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -176,6 +177,15 @@ def _worker_main(read_fd: int, write_fd: int, warm_imports: str) -> None:
             outbox.send((job, False, f"{type(e).__name__}: {e}"))
 
 
+def kill_group(proc) -> None:
+    """SIGKILL a process started with start_new_session=True and everything still in its group; reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
 class VerifierPool:
     """`n_workers` processes running `fn(*args)` one item each; an item past `timeout_s` kills its worker.
 
@@ -213,15 +223,15 @@ class VerifierPool:
                 f"from nanoflash.rl.rewards import _worker_main; "
                 f"_worker_main({to_child_r}, {to_parent_w}, {self.warm_imports!r})")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(to_child_r, to_parent_w), env=env)
+        proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(to_child_r, to_parent_w), env=env,
+                                start_new_session=True)   # its own group: a kill takes the plug-in's children too
         os.close(to_child_r)
         os.close(to_parent_w)
         return proc, Connection(to_parent_r, writable=False), Connection(to_child_w, readable=False)
 
     def _replace(self, w: int) -> None:
         proc, inbox, outbox = self._workers[w]
-        proc.kill()
-        proc.wait(5)
+        kill_group(proc)
         inbox.close()
         outbox.close()
         self._workers[w] = self._spawn()
@@ -285,8 +295,8 @@ class VerifierPool:
             try:
                 proc.wait(2)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(2)
+                pass
+            kill_group(proc)   # the worker, if it did not leave, and whatever it started that is still there
             inbox.close()
             outbox.close()
         self._workers = []

@@ -40,6 +40,7 @@ Tests: `pytest tests/test_trainer.py tests/test_train_e2e.py -q`.
 from __future__ import annotations
 
 import datetime
+import math
 import time
 
 import torch
@@ -79,15 +80,19 @@ def resolve_device(name: str, dims) -> torch.device:
     return dims.device
 
 
-def build_model(mcfg, dims, par, dtype: torch.dtype, device, seed: int | None = 0, train_mtp: bool = False):
+def build_model(mcfg, dims, par, dtype: torch.dtype, device, seed: int | None = 0, train_mtp: bool = False,
+                materialize: bool = True):
     """Meta -> parallelize -> cast -> materialise on `device` -> seeded init (seed=None: leave the storage for a
-    checkpoint load, which must overwrite every tensor). Returns this rank's stage, experts and buffers."""
+    checkpoint load, which must overwrite every tensor; materialize=False: leave it on meta for a loader that
+    checks the checkpoint first, `load_hf_checkpoint`). Returns this rank's stage, experts and buffers."""
     with torch.device("meta"):
         model = Transformer(mcfg)
     model.full_params = sum(p.numel() for p in model.parameters())  # before the cut: the whole model
     parallelize(model, dims, par, train_mtp)
     if dtype != torch.float32:
         model.cast_(dtype)
+    if not materialize:
+        return model
     model.to_empty(device=device)
     if seed is not None:
         model.init_weights(seed)
@@ -125,7 +130,7 @@ def _template(batch: grpo.RolloutBatch, fields) -> dict:
 class Trainer:
     """This rank's trainer: model stage on its device, the `ParallelDims` grid, the optimizer.
 
-        trainer.step(batch, step) -> (resync, metrics)   scatter -> old log-probs -> the GRPO step at lr_at(step)
+        trainer.step(batch, step) -> metrics             scatter -> old log-probs -> the GRPO step at lr_at(step)
         trainer.logprobs(shard)   -> old_logp [b,S]      trainer.train(shard) -> global metrics
         trainer.state_iter()      -> (official name, device tensor) of what this rank holds
 
@@ -139,8 +144,9 @@ class Trainer:
         self.device, self.dtype = resolve_device(par.device, dims), DTYPES[tc.dtype]
         self.temperature, self.replay = cfg.rollout.temperature, cfg.rollout.routing_replay
         self.matched = cfg.rollout.weights == "fp32" and tc.dtype == "fp32"  # batch-invariant scoring
+        hf = bool(checkpoint) and not checkpoint_is_dcp   # the HF loader checks every header, then materialises
         self.model = build_model(mcfg, dims, par, self.dtype, self.device, None if checkpoint else tc.seed,
-                                 cfg.optim.train_mtp)
+                                 cfg.optim.train_mtp, materialize=not hf)
         if checkpoint and checkpoint_is_dcp:
             load_checkpoint(checkpoint, self.model, None, dims)
         elif checkpoint:
@@ -224,15 +230,14 @@ class Trainer:
         w = self.cfg.train.lr_warmup_steps
         return self.oc.lr * min(1.0, step / w) if w else self.oc.lr
 
-    def step(self, batch, step: int, resync: bool = False, before_update=None) -> tuple[bool, dict]:
+    def step(self, batch, step: int, before_update=None) -> dict:
         """One GRPO step on every rank: rank 0's packed global `batch` is scattered (each data rank's first
-        stage gets its shard; every rank learns rank 0's `resync`), the old log-probs are taken,
-        `before_update(batch, old)` (rank 0: the loop's hooks) sees them, and one optimizer step runs at
-        `lr_at(step)`. -> (resync, metrics). With resync (a server came back: re-push, redo) or no rows, no step."""
+        stage gets its shard), the old log-probs are taken, `before_update(batch, old)` (rank 0: the loop's
+        hooks) sees them, and one optimizer step runs at `lr_at(step)`. -> metrics. With no rows, no step."""
         self.finish_save()   # a checkpoint written meanwhile (the rollout) is done before the weights change
-        shard, head = scatter_shards(batch, self.dims, {"resync": resync})
-        if head["resync"] or not head["rows"]:
-            return head["resync"], {}
+        shard, head = scatter_shards(batch, self.dims, {})
+        if not head["rows"]:
+            return {}
         t0 = time.time()
         old = self.logprobs(shard)
         m = {"logprobs_s": time.time() - t0}
@@ -245,7 +250,7 @@ class Trainer:
         n_tok = float(batch.mask.sum()) if batch is not None else 0.0
         m.update(train_s=time.time() - t0, train_tokens_per_s=n_tok / (time.time() - t0),
                  optim_s=self.optimizer.last_step_s)
-        return False, m
+        return m
 
     @torch.no_grad()
     def logprobs(self, shard) -> torch.Tensor | None:
@@ -282,16 +287,26 @@ class Trainer:
         return out
 
     def require_finite(self, when: str) -> None:
-        """Stop the run, on every rank, if any weight of any rank is NaN/inf (nothing non-finite is ever
-        pushed or saved). One fused count per tensor, all-reduced once."""
-        bad = [n for n, t in self.state_iter() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-        n = torch.tensor([len(bad)], device=self.dims.device)
+        """Stop the run, on every rank, if any weight of any rank is NaN/inf or larger in magnitude than
+        `train.max_abs_weight` (an exploded update: finite, but no model any more); nothing such is ever
+        pushed or saved. One |w| max per tensor (NaN propagates through it), all-reduced once."""
+        limit, bad, big = self.cfg.train.max_abs_weight, [], []
+        for n, t in self.state_iter():
+            if t.is_floating_point() and t.numel():
+                a = float(t.detach().abs().amax())
+                if not math.isfinite(a):
+                    bad.append(n)
+                elif a > limit:
+                    big.append(f"{n} |w| {a:.3g}")
+        n = torch.tensor([len(bad), len(big)], device=self.dims.device)
         if self.dims.world_size > 1:
             dist.all_reduce(n)
-        if int(n):
-            where = f"rank {self.dims.rank}: {bad[:3]}" if bad else "another rank"
-            raise SystemExit(f"diverged: {int(n)} weight tensors are non-finite {when} ({where}); nothing was "
-                             f"pushed or saved, the last checkpoint is the last good state -- lower --optim.lr")
+        if int(n.sum()):
+            what = (f"{int(n[0])} weight tensors are non-finite" if int(n[0]) else
+                    f"{int(n[1])} weight tensors exploded past |w| {limit:g} (train.max_abs_weight)")
+            where = f"rank {self.dims.rank}: {(bad or big)[:3]}" if bad or big else "another rank"
+            raise SystemExit(f"diverged: {what} {when} ({where}); nothing was pushed or saved, the last "
+                             f"checkpoint is the last good state -- lower --optim.lr")
 
     def sft_step(self, problems: list, task, optimizer) -> float:
         """One supervised step on reference answers: -mean log p(answer + eos | prompt) over answer tokens.
@@ -317,7 +332,7 @@ def _answer_ids(task, problem) -> list:
 def scatter_shards(batch: grpo.RolloutBatch | None, dims, header: dict) -> tuple[grpo.RolloutBatch | None, dict]:
     """Rank 0's global batch -> each first-stage rank receives only its data shard's rows, as tensors, over
     the gloo side group (whose long timeout lets the others wait out a minutes-long rollout). `header` (a
-    small dict: the resync flag) reaches every rank. Returns (this rank's shard or None, header)."""
+    small dict) reaches every rank. Returns (this rank's shard or None, header)."""
     header = dict(header, rows=len(batch) if batch is not None else 0)
     if dims.world_size == 1:
         return batch, header

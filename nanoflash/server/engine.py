@@ -34,6 +34,7 @@ Tests: `pytest tests/test_rollout_server.py -q`.
 from __future__ import annotations
 
 import base64
+import collections
 import hashlib
 import math
 import threading
@@ -126,6 +127,16 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, g
     return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=gen)[:, 0]
 
 
+def check_values(name: str, t: torch.Tensor, n_experts: int) -> None:
+    """A pushed tensor the model can run: floats (FP8 included) finite, an expert table (`tid2eid`) within
+    [0, n_experts); else ValueError naming it (the update's 400), never a 200 that fails at /generate."""
+    if t.is_floating_point() and not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):
+        raise ValueError(f"pushed {name} holds NaN/inf values")
+    if name.endswith("tid2eid") and t.numel() and not (0 <= int(t.min()) and int(t.max()) < n_experts):
+        raise ValueError(f"pushed {name} holds expert ids in [{int(t.min())}, {int(t.max())}], outside "
+                         f"[0, {n_experts})")
+
+
 class RolloutEngine:
     """nanoflash inference + SGLang-layout weight store. Thread-safe: one forward at a time (`lock`)."""
 
@@ -137,7 +148,8 @@ class RolloutEngine:
         self.lock = threading.RLock()
         self.resume = threading.Condition(self.lock)
         self.paused, self.epoch, self.weight_version = False, 0, "0"
-        self.aborted: set = set()
+        self.aborted: set = set()    # in-flight request ids that were aborted
+        self.inflight: collections.Counter = collections.Counter()   # rid -> requests running under it
         self.abort_all_before = 0.0
         self.seed_gen = torch.Generator().manual_seed(seed)
         self.store = LoaderState()
@@ -156,9 +168,10 @@ class RolloutEngine:
     @torch.no_grad()
     def post_process(self):
         """Re-derive the model's parameters from the stored SGLang layout (the post-load quantization step)."""
-        with self.lock:  # all-or-nothing: every name and shape is checked before the first tensor goes live
+        with self.lock:  # all-or-nothing: every name, shape and value is checked before the first tensor goes live
             target = dict(self.model.state_dict(keep_vars=True))
             for name, t in self.store.params.items():  # views only: nothing is dequantized twice
+                check_values(name, t, self.cfg.n_routed_experts)
                 for official, part, _ in ([] if name.endswith("_scale_inv") else self._split(name, t, None)):
                     if official not in target:
                         raise ValueError(f"pushed tensor {official} has no place in this model")
@@ -225,10 +238,12 @@ class RolloutEngine:
             self.resume.notify_all()
 
     def abort(self, rid: str | None = None, abort_all: bool = False):
+        """Abort every request (abort_all) or the one in flight under `rid`; an unknown rid is a no-op (as in
+        SGLang), so `aborted` holds in-flight ids only and each leaves it when its request ends."""
         with self.lock:
             if abort_all:
                 self.abort_all_before = time.monotonic()
-            elif rid:
+            elif rid and rid in self.inflight:
                 self.aborted.add(rid)
 
     # ------------------------------------------------------------------ generation
@@ -274,7 +289,11 @@ class RolloutEngine:
         """One greedy token after HEALTH_PROMPT on the served weights, scored; raises what generation raises
         (FloatingPointError on NaN weights). Does not wait for a pause: the model's parameters change only
         under `lock`, in post_process, so a forward under it sees one consistent set."""
-        with self.lock:
+        with self.lock:   # every weight, not only the rows one prompt reads (an inf in one embedding row)
+            bad = [n for n, p in self.model.state_dict().items() if p.is_floating_point()
+                   and not bool(torch.isfinite(p).all())]
+            if bad:
+                raise FloatingPointError(f"non-finite weights in {bad[:3]}")
             ids = torch.tensor([HEALTH_PROMPT], dtype=torch.long, device=self.device)        # [1,1]
             nxt = sample(self.model(ids)[:, -1], 0.0, 1.0, -1, None)                         # [1]
             lp = self.score(torch.cat([ids[0], nxt]), len(HEALTH_PROMPT), 1.0)
@@ -289,6 +308,18 @@ class RolloutEngine:
         if len(input_ids) + sp["max_new_tokens"] > max_len:  # "context length": the phrase SGLang's 400 uses too
             raise BadRequest(f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sp['max_new_tokens']}) exceeds "
                              f"the model's context length (max_seq_len {max_len})")
+        with self.lock:
+            self.inflight[rid] += 1
+        try:
+            return self._generate(input_ids, sp, rid, t0, routed)
+        finally:
+            with self.lock:
+                self.inflight[rid] -= 1
+                if not self.inflight[rid]:
+                    del self.inflight[rid]
+                    self.aborted.discard(rid)
+
+    def _generate(self, input_ids: list, sp: dict, rid: str, t0: float, routed: bool) -> list:
         n, stops = sp["n"], set(sp["stop_token_ids"])
         with self.lock:
             seed = sp["seed"] if sp["seed"] is not None else int(torch.randint(0, 2**62, (1,), generator=self.seed_gen))

@@ -2,7 +2,7 @@
 
     python -m nanoflash.server --preset tiny --port 30000 [--weights fp32|bf16|fp8]
         [--protocol stock|post_process|session] [--api-key KEY] [--checkpoint DIR] [--host 127.0.0.1]
-        [--disk-root DIR] [--group-hosts HOST,...] [--read-timeout S] [--max-connections N]
+        [--disk-root DIR] [--group-hosts HOST,...] [--read-timeout S] [--max-connections N] [--max-trace-bytes B]
 
 SGLang's launch flags are accepted too, so a rehearsal starts it with SGLang's command line (`python -m
 nanoflash.server` in place of `python3 -m sglang.launch_server`, the rest unchanged; `tests/test_rehearsal.py`
@@ -38,7 +38,9 @@ Safety: binds 127.0.0.1 by default; with `--api-key` every route but /health and
 `max_request_tokens` = prompts x n x max_new_tokens (default MAX_N x the model's max_seq_len: one full-length
 request of the largest n); `/update_weights_from_disk` reads only below `--disk-root` and
 `/init_weights_update_group` joins only groups at `--group-hosts` with bounded ranks and timeout
-(`update_guard.py`). `/update_weights_from_tensor` accepts only
+(`update_guard.py`); `/nanoflash/trace` takes at most max_seq_len ids and answers at most `--max-trace-bytes`
+(413 past it), and on a server without a key only loopback clients (403 otherwise: `server/trace.py`).
+`/update_weights_from_tensor` accepts only
 `load_format="nanoflash_safetensors"` (base64 safetensors) -- SGLang's own payload is a pickle of CUDA-IPC
 handles, and this server never unpickles network bytes (400) -- or, from the trainer in the server's own
 process, `"nanoflash_in_process"` with a handle to tensors it parked (`buckets.hand_over`: no bytes on the wire,
@@ -65,7 +67,7 @@ from nanoflash.config import ModelConfig, preset
 from nanoflash.model import Transformer
 from nanoflash.server.engine import MAX_N, BadRequest, RolloutEngine, check_ids, parse_sampling
 from nanoflash.server.http_guard import BoundedHTTPServer, HTTPError, HTTPLimits, make_handler
-from nanoflash.server.trace import trace
+from nanoflash.server.trace import MAX_TRACE_BYTES, checked_ids, trace
 from nanoflash.server.update_guard import GroupPolicy, check_group, disk_files, own_hosts
 from nanoflash.sglang.preflight import local_versions
 from nanoflash.sglang.transports import (FLAT_FORMAT, LOCAL_FORMAT, SAFE_FORMAT, decode_blob, decode_tensors,
@@ -91,7 +93,8 @@ class RolloutServer:
 
     def __init__(self, engine: RolloutEngine, protocol: str = "stock", api_key: str | None = None, tp_size: int = 1,
                  disk_root: str | None = None, group_policy: GroupPolicy | None = None,
-                 max_request_tokens: int | None = None, model_path: str | None = None):
+                 max_request_tokens: int | None = None, model_path: str | None = None,
+                 max_trace_bytes: int = MAX_TRACE_BYTES):
         if protocol not in EXTRA:
             raise ValueError(f"protocol must be one of {sorted(EXTRA)}, got {protocol!r}")
         if tp_size < 1:
@@ -100,6 +103,7 @@ class RolloutServer:
         self.disk_root, self.group_policy = disk_root, group_policy or GroupPolicy()
         self.model_path, self.versions = model_path, local_versions()   # tests may make either say otherwise
         self.max_request_tokens = max_request_tokens or MAX_N * engine.cfg.max_seq_len
+        self.max_trace_bytes = max_trace_bytes
         self.routes = {**COMMON, **EXTRA[protocol]}
         self.session_open = False
         self.groups: dict = {}
@@ -206,11 +210,12 @@ class RolloutServer:
     def _update(self, named, body, path):
         if self.protocol == "session" and not self.session_open:
             raise BadRequest(f"{path} outside a weight-update session: call /begin_weight_update first")
-        written = self.engine.load(named)
-        if body.get("weight_version") is not None:
-            self.engine.weight_version = str(body["weight_version"])
-        if self.protocol == "stock" or path == "/update_weights_from_disk":
-            self.engine.post_process()
+        with self.engine.lock:   # a sample carries the new version only once the new weights are live
+            written = self.engine.load(named)
+            if self.protocol == "stock" or path == "/update_weights_from_disk":
+                self.engine.post_process()
+            if body.get("weight_version") is not None:
+                self.engine.weight_version = str(body["weight_version"])
         return {"success": True, "message": f"loaded {len(written)} tensor(s)"}
 
     def r_update_weights_from_tensor(self, body):
@@ -234,7 +239,10 @@ class RolloutServer:
         named = []
         for f in disk_files(self.disk_root, body.get("model_path")):
             with open(f, "rb") as fh:
-                named += decode_blob(fh.read())
+                try:
+                    named += decode_blob(fh.read())
+                except ValueError as e:
+                    raise BadRequest(f"/update_weights_from_disk: {f}: {e}") from None
         return self._update(named, body, "/update_weights_from_disk")
 
     def r_init_weights_update_group(self, body):
@@ -332,8 +340,9 @@ class RolloutServer:
 
 
     def r_nanoflash_trace(self, body):
-        """nanoflash extension: activations at every block boundary for `input_ids` (mismatch localization)."""
-        ids = check_ids("/nanoflash/trace", body.get("input_ids"), self.engine.cfg.vocab_size)
+        """nanoflash extension: activations at every block boundary for `input_ids` (mismatch localization);
+        bounded (`trace.checked_ids`), loopback-only without a key (`http_guard.LOCAL_ROUTES`)."""
+        ids = checked_ids(body, self.engine.model, self.max_trace_bytes)
         with self.engine.lock:
             acts = trace(self.engine.model, torch.tensor([ids]))
         return {"trace": encode_tensors(list(acts.items()))}
@@ -341,12 +350,13 @@ class RolloutServer:
 
 def make_httpd(engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, protocol: str = "stock",
                api_key: str | None = None, tp_size: int = 1, disk_root: str | None = None, group_hosts=None,
-               limits: HTTPLimits | None = None, max_request_tokens: int | None = None, model_path: str | None = None):
+               limits: HTTPLimits | None = None, max_request_tokens: int | None = None, model_path: str | None = None,
+               max_trace_bytes: int = MAX_TRACE_BYTES):
     """The bound (not yet serving) HTTP server; `httpd.rollout` is its RolloutServer. group_hosts: allowed
     master addresses besides loopback and `host` (("*",) = any)."""
     hosts = ("*",) if group_hosts and "*" in group_hosts else own_hosts(host, group_hosts or ())
     rs = RolloutServer(engine, protocol, api_key, tp_size, disk_root, GroupPolicy(hosts=hosts), max_request_tokens,
-                       model_path)
+                       model_path, max_trace_bytes)
     limits = limits or HTTPLimits()
     httpd = BoundedHTTPServer((host, port), make_handler(rs, limits), limits.max_connections)
     httpd.rollout = rs
@@ -394,6 +404,7 @@ def main(argv=None):
     ap.add_argument("--max-connections", type=int, default=HTTPLimits.max_connections, help="open connections")
     ap.add_argument("--max-request-tokens", type=int, default=0, help="prompts x n x max_new_tokens per "
                     "/generate (0: MAX_N x max_seq_len)")
+    ap.add_argument("--max-trace-bytes", type=int, default=MAX_TRACE_BYTES, help="largest /nanoflash/trace answer")
     ap.add_argument("--weights", default=None, choices=["fp32", "bf16", "fp8"], help="default fp32 (fp8 with "
                     "--model-path)")
     ap.add_argument("--protocol", default="stock", choices=sorted(EXTRA))
@@ -420,7 +431,7 @@ def main(argv=None):
     limits = HTTPLimits(read_timeout_s=args.read_timeout, max_connections=args.max_connections)
     httpd = make_httpd(engine, args.host, args.port, args.protocol, args.api_key, args.tp_size, args.disk_root,
                        [h for h in args.group_hosts.split(",") if h], limits, args.max_request_tokens or None,
-                       args.checkpoint)
+                       args.checkpoint, args.max_trace_bytes)
     print(f"nanoflash rollout server on http://{args.host}:{httpd.server_address[1]} "
           f"(protocol {args.protocol}, weights {args.weights}, cache decode {engine.use_cache})", flush=True)
     httpd.serve_forever()

@@ -18,7 +18,9 @@ threads or memory, nor get past the API key. The rules, per connection and per r
                   unauthorised client cannot make the server read (or allocate) its body
     the key       with an API key set, `Authorization: Bearer KEY` is compared in constant time
                   (`hmac.compare_digest`) on every route except `/health` and `/health_generate` -- SGLang's
-                  own middleware exempts paths starting with /health (liveness probes) and no other
+                  own middleware exempts paths starting with /health (liveness probes) and no other;
+                  without one, `LOCAL_ROUTES` (nanoflash's own `/nanoflash/trace`) answer loopback peers
+                  only (403): a keyless server bound beyond loopback serves generation, not its activations
     JSON in       bare NaN / Infinity and nesting deep enough to exhaust the parser are malformed input: 400
     JSON out      `json.dumps(allow_nan=False)`; non-finite floats are written as null (what SGLang's orjson
                   responses do), never as the bare `NaN` that is not JSON
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import hmac
 import io
+import ipaddress
 import json
 import math
 import sys
@@ -46,6 +49,7 @@ from nanoflash.server.engine import BadRequest
 
 WEIGHT_ROUTES = frozenset({"/update_weights_from_tensor"})  # base64 safetensors buckets: the large bodies
 OPEN_ROUTES = frozenset({"/health", "/health_generate"})      # no key needed (SGLang: paths starting /health)
+LOCAL_ROUTES = frozenset({"/nanoflash/trace"})                # without a key: loopback clients only
 
 
 @dataclass
@@ -167,6 +171,14 @@ def key_ok(api_key: str | None, path: str, auth: str | None) -> bool:
     return hmac.compare_digest((auth or "").encode(), f"Bearer {api_key}".encode())
 
 
+def peer_ok(api_key: str | None, path: str, peer: str) -> bool:
+    """LOCAL_ROUTES on a server without a key answer only loopback peers (127.0.0.0/8, ::1, v4-mapped)."""
+    if api_key or path not in LOCAL_ROUTES:
+        return True
+    ip = ipaddress.ip_address(peer.split("%")[0])
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+
+
 def body_length(headers, path: str, limit: int) -> int:
     """The declared body length, validated against `limit` (HTTPError otherwise)."""
     if headers.get("Transfer-Encoding"):
@@ -231,6 +243,9 @@ def make_handler(server, limits: HTTPLimits):
                 server.check(method, path)
                 if not key_ok(server.api_key, path, self.headers.get("Authorization")):
                     raise HTTPError(401, f"{path} needs 'Authorization: Bearer <api key>'", close=True)
+                if not peer_ok(server.api_key, path, self.client_address[0]):
+                    raise HTTPError(403, f"{path} answers only loopback clients on a server started without "
+                                         f"--api-key; start it with one to serve {path} to others", close=True)
                 raw, unread = self._read_body(path), False
                 status, out = server.handle(method, path, parse_json(raw, path))
                 close = False

@@ -8,13 +8,48 @@ Sites in forward order: "embed" (streams [1,S,M,D]); per layer L and half H in (
 then "logits" [1,S,V]. `trace` walks each `Block` exactly as `Block.forward` does, through the block's own
 methods; a test asserts it reproduces `model(ids)` bit for bit.
 
-Tests: `pytest tests/test_rollout_mismatch.py -q`.
+Bounded (`checked_ids`): the answer grows as S x (M D (1 + 2 L) + 4 L D + V) floats, base64 on the wire
+(tiny: ~3 KB a token; the `small` preset ~1.8 MB; flash ~10 MB), so the route takes at most the model's
+max_seq_len ids and refuses (413) a request whose answer would pass the server's `max_trace_bytes`
+(`answer_bytes` is an upper bound, computed before any forward). Without an API key the server answers the
+route to loopback clients only (`http_guard.LOCAL_ROUTES`): activations describe the served weights.
+
+Tests: `pytest tests/test_rollout_mismatch.py tests/test_trace_route.py -q`.
 """
 from __future__ import annotations
 
 import torch
 
 from nanoflash.model import hc_post
+from nanoflash.server.engine import BadRequest, check_ids
+from nanoflash.server.http_guard import HTTPError
+
+MAX_TRACE_BYTES = 256 << 20   # default bound of one answer: ~140 tokens of the `small` preset, 100K of tiny
+SITE_HEADER_BYTES = 256       # safetensors header entry of one site (name, dtype, shape, offsets), generous
+
+
+def answer_bytes(model, n_ids: int) -> int:
+    """Upper bound of the route's answer for n_ids tokens: every site's floats at 4 bytes, headers, base64."""
+    c, n_layers = model.cfg, len(model.layers)
+    floats = c.hc_mult * c.dim * (1 + 2 * n_layers) + 4 * n_layers * c.dim + c.vocab_size   # per token
+    raw = n_ids * floats * 4 + SITE_HEADER_BYTES * (2 + 6 * n_layers)
+    return 4 * (raw + 2) // 3 + 64   # base64, and the JSON around it
+
+
+def checked_ids(body: dict, model, max_bytes: int) -> list:
+    """The request's input_ids, within the model's max_seq_len and an answer of at most max_bytes; else
+    BadRequest (400) / HTTPError 413 naming the bound."""
+    ids = check_ids("/nanoflash/trace", body.get("input_ids"), model.cfg.vocab_size)
+    if len(ids) > model.cfg.max_seq_len:
+        raise BadRequest(f"/nanoflash/trace: {len(ids)} input_ids > the model's max_seq_len="
+                         f"{model.cfg.max_seq_len}")
+    need = answer_bytes(model, len(ids))
+    if need > max_bytes:
+        fit = next((n for n in range(len(ids), 0, -1) if answer_bytes(model, n) <= max_bytes), 0)
+        raise HTTPError(413, f"/nanoflash/trace: the answer for {len(ids)} ids would take up to {need} bytes, "
+                             f"over this server's max_trace_bytes={max_bytes}; trace at most {fit} ids (or start "
+                             f"the server with a larger --max-trace-bytes)")
+    return ids
 
 
 @torch.no_grad()

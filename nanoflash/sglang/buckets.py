@@ -272,6 +272,13 @@ def decode_tensors(payload: str) -> list:
     return decode_blob(blob)
 
 
+def _unique_keys(pairs) -> dict:
+    names = [k for k, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate keys in the safetensors header: {sorted({k for k in names if names.count(k) > 1})}")
+    return dict(pairs)
+
+
 def decode_blob(blob: bytes) -> list:
     """safetensors bytes -> [(name, tensor)] in the sender's order."""
     if len(blob) < 8:
@@ -280,8 +287,8 @@ def decode_blob(blob: bytes) -> list:
     if hlen > len(blob) - 8:
         raise ValueError("tensor payload is not safetensors (looks like a pickle or is truncated); the embedded "
                          f"server accepts load_format={SAFE_FORMAT!r} only and never unpickles")
-    try:
-        header = json.loads(blob[8:8 + hlen])
+    try:   # a key named twice would let the header say one thing and the data another: refused
+        header = json.loads(blob[8:8 + hlen], object_pairs_hook=_unique_keys)
         tensors = safetensors.torch.load(blob)
         order = json.loads(header.get("__metadata__", {}).get("order", "null")) or sorted(tensors)
     except Exception as e:  # safetensors raises its own error types

@@ -27,7 +27,8 @@ Protocol (collective: every trainer rank calls `push`; global rank 0 holds the H
 
 Buckets carry no weight_version: the servers report the last good version until a push is verified. A push
 that fails (an HTTP error, a broken group, a verification mismatch) leaves the servers paused; it is retried
-from scratch on re-created groups `max_retries` times, then the run stops naming the server.
+from scratch on re-created groups `max_retries` times, then raises `PushFailed` naming the server on every rank
+(the loop's restart policy, `rl/restarts.py`, waits for the servers and pushes again, or stops).
 
 Transports: "distributed" as above; "tensor" (one host: colocated) posts each bucket's flat GPU buffer as
 SGLang's CUDA-IPC `FlattenedTensorBucket` (the embedded server: safetensors); "disk" writes one fresh
@@ -211,8 +212,10 @@ class StagePusher:
     def reconnect(self, restarted: bool = False):
         """Drop and re-create every stage's group (a server restarted, or a push broke a group). `restarted`:
         the servers are fresh processes, so what was remembered of them goes too (the last verified push, the
-        baseline of the change-set checks; an update session left open)."""
+        baseline of the change-set checks); a session still open on one that did not restart is ended."""
         if restarted:
+            if self.dims.rank == 0:
+                self._guard(self._clear_stale_sessions)   # a server still gone: the push itself names it
             self.last, self.begun = {}, set()
         if self.broadcaster is not None:
             self.broadcaster.close()
@@ -236,12 +239,9 @@ class StagePusher:
                 return out
             except PushFailed as e:
                 if attempt == self.max_retries or not callable(state):
-                    raise SystemExit(f"weight push v{version} failed after {attempt + 1} attempt(s); servers "
-                                     f"left paused: {e.servers or 'see the error'}: {e}") from e
-                try:
-                    self.reconnect()
-                except Exception as r:
-                    raise SystemExit(f"weight push v{version} failed ({e}); reconnecting failed too: {r}") from r
+                    raise PushFailed(f"weight push v{version} failed after {attempt + 1} attempt(s); servers "
+                                     f"left paused: {e.servers or 'see the error'}: {e}", e.servers) from e
+                self.reconnect()   # a group that cannot be re-created raises PushFailed on every rank too
 
     def _push_once(self, state, version: int) -> dict:
         d, rank0 = self.dims, self.dims.rank == 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 import threading
 
 import torch
@@ -93,16 +94,36 @@ def tcp_url(host: str, port: int) -> str:
 
 
 def _rendezvous(url: str, host: str, port: int, rank: int, world: int, timeout) -> tuple:
-    """torch's `rendezvous(url, rank, world, timeout)`, as SGLang calls it. Under torchrun (the trainer's launcher)
-    torch's tcp:// handler makes every rank a client of torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE),
-    and nobody would host the group's store: there we build what the handler builds outside torchrun
-    (`rendezvous._create_c10d_store`: rank 0 hosts a multi-tenant TCPStore, libuv unless USE_LIBUV=0)."""
+    """torch's `rendezvous(url, rank, world, timeout)`, as SGLang calls it, for the servers' ranks. Rank 0 (the
+    trainer's source) hosts the group's store itself (`master_store`: torch's would listen on every interface).
+    Under torchrun (the trainer's launcher, and embedded servers' ranks in its processes) torch's tcp:// handler
+    would make every rank a client of torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE): there a plain
+    client of the group's store is built instead."""
     from torch.distributed.rendezvous import _torchelastic_use_agent_store, rendezvous
+    if rank == 0:
+        return master_store(host, port, world, timeout), rank, world
     if not _torchelastic_use_agent_store():
         return next(rendezvous(url, rank, world, timeout=timeout))
-    store = dist.TCPStore(host, int(port), world, is_master=rank == 0, timeout=timeout, multi_tenant=True,
-                          use_libuv=os.environ.get("USE_LIBUV", "1") == "1")
-    return store, rank, world
+    return dist.TCPStore(host, int(port), world, is_master=False, timeout=timeout,
+                         use_libuv=os.environ.get("USE_LIBUV", "1") == "1"), rank, world
+
+
+def master_store(host: str, port: int, world: int, timeout) -> dist.TCPStore:
+    """The group's TCPStore, hosted by rank 0 and listening on `host` only. torch's master binds the wildcard
+    address (every interface, no authentication: any host that reaches the port could write the store), so a
+    socket bound to the sync address is handed to it (`master_listen_fd`); otherwise as torch's rendezvous
+    builds it (`rendezvous._create_c10d_store`: waits for every rank; libuv unless USE_LIBUV=0)."""
+    family, _, _, _, addr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(max(128, world))
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(host, int(port), world, is_master=True, timeout=timeout, master_listen_fd=sock.detach(),
+                         use_libuv=os.environ.get("USE_LIBUV", "1") == "1")
 
 
 def join_group(master_address: str, master_port: int, rank: int, world: int, group_name: str, backend: str,
