@@ -159,6 +159,11 @@ def run_colocated(args_: list, out: str, timeout: float, gpu: bool) -> dict:
             "log_tail": "\n".join(x for x in text.splitlines() if not x.startswith(("W1", "[W")))[-3000:]}
 
 
+def say(t0: float, what: str) -> None:
+    """A progress line (stderr, flushed): a run that stops early shows which phase it reached."""
+    print(f"[{time.time() - t0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:
@@ -309,20 +314,24 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "preset": mode["preset"], "model_overrides": mode["model"]}
     try:
         write_start(start, mode, seed=0)
+        say(t0, "start checkpoint written")
         args_ = run_args(mode, start, out, a.steps, a.sync_port)
         doc["run"] = run_colocated(args_, work, a.timeout, a.device == "cuda")
         ok = doc["run"]["rc"] == 0
+        say(t0, f"4-rank run: rc {doc['run']['rc']} in {doc['run']['wall_s']} s")
         if ok:
             ckpt = os.path.join(out, "checkpoints", f"step_{a.steps:08d}")
             replay_dir = os.path.join(out, "replay")
             t1 = time.time()
             ref = replay(args_, replay_dir, a.steps)
+            say(t0, "one-process replay done")
             control = replay(args_, replay_dir, a.steps, str(int(mode["flags"][mode["flags"].index(
                 "--parallel.micro_batch_tokens") + 1]) // 2))
             got = run_state(args_, ckpt)
             got["old"] = {k: torch.load(os.path.join(replay_dir, f"step_{k}.pt"), weights_only=True)["old"]
                           for k in range(1, a.steps + 1)}
             doc["replay_s"] = round(time.time() - t1, 1)
+            say(t0, "control replay and the run's state loaded")
             doc["compare"] = compare(got, ref, control, lr=LR, steps=a.steps)
             doc["memory"] = memory(args_, out, mode["fit_lens"], a.device)
             ok = all(doc["compare"][k]["ok"] for k in ("weights", "masters", "first_moments"))

@@ -110,7 +110,7 @@ def test_local_push_into_a_gpu_engine_stays_on_the_gpu_and_verifies():
         named = [(n, t) for n, t in trainer.state_dict().items() if not n.startswith("mtp.")]
         info = pusher.push(lambda: named, version=1)
         engine = httpd.rollout.engine
-        assert info["bytes"] > 0 and client.weight_version == 1
+        assert info["bytes"] > 0 and client.weight_version == pusher.tag(1)   # "{version}-{launch nonce}"
         assert all(t.is_cuda for t in engine.store.params.values())
         w = engine.model.layers["0"].attn.wo_b.weight
         ref = trainer.layers["0"].attn.wo_b.weight.float()
