@@ -5,6 +5,8 @@ What is saved, under `root/step_{N:08d}/`:
                     (`layers.7.ffn.experts.42.w1.weight`, `layers.7.ffn.experts.42.w1.weight.exp_avg`, ...)
     rng_rank{r}.pt  this rank's torch / CUDA / python RNG states (read back with weights_only=True: plain
                     tensors and ints, so a crafted file cannot run code)
+    rank0_*.pt      the caller's own state, from rank 0 (`files=`: e.g. the rollout batch a one-step-off run
+                    has generated and not yet trained), also read back with weights_only=True (`load_file`)
     meta.json       step, layout (pp, ep, dp), the trainer's `extra` dict (data position, ...) and a crc32 of
                     every other file ("files"); written last
 
@@ -46,6 +48,7 @@ from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 
 STEP_PREFIX, TMP_SUFFIX, META, CORRUPT_SUFFIX = "step_", ".tmp", "meta.json", ".corrupt-"
+RANK0_PREFIX = "rank0_"   # files= of save_checkpoint: written by rank 0, checksummed with the rest
 STEP_DIR = re.compile(r"step_\d{8}")  # a checkpoint's own name: never step_N.tmp or step_N.corrupt-<k>
 # A world-size-1 save or load passes no_dist=True, so torch's "assuming the intent is to save in a single process"
 # says what was asked, at every checkpoint of every CPU run: silenced, that message only.
@@ -68,7 +71,8 @@ def file_crc32(path: str) -> int:
 
 def _own_files(tmp: str, rank: int) -> list[str]:
     """The files this rank wrote into a checkpoint directory (rank 0 also DCP's .metadata)."""
-    mine = [f for f in os.listdir(tmp) if f.startswith(f"__{rank}_") or f == f"rng_rank{rank}.pt"]
+    mine = [f for f in os.listdir(tmp) if f.startswith(f"__{rank}_") or f == f"rng_rank{rank}.pt"
+            or (rank == 0 and f.startswith(RANK0_PREFIX))]
     return sorted(mine + ([".metadata"] if rank == 0 and os.path.exists(os.path.join(tmp, ".metadata")) else []))
 
 
@@ -155,8 +159,10 @@ def _commit(tmp: str, final: str, root: str) -> None:
 
 
 def save_checkpoint(root: str, step: int, model, optimizer, dims: ParallelDims, extra: dict | None = None,
-                    keep: int = 2) -> str:
-    """Write the training state of every rank as checkpoint `step`; returns its path (same on all ranks)."""
+                    keep: int = 2, files: dict | None = None) -> str:
+    """Write the training state of every rank as checkpoint `step`; returns its path (same on all ranks).
+    `files` (rank 0): {name: object} saved as `rank0_<name>` inside the checkpoint, before its commit (tensors,
+    lists, dicts, numbers and strings: what `load_file` reads back with weights_only=True)."""
     final = os.path.join(root, f"{STEP_PREFIX}{step:08d}")
     tmp = final + TMP_SUFFIX
     if dims.rank == 0:
@@ -171,6 +177,10 @@ def save_checkpoint(root: str, step: int, model, optimizer, dims: ParallelDims, 
     rng_path = os.path.join(tmp, f"rng_rank{dims.rank}.pt")
     torch.save(_rng_state(), rng_path)
     _fsync_path(rng_path)
+    for name, obj in (files or {}).items() if dims.rank == 0 else ():
+        path = os.path.join(tmp, RANK0_PREFIX + name)
+        torch.save(obj, path)
+        _fsync_path(path)
     _barrier(dims)
     files = _checksums(tmp, dims)
     if dims.rank == 0:
@@ -184,6 +194,13 @@ def save_checkpoint(root: str, step: int, model, optimizer, dims: ParallelDims, 
         _prune(root, keep)
     _barrier(dims)
     return final
+
+
+def load_file(path: str, name: str):
+    """The object `save_checkpoint(files={name: ...})` stored in checkpoint `path`, or None if it has none
+    (verified with the rest of the checkpoint by `load_checkpoint`; read with weights_only=True)."""
+    p = os.path.join(path, RANK0_PREFIX + name)
+    return torch.load(p, weights_only=True) if os.path.exists(p) else None
 
 
 def _prune(root: str, keep: int) -> None:

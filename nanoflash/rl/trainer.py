@@ -156,13 +156,14 @@ class Trainer:
         """(official name, tensor on this rank's device) for every parameter and buffer this rank holds."""
         yield from self.model.state_dict().items()
 
-    def save(self, root: str, step: int, extra: dict, keep: int) -> None:
-        """DCP save of model + optimizer. The ranks first meet on the gloo side group (long timeout): rank 0
-        may still be evaluating or pushing, and the save's own collectives run under the training timeout."""
+    def save(self, root: str, step: int, extra: dict, keep: int, files: dict | None = None) -> None:
+        """DCP save of model + optimizer (+ rank 0's `files`: parallel.dcp). The ranks first meet on the gloo
+        side group (long timeout): rank 0 may still be evaluating or pushing, and the save's own collectives run
+        under the training timeout."""
         if self.dims.side_group is not None:
             dist.barrier(group=self.dims.side_group)
         self.require_finite("at a checkpoint save")
-        save_checkpoint(root, step, self.model, self.optimizer, self.dims, extra=extra, keep=keep)
+        save_checkpoint(root, step, self.model, self.optimizer, self.dims, extra=extra, keep=keep, files=files)
 
     def resume(self, root: str) -> tuple[str | None, dict | None]:
         """Model + optimizer state (and RNG) from the newest checkpoint under `root` that verifies (a corrupt
