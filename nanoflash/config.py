@@ -233,6 +233,8 @@ class GRPOConfig:
     aggregation: str = "seq-mean-token-mean"  # loss aggregation: seq-mean-token-mean (Miles) | token-mean (DAPO)
     dynamic_sampling: bool = True     # drop groups whose rewards are all equal
     over_sampling_batch_size: int = 512  # prompts submitted per chunk while too few groups are kept
+    adaptive_over_sampling: bool = False  # size each round from the keep rate seen (grpo.prompts_for_rate), at most the
+                                          # chunk; off = Miles' whole chunk every round
 
     def __post_init__(self):
         if self.aggregation not in ("seq-mean-token-mean", "token-mean"):

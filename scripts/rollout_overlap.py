@@ -5,7 +5,9 @@
 
 What it runs: the CPU demo (`--recipe demo`: the copy warm start, then GRPO on "the last digit of a + 1") for
 `--steps` steps twice, synchronous and `--rollout.async true`, both with TIS (`--grpo.use_tis true`: the
-asynchronous run needs it, so the synchronous one has it too), the same seed, against ONE embedded server
+asynchronous run needs it, so the synchronous one has it too) and adaptive over-sampling (each round sized
+from the keep rate seen; the demo recipe's fixed 16-prompt rounds send 16 prompts for one missing group),
+the same seed, against ONE embedded server
 started as its own process (`python -m nanoflash.server`, one thread, FP8 weights, from a checkpoint of the
 demo's model written here) that each run pushes its weights into (`--rollout.urls`). The trainer has one
 thread, the server one: on a 2-core machine rollouts and training can overlap, as rollout and training nodes
@@ -68,6 +70,7 @@ def start_server(ckpt: str, port: int, log: str) -> subprocess.Popen:
 
 def run_args(a, mode: str, out: str, url: str) -> list:
     return ["--recipe", "demo", "--steps", str(a.steps), "--out", out, "--rollout.urls", url, "--grpo.use_tis", "true",
+            "--grpo.adaptive_over_sampling", "true",
             "--eval.every", str(a.eval_every), "--eval.n_problems", str(a.eval_problems), "--eval.k_samples",
             str(a.eval_k), "--train.progress", "false", "--train.plots", "false", "--train.save_every", "-1",
             *MODES[mode]]
@@ -105,7 +108,8 @@ def measure(a) -> dict:
     shutil.rmtree(a.out, ignore_errors=True)
     os.makedirs(a.out)
     torch.manual_seed(cfg.train.seed)
-    save_hf_checkpoint(Transformer(preset("tiny", **cfg.model)).init_weights(cfg.train.seed), ckpt, weights="bf16")
+    save_hf_checkpoint(Transformer(preset("tiny", **cfg.model)).init_weights(cfg.train.seed), ckpt, weights="fp8",
+                       experts="fp8")   # what the push sends: the preflight refuses a server holding other experts
     port = a.port or free_port()
     url, res = f"http://127.0.0.1:{port}", {}
     server = start_server(ckpt, port, os.path.join(a.out, "server.log"))

@@ -159,6 +159,20 @@ def test_the_carry_survives_a_checkpoint(tmp_path):
     assert back.state_dict() == carry.state_dict() and len(back) == 1 and back.groups[0].samples[0].ids == [2]
 
 
+def test_adaptive_over_sampling_asks_for_what_the_keep_rate_needs():
+    """grpo.adaptive_over_sampling: mean + 2 SD of the prompts needed at the keep rate seen, capped by the chunk.
+    Bug caught: Miles' whole chunk for one missing group (the demo's second rounds: 16 prompts for 1 group)."""
+    from nanoflash import grpo
+    assert grpo.prompts_for_rate(32, 0.5, 512) == 80                  # (32 + 2 sqrt(16)) / 0.5
+    assert grpo.prompts_for_rate(1, 0.97, 16) == 2 and grpo.prompts_for_rate(1, 1.0, 16) == 1
+    assert grpo.prompts_for_rate(16, 0.1, 16) == 16 and grpo.prompts_for_rate(0, 0.5, 16) == 0
+    cfg = config(G=2, chunk=6)
+    cfg.grpo.adaptive_over_sampling = True
+    client = Scripted()
+    collect(client, task(set(range(100))), 0, cfg, MCFG, history=(19, 20))   # rate p = (19 + 1) / (20 + 1)
+    assert client.sent() == [0, 1, 2]                                       # (2 + 2 sqrt(2 (1 - p))) / p = 2.75
+
+
 def test_inflight_is_the_flag_else_the_servers_capacity_over_n():
     rc = RunConfig().rollout
     assert rounds.inflight_requests(rc, 4096, 8) == 512 and rounds.inflight_requests(rc, None, 8) is None

@@ -212,6 +212,7 @@ class Collector:
     def __init__(self, cfg, task: Task, mcfg, model, pos: int = 0):
         self.cfg, self.task, self.mcfg, rc = cfg, task, mcfg, cfg.rollout
         self.pos, self.restarts, self.served, self.carry, self.cancel = pos, 0, None, Carry(), threading.Event()
+        self.history = (0, 0)   # (groups kept, groups rewarded) of the last step: grpo.adaptive_over_sampling
         if rc.urls:
             self.client, self.engines, self.httpds = SGLangClient(list(rc.urls), api_key=rc.key(),
                                                                   retry_s=rc.retry_s,
@@ -228,11 +229,13 @@ class Collector:
             print(f"rollout: {concurrency_line(self.capacity, cfg.grpo.group_size)}", flush=True)
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of the rollout side beyond the data position: the carried groups."""
-        return {"carry": self.carry.state_dict()}
+        """What a checkpoint keeps of the rollout side beyond the data position: the carried groups and the last
+        step's keep rate (adaptive over-sampling sizes the next round from it)."""
+        return {"carry": self.carry.state_dict(), "history": list(self.history)}
 
     def load_state_dict(self, state: dict) -> None:
         self.carry.load_state_dict(state["carry"])
+        self.history = tuple(state["history"])
 
     def next_batch(self, at: int) -> tuple:
         """Dynamic-sampling rollout for step `at` -> advantages -> the packed global batch and its metrics.
@@ -244,7 +247,7 @@ class Collector:
         on_round = lambda r: bar.write(round_line(r, f"rollout {at}/{tc.steps}", self.cfg))  # noqa: E731
         try:
             kept, seen, pos, counts = collect(self.client, self.task, self.pos, self.cfg, self.mcfg, bar, on_round,
-                                              self.carry, at, self.served, self.capacity, self.cancel)
+                                              self.carry, at, self.served, self.capacity, self.cancel, self.history)
         except (ServerGoneError, StaleServerError) as e:
             bar.close()
             if self.restarts >= rc.max_server_restarts:
@@ -260,7 +263,7 @@ class Collector:
             raise SystemExit(f"rollout for step {at} failed: {e}") from None
         finally:
             bar.close()   # a Ctrl-C's line must not land on a half-drawn bar
-        self.pos, t_roll = pos, time.time() - t0
+        self.pos, t_roll, self.history = pos, time.time() - t0, (counts["groups_kept"], counts["groups_seen"])
         m = {**step_metrics(seen, gc.group_size), **counts, "rollout_s": t_roll,
              "rollout_tokens_per_s": sum(len(e.response_ids) for e in seen) / t_roll}
         if not kept:

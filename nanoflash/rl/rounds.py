@@ -329,11 +329,12 @@ def _result(fut, cancel):
 # ---------------------------------------------------------------------------------------------- the step
 def collect(client, task, pos: int, cfg, mcfg, bar=None, on_round=None, carry: Carry | None = None,
             at: int | None = None, version=None, capacity: int | None = None,
-            cancel: threading.Event | None = None) -> tuple[list, list, int, dict]:
+            cancel: threading.Event | None = None, history: tuple = (0, 0)) -> tuple[list, list, int, dict]:
     """Dynamic-sampling rollout of step `at` under the run's `cfg` (grpo, rollout, train.seed) for the model
     `mcfg`, the servers holding the weights of step `version` (the last push). `carry`: the partial groups
     (rollout.partial; continued first, and refilled with this step's tail). `capacity`: sequences the servers
     run at once (None: unknown). `cancel`: set by the loop to stop a rollout running in the background.
+    `history`: (groups kept, groups rewarded) of the step before, for grpo.adaptive_over_sampling.
     `on_round(RoundStats)` is called after every round. Returns (kept episodes, all rewarded episodes, new
     data position, counters: see the module docstring)."""
     gc, rc = cfg.grpo, cfg.rollout
@@ -345,6 +346,10 @@ def collect(client, task, pos: int, cfg, mcfg, bar=None, on_round=None, carry: C
     while len(st.kept) < G * n and st.rounds < rc.max_rounds:
         carried = st.carry.groups if st.carry is not None else []
         k = grpo.prompts_to_request(len(st.kept) // n, G, len(carried), gc.over_sampling_batch_size)
+        if gc.adaptive_over_sampling and k:
+            kept, seen = history[0] + len(st.kept) // n, history[1] + len(st.seen) // n
+            k = grpo.prompts_for_rate(G - len(st.kept) // n - len(carried), (kept + 1) / (seen + 1),
+                                      gc.over_sampling_batch_size)
         groups = carried + [Group(p, started_at=at) for p in range(pos, pos + k)]
         pos += k
         st.run_round(groups, len(carried), inflight, bar, on_round)   # then the carry holds its tail
