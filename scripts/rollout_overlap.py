@@ -117,13 +117,13 @@ def measure(a) -> dict:
         for mode in MODES:
             out = os.path.join(a.out, mode)
             cmd = [sys.executable, os.path.join(ROOT, "train.py"), *run_args(a, mode, out, url)]
-            t0 = time.time()
+            t0, load0 = time.time(), os.getloadavg()
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             with open(os.path.join(a.out, f"{mode}.log"), "w") as f:
                 f.write(p.stdout + p.stderr)
             if p.returncode:
                 raise SystemExit(f"{mode} run failed ({p.returncode}); see {a.out}/{mode}.log")
-            res[mode] = {"wall_s": time.time() - t0, **summary(out)}
+            res[mode] = {"wall_s": time.time() - t0, "loadavg_1min": [load0[0], os.getloadavg()[0]], **summary(out)}
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait()
