@@ -138,7 +138,8 @@ def push(version: int) -> dict:
     if not rank0:
         return {}
     return {"sync_s": time.time() - t0, "sync_tensors": info["tensors"], "sync_buckets": info["buckets"],
-            "sync_bytes": info["bytes"], "sync_layout_sha": info.get("layout_sha"), **hooks.after_push(version)}
+            "sync_bytes": info["bytes"], "sync_layout_sha": info.get("layout_sha"),
+            "sync_verified": len(info.get("verified") or {}), **hooks.after_push(version)}   # servers checked
 
 
 def gen_at(at: int):

@@ -245,11 +245,13 @@ def run_summary(run_dir: str, window=None, gpu_rows=()) -> dict:
            "rollout_s": mean("rollout_s"), "rollout_wait_s": mean("rollout_wait_s"),
            "boundary_wait_s": mean("boundary_wait_s"), "train_s": mean("train_s"), "sync_s": mean("sync_s"),
            "gap_mean": mean("train_rollout_logprob_abs_diff", train), "tis_mean": mean("tis", train),
-           "tis_clipfrac_mean": mean("tis_clipfrac", train), "staleness_max": max(r.get("staleness_max", 0) for r in train),
+           "tis_clipfrac_mean": mean("tis_clipfrac", train),
+           "staleness_max": max(r.get("staleness_max", 0) for r in train),
            "staleness_mean": mean("staleness_mean", train), "samples_generated": gen, "samples_trained": trained,
            "generated_per_trained": gen / trained if trained else None, "reward_first": train[0]["reward_mean"],
            "reward_last": train[-1]["reward_mean"], "pushes": len(pushes),
-           "pushes_verified": sum(bool(r.get("sync_verified")) for r in pushes), "gpu_peak_gib": max((r.get("gpu_peak_gib") or 0.0) for r in train),
+           "pushes_verified": sum(bool(r.get("sync_verified")) for r in pushes),
+           "gpu_peak_gib": max((r.get("gpu_peak_gib") or 0.0) for r in train),
            "evals": [{"step": r["step"], "pass@1": r["pass@1"], "se": r["pass@1_se"]}
                      for r in recs if r["kind"] == "eval"]}
     rows = [g for g in gpu_rows if window and window[0] <= g[0] <= window[1]]

@@ -95,8 +95,8 @@ def check_versions(gens, expected) -> None:
         if expected is not None and g.weight_version is not None and str(g.weight_version) != str(expected):
             raise StaleServerError(f"{g.server} generated with weight version {g.weight_version}, but version "
                                    f"{expected} was pushed and verified: the server restarted or missed a push; "
-                                   f"its samples are refused (rollout.max_server_restarts > 0 re-pushes into it and redoes the "
-                                   f"step; or resume the run)")
+                                   f"its samples are refused (rollout.max_server_restarts > 0 re-pushes into it and "
+                                   f"redoes the step; or resume the run)")
 
 
 def reward_counts(task) -> dict:
@@ -198,7 +198,6 @@ class Group:
 
     position: int
     samples: list = field(default_factory=list)   # [] until its first answer
-    started_at: int | None = None                 # the step whose rollout first sent it
 
     @property
     def done(self) -> bool:
@@ -220,14 +219,13 @@ class Carry:
         return len(self.groups)
 
     def state_dict(self) -> dict:
-        return {"groups": [{"position": g.position, "started_at": g.started_at,
+        return {"groups": [{"position": g.position,
                             "samples": [{"ids": s.ids, "logprobs": s.logprobs, "segments": s.segments,
                                          "finish": s.finish, "meta": _meta_state(s.meta), "parts": s.parts}
                                         for s in g.samples]} for g in self.groups]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.groups = [Group(g["position"], [Sample(**s) for s in g["samples"]], g["started_at"])
-                       for g in state["groups"]]
+        self.groups = [Group(g["position"], [Sample(**s) for s in g["samples"]]) for g in state["groups"]]
 
 
 def _meta_state(meta: dict) -> dict:
@@ -350,7 +348,7 @@ def collect(client, task, pos: int, cfg, mcfg, bar=None, on_round=None, carry: C
             kept, seen = history[0] + len(st.kept) // n, history[1] + len(st.seen) // n
             k = grpo.prompts_for_rate(G - len(st.kept) // n - len(carried), (kept + 1) / (seen + 1),
                                       gc.over_sampling_batch_size)
-        groups = carried + [Group(p, started_at=at) for p in range(pos, pos + k)]
+        groups = carried + [Group(p) for p in range(pos, pos + k)]
         pos += k
         st.run_round(groups, len(carried), inflight, bar, on_round)   # then the carry holds its tail
     return st.finish(pos)
