@@ -215,9 +215,10 @@ try:
         save_due = not skipped and (step == tc.steps or bool(tc.save_every and step % tc.save_every == 0))
         push_due = not skipped and schedule.push_due(step, eval_due or save_due or step == tc.steps)
         if push_due or eval_due:   # the servers are about to change or be read: nothing may run on them
-            if schedule.boundary():   # the rollout beside this step met a restarted server: re-connect first
-                pusher.reconnect(restarted=True)
+            if schedule.boundary():   # the rollout beside this step met a restarted server: re-connect and
+                pusher.reconnect(restarted=True)   # push into it whatever else this step does
                 log.log("server_restart", step, {"server_restarts": collector.restarts if rank0 else None})
+                push_due = True
             m["boundary_wait_s"] = schedule.waited
         if push_due:
             m.update(push(step))
