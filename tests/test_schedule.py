@@ -214,3 +214,30 @@ def test_kill_9_and_resume_with_partial_rollouts_keeps_the_pending_batch_and_tra
     assert carried, "the checkpoint holds no carried group: the carry was not saved (or the tail left none)"
     line = next(ln for ln in out.splitlines() if ln.startswith("rollout 4/5 round 1:"))
     assert f"{len(carried)} carried" in line, (oldest, line)    # continued by the resumed run
+
+
+def test_a_server_restart_met_by_the_rollout_beside_a_step_is_redone_after_the_re_push():
+    """Rollout 3 (running beside step 2) meets a restarted server: the boundary says so (the loop re-connects
+    and re-pushes), rollout 3's failed result is dropped, and step 3 takes a rollout 3 run again, on the weights
+    pushed then. Bugs caught: the failed rollout taken as step 3's batch (None: a step without data), the
+    restart not reported (no re-push into the fresh server), the redo started before the re-push."""
+    col = Rollouts(seconds=0.0)
+    real, failed = col.next_batch, []
+
+    def next_batch(at):
+        if at == 3 and not failed:
+            failed.append(at)
+            col.started.append((at, col.served))
+            return None, {"resync": True, "server_restarts": 1}
+        return real(at)
+    col.next_batch = next_batch
+    sched = OneStepOff(col, rc(), 4, ParallelDims(), served=0)
+    for step in (1, 2):
+        sched.take(step)
+        restarted = sched.boundary()
+        assert restarted == (step == 2)
+        sched.pushed(step)
+    batch, m = sched.take(3)
+    assert int(batch.input_ids[0, 0]) == 3 and not m.get("resync")
+    assert col.started[:4] == [(1, 0), (2, 0), (3, 1), (3, 2)]      # redone on the weights pushed after the restart
+    sched.close()
