@@ -153,7 +153,9 @@ def table(res: dict) -> str:
             ("staleness, mean / max (steps)", f"{s['staleness_mean']:.2f} / {s['staleness_max']}",
              f"{a['staleness_mean']:.2f} / {a['staleness_max']}"),
             ("TIS ratio exp(old - rollout), mean", f3(s["tis_mean"]), f3(a["tis_mean"])),
-            ("pushes, each verified", str(s["pushes"]), str(a["pushes"]))]
+            ("pushes, each verified", str(s["pushes"]), str(a["pushes"])),
+            ("machine load (1-min average) at start / end", *(" / ".join(f"{x:.1f}" for x in r["loadavg_1min"])
+                                                             for r in (s, a)))]
     curve = " / ".join(f"{e['step']}: {f3(e['pass@1'])} vs {f3(b['pass@1'])}" for e, b in zip(s["evals"], a["evals"]))
     lines = ["| measured | synchronous | one step off |", "|---|---|---|"]
     lines += [f"| {k} | {x} | {y} |" for k, x, y in rows]
