@@ -119,10 +119,10 @@ def test_partial_rollouts_continue_the_tail_next_step_with_its_old_logprobs():
     last token, with what is left of max_new_tokens; the carried tokens keep their log-probs and versions.
     Bugs caught: a continuation that restarts the sample (prompt only), one that asks for max_new_tokens again,
     log-probs of the carried tokens dropped, the carried share or the staleness not counted."""
-    carry, client = Carry(), Scripted(slow={2, 3, 4, 5}, partial=1, length=3)
+    carry, client = Carry(), Scripted(slow={2, 3, 4, 5}, partial=1, length=3, together=6)
     cfg = config(partial=True, staleness=2)
     collect(client, task({0, 1, 2, 3}), 0, cfg, MCFG, carry=carry, at=1, version=0)
-    assert [g.position for g in carry.groups] == [2, 3, 4, 5]
+    assert [g.position for g in carry.groups] == [2, 3, 4, 5] and all(len(g.samples) == 2 for g in carry.groups)
     assert all(s.ids == [2] and s.finish is None and s.segments == [[0, 1, 1]] for g in carry.groups for s in g.samples)
     client.calls.clear()
     client.together = threading.Barrier(8)   # the eight continuations in flight at once
@@ -168,7 +168,7 @@ def test_adaptive_over_sampling_asks_for_what_the_keep_rate_needs():
     assert grpo.prompts_for_rate(16, 0.1, 16) == 16 and grpo.prompts_for_rate(0, 0.5, 16) == 0
     cfg = config(G=2, chunk=6)
     cfg.grpo.adaptive_over_sampling = True
-    client = Scripted()
+    client = Scripted(together=3)                                          # all three sent (then answered)
     collect(client, task(set(range(100))), 0, cfg, MCFG, history=(19, 20))   # rate p = (19 + 1) / (20 + 1)
     assert client.sent() == [0, 1, 2]                                       # (2 + 2 sqrt(2 (1 - p))) / p = 2.75
 
