@@ -11,13 +11,16 @@ Runs (see docs/demo.md):
     torchrun --nnodes 2 --nproc-per-node 8 ... train.py --recipe flash --rollout.urls http://r0:30000,...
 
 One step (Miles' synchronous loop, rl_notes §1-3): rollout n samples per prompt through the SGLang-
-protocol servers with dynamic sampling -> rewards -> group advantages -> the trainer recomputes log-probs ->
-one GRPO optimizer step (micro-batches by token budget, PP/EP/DP engine) -> FP8 (or matched-precision) weight
-push, verified by checksum -> every N steps an offline pass@k eval on held-out problems -> checkpoint -> JSONL.
+protocol servers with dynamic sampling, every request of a round in flight and the tail aborted once the step
+has its groups (`rl/rounds.py`) -> rewards -> group advantages -> the trainer recomputes log-probs -> one GRPO
+optimizer step (micro-batches by token budget, PP/EP/DP engine) -> FP8 (or matched-precision) weight push,
+verified by checksum -> every N steps an offline pass@k eval on held-out problems -> checkpoint -> JSONL.
+`--rollout.async true` runs step k+1's rollout while step k trains, the push at the boundary (Miles'
+train_async.py; `rl/schedule.py`); `--rollout.partial true` carries the tail's unfinished samples over.
 
 Differs from Miles: no Ray; rank 0 drives the rollout servers over HTTP, then sends each first-stage rank
 only its data shard's tensors (the other ranks wait on a gloo side group with a long timeout); one optimizer
-step per rollout (the V4 recipe), no async/partial rollouts, no reference model (KL coef 0).
+step per rollout (the V4 recipe), no fully-async producer, no reference model (KL coef 0).
 
 Instruments (the live FP8-floor checks of experiments/h200, ...) attach through `--train.hooks module:Class`
 (`nanoflash/rl/hooks.py`); the loop never names one.
@@ -45,7 +48,7 @@ import torch  # noqa: E402
 
 from nanoflash.cli import startup, to_dict
 from nanoflash.model import Transformer
-from nanoflash.parallel.dcp import latest_checkpoint
+from nanoflash.parallel.dcp import latest_checkpoint, load_file
 from nanoflash.parallel.dims import all_gather_values, init_distributed, print0, shutdown_distributed
 from nanoflash.rl.collector import Collector, eval_seeds
 from nanoflash.rl.evaluate import evaluate
@@ -54,6 +57,7 @@ from nanoflash.rl.interrupt import Interrupt
 from nanoflash.rl.metrics import MetricsLog
 from nanoflash.rl.plots import write_plots
 from nanoflash.rl.restarts import ServerRestarts
+from nanoflash.rl.schedule import STATE_FILE, make_schedule
 from nanoflash.rl.trainer import Trainer, gather_full_state, make_optimizer
 from nanoflash.sglang.buckets import optimizer_storage
 from nanoflash.sglang.push import StagePusher
@@ -125,16 +129,22 @@ pusher = StagePusher(dims, collector.client if rank0 else None, rc, mcfg, disk_d
 phases["servers_s"] = time.time() - t_phase
 restarts = ServerRestarts(rc, dims, collector.client if rank0 else None, pusher, log.log)  # rollout, eval, push
 hooks = Hooks(tc.hooks, None)  # instruments (--train.hooks), built on rank 0 after the first push
+# synchronous, or step k+1's rollout beside step k (rollout.asynchronous); what the last checkpoint left pending
+schedule = make_schedule(collector, rc, tc.steps, dims, served=step)
+if latest and rank0 and load_file(latest, STATE_FILE) is not None:
+    schedule.load_state_dict(load_file(latest, STATE_FILE), step)
 
 
-def push(version: int) -> dict:
+def push(version: int, restarted: bool = False) -> dict:
     """Each stage pushes its own slice to every server, verified (collective; rank 0 reports)."""
     t0 = time.time()
-    info = restarts.push(trainer.state_iter, version)
+    info = restarts.push(trainer.state_iter, version, restarted=restarted)
+    schedule.pushed(version)
     if not rank0:
         return {}
     return {"sync_s": time.time() - t0, "sync_tensors": info["tensors"], "sync_buckets": info["buckets"],
-            "sync_bytes": info["bytes"], "sync_layout_sha": info.get("layout_sha"), **hooks.after_push(version)}
+            "sync_bytes": info["bytes"], "sync_layout_sha": info.get("layout_sha"),
+            "sync_verified": len(info.get("verified") or {}), **hooks.after_push(version)}   # servers checked
 
 
 def gen_at(at: int):
@@ -167,7 +177,8 @@ def save(at: int) -> None:
     data_pos = collector.pos if rank0 else None
     trainer.save(ckpt_dir, at, extra={"data_pos": data_pos, "model_config": dataclasses.asdict(mcfg),
                                       "run_config": to_dict(cfg)}, keep=tc.keep,  # the run's identity (cli.py)
-                 async_save=tc.async_save)   # async: written during the next rollout, waited for before its update
+                 async_save=tc.async_save,   # async: written during the next rollout, waited for before its update
+                 files={STATE_FILE: schedule.state_dict()} if rank0 else None)
 
 
 t_phase = time.time()
@@ -187,37 +198,51 @@ if not latest:
 
 # ---------------------------------------------------------------------------------------------- loop
 streak = total_skipped = 0  # consecutive / all skipped (non-finite) steps
-while step < tc.steps:
-    t0, interrupt.at = time.time(), step + 1
-    # a server lost: wait, re-push, redo from the same data position (same prompts and seeds): rl/restarts.py
-    batch, m = restarts.run(f"rollout for step {step + 1}", step + 1, lambda: collector.next_batch(step + 1)) \
-        or (None, {})
-    tm = trainer.step(batch, step + 1, before_update=lambda b, old: hooks.before_update(b, old, step + 1))
-    step, m = step + 1, {**m, **tm}
-    skipped = m.pop("skipped", False)
-    streak, total_skipped = (streak + 1 if skipped else 0), total_skipped + skipped
-    m["skipped_steps"] = total_skipped
-    if skipped:  # non-finite loss or gradient norm: no update happened on any rank; nothing to push or save
-        print0(f"step {step}: SKIPPED (loss {m['loss']}, grad norm {m['grad_norm']}): non-finite, no update, "
-               f"no push, no checkpoint ({streak} in a row, {total_skipped} in total)")
-        if streak >= tc.max_skipped_steps:
-            log.log("train", step, {**m, "step_s": time.time() - t0})
-            raise SystemExit(f"diverged: {streak} consecutive non-finite steps (train.max_skipped_steps="
-                             f"{tc.max_skipped_steps}); the last checkpoint is the last good state")
-    else:
-        m.update(push(step))
-    if trainer.device.type == "cuda":  # this rank's stage, optimizer and activations (rank 0's, as logged)
-        m.update(gpu_mem_gib=torch.cuda.memory_allocated() / 2 ** 30,
-                 gpu_peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30)
-    if rank0:
-        print(f"step {step}: reward {m['reward_mean']:.3f} kept {m['groups_kept']}/{m['groups_seen']} groups "
-              f"|dlogp| {m.get('train_rollout_logprob_abs_diff', float('nan')):.2e} ({time.time() - t0:.1f}s)",
-              flush=True)
-    log.log("train", step, {**m, "step_s": time.time() - t0})
-    if ec.every and (step % ec.every == 0 or step == tc.steps):
-        run_eval(step)
-    if not skipped and (step == tc.steps or (tc.save_every and step % tc.save_every == 0)):
-        save(step)
+try:
+    while step < tc.steps:
+        t0, interrupt.at = time.time(), step + 1
+        # a server lost: wait, re-push, redo from the same data position (same prompts and seeds): rl/restarts.py
+        batch, m = restarts.run(f"rollout for step {step + 1}", step + 1, lambda: schedule.take(step + 1)) \
+            or (None, {})   # one step off, take() also starts step + 2's rollout beside this step
+        tm = trainer.step(batch, step + 1, before_update=lambda b, old: hooks.before_update(b, old, step + 1))
+        step, m = step + 1, {**m, **tm}
+        skipped = m.pop("skipped", False)
+        streak, total_skipped = (streak + 1 if skipped else 0), total_skipped + skipped
+        m["skipped_steps"] = total_skipped
+        if skipped:  # non-finite loss or gradient norm: no update happened on any rank; nothing to push or save
+            print0(f"step {step}: SKIPPED (loss {m['loss']}, grad norm {m['grad_norm']}): non-finite, no update, "
+                   f"no push, no checkpoint ({streak} in a row, {total_skipped} in total)")
+            if streak >= tc.max_skipped_steps:
+                log.log("train", step, {**m, "step_s": time.time() - t0})
+                raise SystemExit(f"diverged: {streak} consecutive non-finite steps (train.max_skipped_steps="
+                                 f"{tc.max_skipped_steps}); the last checkpoint is the last good state")
+        eval_due = bool(ec.every) and (step % ec.every == 0 or step == tc.steps)
+        save_due = not skipped and (step == tc.steps or bool(tc.save_every and step % tc.save_every == 0))
+        push_due = not skipped and schedule.push_due(step, eval_due or save_due or step == tc.steps)
+        restarted = False
+        if push_due or eval_due:   # the servers are about to change or be read: nothing may run on them
+            err = schedule.boundary()   # the rollout beside this step met a restarted server: the policy's
+            if err:                     # wait, then this step's weights pushed into it whatever else it does
+                restarts.recover(f"rollout for step {step + 1}", step, err)
+                push_due = restarted = True
+            m["boundary_wait_s"] = schedule.waited
+        if push_due:
+            m.update(push(step, restarted))
+        if trainer.device.type == "cuda":  # this rank's stage, optimizer and activations (rank 0's, as logged)
+            m.update(gpu_mem_gib=torch.cuda.memory_allocated() / 2 ** 30,
+                     gpu_peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30)
+        if rank0:
+            print(f"step {step}: reward {m['reward_mean']:.3f} kept {m['groups_kept']}/{m['groups_seen']} groups "
+                  f"|dlogp| {m.get('train_rollout_logprob_abs_diff', float('nan')):.2e} ({time.time() - t0:.1f}s)",
+                  flush=True)
+        log.log("train", step, {**m, "step_s": time.time() - t0})
+        if eval_due:
+            run_eval(step)
+        if save_due:
+            save(step)
+except KeyboardInterrupt:   # the rollout running beside the step (one step off): cancelled and aborted, then
+    schedule.cancel()       # rl/interrupt.py's one line
+    raise
 
 # ---------------------------------------------------------------------------------------------- wrap up
 trainer.finish_save()   # the last checkpoint, when written asynchronously
@@ -229,6 +254,7 @@ if rank0 and tc.plots:
         print(f"wrote {path}")
 hooks.close()
 log.close()
+schedule.close()
 if collector is not None:
     collector.close()
 shutdown_distributed(dims)

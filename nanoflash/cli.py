@@ -9,7 +9,8 @@ the command line. An override is `--section.field value` (or `--section.field=va
 by the field's declared type: int, float, bool (`true/false/1/0/yes/no`), str, `None`/`none` for optional
 fields, and comma lists for tuples (`--rollout.urls http://a:30000,http://b:30000`). `--model.<field>`
 overrides a `ModelConfig` field of the preset. Short forms: `--preset` = `--train.preset`, `--dry-run` =
-`--train.dry_run true`, `--steps` = `--train.steps`, `--out` = `--train.out_dir`. An unknown section or field,
+`--train.dry_run true`, `--steps` = `--train.steps`, `--out` = `--train.out_dir`, `--rollout.async` =
+`--rollout.asynchronous` (`async` is a Python keyword, so no field can have the name). An unknown section or field,
 or a value that does not parse, is one error naming it.
 
 `--help` (`help_text`) lists every section and field with its type, default and comment, read from
@@ -68,7 +69,7 @@ from nanoflash.rl.metrics import read_jsonl
 from nanoflash.rl.plots import write_plots
 
 SHORT = {"--preset": "train.preset", "--steps": "train.steps", "--out": "train.out_dir",
-         "--checkpoint": "train.checkpoint", "--seed": "train.seed"}
+         "--checkpoint": "train.checkpoint", "--seed": "train.seed", "--rollout.async": "rollout.asynchronous"}
 FLAGS = {"--dry-run": ("train.dry_run", "true"), "--no-resume": ("train.resume", "false")}
 
 # Recipes that only make sense on GPUs: on a machine where torch sees none, start-up stops naming what it found
@@ -460,6 +461,11 @@ def check_config(cfg: RunConfig) -> None:
         raise ValueError(f"train.checkpoint={tc.checkpoint!r}: no such directory")
     for spec in tc.hooks:   # an instrument that cannot be imported: one line before anything is built
         load_hook(spec)
+    rc = cfg.rollout
+    if (rc.asynchronous or rc.partial) and not cfg.grpo.use_tis:   # Miles' train_async asks for a correction too
+        flag = "rollout.asynchronous" if rc.asynchronous else "rollout.partial"
+        raise ValueError(f"{flag}=true trains on tokens sampled by older weights: set --grpo.use_tis true (the "
+                         f"TIS weight exp(old - rollout) corrects them; rl/schedule.py)")
 
 
 def model_config(cfg: RunConfig) -> ModelConfig:

@@ -243,6 +243,8 @@ class GRPOConfig:
     aggregation: str = "seq-mean-token-mean"  # loss aggregation: seq-mean-token-mean (Miles) | token-mean (DAPO)
     dynamic_sampling: bool = True     # drop groups whose rewards are all equal
     over_sampling_batch_size: int = 512  # prompts submitted per chunk while too few groups are kept
+    adaptive_over_sampling: bool = False  # size each round from the keep rate seen (grpo.prompts_for_rate), at most the
+                                          # chunk; off = Miles' whole chunk every round
 
     def __post_init__(self):
         if self.aggregation not in ("seq-mean-token-mean", "token-mean"):
@@ -327,13 +329,20 @@ class RolloutConfig:
     temperature: float = 1.0          # sampling temperature; the trainer scores log_softmax(logits / T)
     top_p: float = 1.0                # nucleus sampling (rollout)
     max_new_tokens: int = 8           # response limit (Miles --rollout-max-response-len)
-    max_workers: int = 8              # concurrent /generate requests from the trainer
+    max_workers: int = 0              # /generate requests in flight at once; 0 = every request of a round, up to what the
+                                      # servers say they run (/server_info: max running requests x DP ranks, over n)
     bucket_bytes: int = 1 << 30       # weight-sync bucket size (V4 recipe: 1 GiB)
     transport: str = "tensor"         # weight push: tensor | local (embedded servers, this process) | disk | distributed
     sync_addr: str = "127.0.0.1:29600"  # host:port of the trainer's rank 0 for transport=distributed (NCCL/gloo group)
     verify: bool = True               # compare /weights_checker checksums after every push
     routing_replay: bool = False      # R3: replay the rollout engine's expert choices in the trainer forward
     max_rounds: int = 8               # over-sampling rounds per step before training on what was kept
+    partial: bool = False             # partial rollouts (Miles --partial-rollout): the groups a step's tail abort leaves
+                                      # unfinished are continued next step, their tokens keeping their log-probs (TIS)
+    asynchronous: bool = False        # one step off (Miles train_async.py): step k+1's rollout runs while step k trains;
+                                      # the push waits for it to end (rl/schedule.py); needs grpo.use_tis
+    max_staleness: int = 1            # steps a trained token may lag the policy it updates: asynchronous pushes when the
+                                      # next rollout would exceed it; carried groups past it are dropped
     health_timeout_s: float = 900.0   # wait this long for every external server's /health before the first push
                                       # and for a lost one (rollout.max_server_restarts)
     retry_s: float = 30.0             # connection retries of one request (backoff) before its server counts as gone
@@ -359,6 +368,14 @@ class RolloutConfig:
         if self.n_servers < 1 or self.max_new_tokens < 1 or self.max_rounds < 1:
             raise ValueError(f"RolloutConfig: n_servers={self.n_servers}, max_new_tokens={self.max_new_tokens}, "
                              f"max_rounds={self.max_rounds} must all be >= 1")
+        if self.max_workers < 0 or self.max_staleness < 0:
+            raise ValueError(f"RolloutConfig: max_workers={self.max_workers} and max_staleness={self.max_staleness} "
+                             f"must be >= 0")
+        need = 2 if self.asynchronous and self.partial else 1 if self.asynchronous else 0
+        if self.max_staleness < need:
+            why = ("a carried token of a one-step-off run is trained two steps after the weights that sampled it"
+                   if self.partial else "a one-step-off run trains every sample one step after its weights")
+            raise ValueError(f"rollout.max_staleness={self.max_staleness}: {why}; set it to {need} or more")
 
 
     def key(self) -> str | None:

@@ -39,6 +39,7 @@ LOW_VAR_KL_CLAMP = 10.0  # per-token cap of the `low_var_kl` estimator (Miles `c
 FILTER_MIN_STD = 1e-8  # a group is kept iff std(rewards) > this (Miles `check_reward_nonzero_std`)
 ESS_MIN_SUM_SQ = 1e-8  # floor of sum(w^2) in the ESS ratio, as Miles, so an all-masked sample gives 0 not NaN
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
+ADAPTIVE_MIN_RATE = 0.05  # adaptive over-sampling never assumes a keep rate below this (k <= 20 m + ...; then the cap)
 FINISH_REASONS = ("stop", "length", "abort")  # SGLang `meta_info.finish_reason.type`; "length" = truncated
 
 
@@ -400,3 +401,15 @@ def prompts_to_request(n_kept: int, n_target: int, n_pending: int, over_sampling
                          f"chunk={over_sampling_batch_size}")
     missing = n_target - n_kept - n_pending
     return 0 if missing <= 0 else over_sampling_batch_size * math.ceil(missing / over_sampling_batch_size)
+
+
+def prompts_for_rate(missing: int, keep_rate: float, cap: int) -> int:
+    """Adaptive over-sampling: prompts to submit for `missing` more groups when a group is kept with probability
+    `keep_rate` (dynamic sampling's yield, estimated from the rounds seen). The kept count of k prompts is
+    Binomial(k, p); k = (m + 2 sqrt(m (1 - p))) / p is its mean plus two standard deviations of the prompts needed,
+    so one round suffices most of the time, without Miles' whole chunk when a few groups are missing. At most
+    `cap` (grpo.over_sampling_batch_size), at least `missing`."""
+    if missing <= 0:
+        return 0
+    p = min(max(keep_rate, ADAPTIVE_MIN_RATE), 1.0)
+    return max(missing, min(cap, math.ceil((missing + 2 * math.sqrt(missing * (1 - p))) / p)))

@@ -30,6 +30,14 @@ first eval's shapes, in 2026-12-01's run 3 -- so they overlap the SFT instead of
 
 `report` reads metrics.jsonl (and parity.json, sft.json when present) and writes summary.json and the figures
 (`instruments.runstats`).
+
+`compare` (issue 41, `H20_COMPARE=1 grpo_h200.sh`) reads the synchronous and the one-step-off run of one warm
+start and writes compare.json: per run the step time (mean and median of steps 2..N: step 1 of a one-step-off
+run has no rollout beside it), its parts (rollout, trainer waiting for it, train, push), the train-rollout gap
+(train_rollout_logprob_abs_diff, and TIS's exp(old - rollout)), staleness, samples generated per sample trained,
+held-out pass@1 with its SE at every eval, the pushes (every one verified by SGLang's own checksums, or the run
+stops), trainer memory and, from gpu.csv, the GPU's utilisation and memory while each ran; then the bars: async
+step time <= 0.7x sync, pass@1 at the last common eval within 2 SE of the difference, every push verified.
 """
 import argparse
 import json
@@ -266,10 +274,82 @@ def cmd_report(a):
     print(json.dumps(summary["bars"], indent=1))
 
 
+FIRST_TIMED_STEP = 2     # step 1 of a one-step-off run generates alone (nothing ran beside it)
+STEP_RATIO_BAR = 0.7     # issue 41: async step time <= 0.7x sync
+PASS_SE_BAR = 2.0        # issue 41: held-out pass@1 within 2 SE of the sync run at the same step
+
+
+def run_summary(run_dir: str, window=None, gpu_rows=()) -> dict:
+    """One compared run's numbers (see the module docstring); `window` (t0, t1) selects its gpu.csv rows."""
+    from nanoflash.rl.metrics import read_jsonl
+    recs = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    train = [r for r in recs if r["kind"] == "train"]
+    if not train:
+        return {"steps": 0, "error": f"no train records in {run_dir}"}
+    timed = [r for r in train if r["step"] >= FIRST_TIMED_STEP] or train
+    mean = lambda k, rs=timed: sum(r.get(k) or 0.0 for r in rs) / len(rs)  # noqa: E731
+    steps_s = sorted(r["step_s"] for r in timed)
+    gen, trained = sum(r.get("samples_generated", 0) for r in train), sum(r.get("samples_trained", 0) for r in train)
+    pushes = [r for r in train if r.get("sync_tensors")]
+    out = {"steps": len(train), "step_s_mean": mean("step_s"), "step_s_median": steps_s[len(steps_s) // 2],
+           "rollout_s": mean("rollout_s"), "rollout_wait_s": mean("rollout_wait_s"),
+           "boundary_wait_s": mean("boundary_wait_s"), "train_s": mean("train_s"), "sync_s": mean("sync_s"),
+           "gap_mean": mean("train_rollout_logprob_abs_diff", train), "tis_mean": mean("tis", train),
+           "tis_clipfrac_mean": mean("tis_clipfrac", train),
+           "staleness_max": max(r.get("staleness_max", 0) for r in train),
+           "staleness_mean": mean("staleness_mean", train), "samples_generated": gen, "samples_trained": trained,
+           "generated_per_trained": gen / trained if trained else None, "reward_first": train[0]["reward_mean"],
+           "reward_last": train[-1]["reward_mean"], "pushes": len(pushes),
+           "pushes_verified": sum(bool(r.get("sync_verified")) for r in pushes),
+           "gpu_peak_gib": max((r.get("gpu_peak_gib") or 0.0) for r in train),
+           "evals": [{"step": r["step"], "pass@1": r["pass@1"], "se": r["pass@1_se"]}
+                     for r in recs if r["kind"] == "eval"]}
+    rows = [g for g in gpu_rows if window and window[0] <= g[0] <= window[1]]
+    if rows:
+        out.update(gpu_util_mean=sum(g[1] for g in rows) / len(rows), gpu_mem_max_mib=max(g[2] for g in rows),
+                   gpu_samples=len(rows))
+    return out
+
+
+def cmd_compare(a):
+    """compare.json of a synchronous and a one-step-off run (see the module docstring)."""
+    gpu = []
+    if a.gpu and os.path.exists(a.gpu):
+        for line in open(a.gpu):
+            parts = [x.strip() for x in line.split(",")]
+            try:
+                gpu.append((float(parts[0]), float(parts[1]), float(parts[2])))
+            except (ValueError, IndexError):
+                continue
+    windows = {}
+    if a.windows and os.path.exists(a.windows):
+        for line in open(a.windows):
+            mode, t = line.split()
+            windows.setdefault(mode, []).append(float(t))
+    res = {mode: run_summary(d, tuple(windows.get(mode, [])[:2]) or None, gpu)
+           for mode, d in (("sync", a.sync), ("async", a.async_run))}
+    s, y = res["sync"], res["async"]
+    if s.get("steps") and y.get("steps"):
+        ratio = y["step_s_mean"] / s["step_s_mean"]
+        common = sorted({e["step"] for e in s["evals"]} & {e["step"] for e in y["evals"]})
+        bars = {"async_over_sync_step_s": ratio, "step_ratio_bar": STEP_RATIO_BAR, "step_ratio_met": ratio <= STEP_RATIO_BAR,
+                "pushes_all_verified": all(r["pushes"] == r["pushes_verified"] > 0 for r in (s, y))}
+        if common:
+            at = common[-1]
+            ps, py = (next(e for e in r["evals"] if e["step"] == at) for r in (s, y))
+            se = (ps["se"] ** 2 + py["se"] ** 2) ** 0.5
+            bars.update(pass_step=at, pass_sync=ps["pass@1"], pass_async=py["pass@1"], pass_diff=py["pass@1"] - ps["pass@1"],
+                        pass_diff_se=se, pass_within_2se=abs(py["pass@1"] - ps["pass@1"]) <= PASS_SE_BAR * se)
+        res["bars"] = bars
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res.get("bars", res), indent=1))
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("phase", choices=["sft", "calibrate", "report", "warmup"])
+    ap.add_argument("phase", choices=["sft", "calibrate", "report", "warmup", "compare"])
     ap.add_argument("--out", default="/tmp/warm")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--batch", type=int, default=128)
@@ -300,6 +380,10 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sync", default="", help="compare: the synchronous run's directory")
+    ap.add_argument("--async", dest="async_run", default="", help="compare: the one-step-off run's directory")
+    ap.add_argument("--gpu", default="", help="compare: gpu.csv (time, utilisation %%, memory MiB) of the runs")
+    ap.add_argument("--windows", default="", help="compare: windows.txt (mode, start / end time) of the runs")
     a, overrides = ap.parse_known_args(argv)
     if a.phase == "sft":
         cmd_sft(a, overrides)
@@ -307,6 +391,8 @@ def main(argv=None):
         cmd_warmup(a)
     elif a.phase == "calibrate":
         cmd_calibrate(a, overrides)
+    elif a.phase == "compare":
+        cmd_compare(a)
     else:
         cmd_report(a)
 

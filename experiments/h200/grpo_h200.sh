@@ -19,6 +19,13 @@
 # x 8 at steps 0 / 20 / 40, then the parity table on 2-4K prompts of the same task. `diagnose` (H20_DIAGNOSE=1 runs it after the parity) restarts
 # SGLang with its tensor dump and top-k report on the warm start and names the module where it leaves nanoflash
 # (experiments/h200/sglang_dump_compare.py). experiments/h200/README.md has the time budget of one hold.
+# Issue 41, synchronous vs one step off from ONE warm start (no parity, no live-check hooks): the same pipeline
+# with H20_COMPARE=1 runs GRPO twice on the same SGLang, `--rollout.async false` then `true`, H20_STEPS (20)
+# steps each, evals every H20_EVAL_EVERY (20; the one-step-off run skips step 0, the same weights and seeds as the
+# synchronous run's), then `grpo_h200.py compare` writes compare.json (step time, gap, held-out pass@1 with SE,
+# pushes verified, GPU utilisation and memory while each ran):
+#   H20_PACK=DIR H20_COMPARE=1 bash experiments/h200/grpo_h200.sh go     (poll and collect as above)
+#   H20_COMPARE=1 bash experiments/h200/grpo_h200.sh dry                    (the CPU dry run of it)
 set -uo pipefail
 R=$(cd "$(dirname "$0")/../.." && pwd)
 export H20_HOME=${H20_HOME:-$R}   # the checkout (its .venv for the dry run), when running from the copy
@@ -50,7 +57,8 @@ overrides() {
          "--train.lr_warmup_steps ${H20_LR_WARMUP:-5} --eval.n_problems ${H20_EVAL_PROBLEMS:-64} --train.progress false"
     return
   elif [ "$MODE" = gpu ]; then
-    echo "--train.steps ${H20_STEPS:-60} --eval.every ${H20_EVAL_EVERY:-10} ${H20_LR:+--optim.lr $H20_LR}" \
+    local steps=60 every=10; [ "${H20_COMPARE:-0}" = 1 ] && steps=20 every=20
+    echo "--train.steps ${H20_STEPS:-$steps} --eval.every ${H20_EVAL_EVERY:-$every} ${H20_LR:+--optim.lr $H20_LR}" \
          "${H20_LR_WARMUP:+--train.lr_warmup_steps $H20_LR_WARMUP} --train.progress false"
     return
   fi
@@ -202,6 +210,7 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   end=$((SECONDS + ${H20_WARMUP_MAX:-900})); while [ ! -e $W/WARMUP_DONE ] && [ $SECONDS -lt $end ]; do sleep 2; done
   stamp "warm-up done: $(tail -n 1 $W/warmup.log)"
   watchdog >> $W/watchdog.log 2>&1 &
+  if [ "${H20_COMPARE:-0}" = 1 ]; then compare_runs; touch $W/DONE; stamp done; return; fi
   stamp train; $PY train.py --recipe experiments/h200/h200.txt --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
     $(overrides) & local tp=$!
   # H20_GRPO_DEADLINE_S (the long run: 870, README's budget + 30 s): Ctrl-C for train.py that long after it
@@ -251,6 +260,27 @@ diagnose() {
 stop_server() {  # the last server started (its process group: SGLang's scheduler and detokenizer with it)
   [ -s $W/server.pid ] && kill -- -"$(cat $W/server.pid)" 2>/dev/null; sleep 5
 }
+compare_runs() {  # issue 41: synchronous, then one step off, from the same warm start on the same server
+  local common="--train.checkpoint $W/warm --rollout.urls $URL --rollout.health_timeout_s 900 --grpo.use_tis true"
+  common="$common --grpo.adaptive_over_sampling true --train.hooks="   # no live checks: every push verified by checksum
+  [ "$MODE" = gpu ] && { gpu_sampler >> $W/gpu.csv 2> /dev/null & }
+  rm -f $W/windows.txt
+  for mode in sync async; do
+    local extra=""; [ $mode = async ] && extra="--rollout.async true --eval.before_train false"
+    stamp "train $mode"; echo "$mode $(date +%s.%N)" >> $W/windows.txt
+    $PY train.py --recipe experiments/h200/h200.txt --out $W/run_$mode $common $(overrides) $extra || echo "FAILED train $mode"
+    echo "$mode $(date +%s.%N)" >> $W/windows.txt
+  done
+  touch $W/TRAIN_DONE; stamp compare
+  $PY "$R/experiments/h200/grpo_h200.py" compare --sync $W/run_sync --async $W/run_async --gpu $W/gpu.csv \
+    --windows $W/windows.txt --out $W/compare.json || echo "FAILED compare"
+}
+gpu_sampler() {  # GPU utilisation and memory every second while the compared runs go (how they share the GPU)
+  while [ ! -e $W/TRAIN_DONE ]; do
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits | sed "s/^/$(date +%s.%N), /"
+    sleep 1
+  done
+}
 stamp() { echo "=== $(date +%T) $1"; }  # the pipeline's phases, timed in pipeline.log
 report() {
   $PY "$R/experiments/h200/grpo_h200.py" report --run $W/run --out $W/report --sft $W/warm/sft.json --parity $W/parity.json \
@@ -267,9 +297,15 @@ poll() {  # wait up to $1 s for the pipeline, printing progress every 30 s
 }
 collect() {  # <= 8 files back: one tarball of the results + the logs (a run still going is reported as it is)
   local out=${OUT:-/tmp/out}; mkdir -p "$out"
-  [ -e $W/DONE ] || report > $W/report.log 2>&1
-  tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl run/live_tokens report parity.json warm/sft.json pipeline.log \
-    $(cd $W && ls watchdog.log server.*.log diagnose.json 2>/dev/null)
+  if [ -d $W/run_sync ]; then   # H20_COMPARE=1's runs: their metrics, compare.json and the logs in one file
+    tar -czf "$out/h200_compare.tar.gz" -C $W $(cd $W && ls -d run_sync/metrics.jsonl run_async/metrics.jsonl compare.json \
+      gpu.csv windows.txt warm/sft.json pipeline.log watchdog.log server.*.log 2>/dev/null)
+    cp $W/compare.json "$out/" 2>/dev/null
+  else
+    [ -e $W/DONE ] || report > $W/report.log 2>&1
+    tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl run/live_tokens report parity.json warm/sft.json pipeline.log \
+      $(cd $W && ls watchdog.log server.*.log diagnose.json 2>/dev/null)
+  fi
   tail -c 4000000 $W/server.log > "$out/server.log"; cp $W/pipeline.log "$out/" 2>/dev/null
   [ "$MODE" = gpu ] && jit_save "$out/jit"
   ls -la "$out" "$out/jit" 2> /dev/null
@@ -300,7 +336,8 @@ case "${1:-}" in
   diagnose) [ -d $W/repo ] && R=$W/repo; cd "$R"; gpu_env; diagnose ;;
   collect) [ -d $W/repo ] && R=$W/repo; [ -d /tmp/site ] && gpu_env || dry_env; collect ;;
   dry) snapshot checkout && exec bash $W/repo/experiments/h200/grpo_h200.sh dry_here "${2:-1800}" ;;
-  dry_here) dry_env; rm -rf $W/DONE $W/TRAIN_DONE $W/SFT_DONE $W/watchdog.log $W/run $W/warm $W/report; start && poll "${2:-1800}"
+  dry_here) dry_env; rm -rf $W/DONE $W/TRAIN_DONE $W/SFT_DONE $W/watchdog.log $W/run $W/run_sync $W/run_async $W/warm $W/report
+       start && poll "${2:-1800}"
        kill "$(cat $W/server.pid)" 2>/dev/null; tail -n 30 $W/pipeline.log ;;
   *) echo "usage: [H20_TASK=long] $0 go|poll SECONDS|collect|dry [SECONDS]|jit_only SECONDS|diagnose" >&2; exit 2 ;;
 esac

@@ -3,7 +3,9 @@
 The whole pipeline runs end to end on the CPU in `bash experiments/h200/grpo_h200.sh dry` (minutes: the V4 vocabulary's
 head is slow on two cores); these tests keep each piece honest in seconds, against naive references.
 """
+import argparse
 import importlib
+import json
 import math
 import random
 import re
@@ -709,3 +711,33 @@ def test_sglang_check_distributed_push_dry_run(tmp_path):
         push = res[f"push{i}"]
         assert push["checksums"] == {"embedded": "checksums"} and push["version_ok"], push
         assert push["gb"] > 0 and push["send_s"] > 0 and push["behaviour"]["max"] < 0.1, push
+
+
+def test_compare_of_a_sync_and_an_async_run(tmp_path):
+    """Issue 41's compare.json from two scripted runs: the step time over steps 2..N, pass@1 at the last common
+    eval against 2 SE of the difference, pushes verified only when every push record names its servers.
+    Bugs caught: step 1 (no rollout beside it one step off) in the mean, the SEs added instead of combined in
+    quadrature, a push that no server verified counted as verified."""
+    from experiments.h200 import grpo_h200
+
+    def run(name, step_s, passes, verified=1):
+        d = tmp_path / name
+        d.mkdir()
+        recs = [{"kind": "eval", "step": s, "pass@1": p, "pass@1_se": 0.03} for s, p in passes]
+        recs += [{"kind": "train", "step": i + 1, "step_s": t, "reward_mean": 0.1, "sync_tensors": 5,
+                  "sync_verified": verified, "samples_generated": 12, "samples_trained": 8,
+                  "train_rollout_logprob_abs_diff": 0.01, "tis": 1.0} for i, t in enumerate(step_s)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return str(d)
+    sync = run("sync", [20.0, 10.0, 10.0], [(0, 0.20), (3, 0.40)])
+    fast = run("async", [30.0, 6.0, 6.0], [(3, 0.30)])
+    a = argparse.Namespace(sync=sync, async_run=fast, gpu="", windows="", out=str(tmp_path / "c.json"))
+    grpo_h200.cmd_compare(a)
+    bars = json.load(open(tmp_path / "c.json"))["bars"]
+    assert bars["async_over_sync_step_s"] == pytest.approx(0.6) and bars["step_ratio_met"]
+    assert bars["pass_step"] == 3 and bars["pass_diff_se"] == pytest.approx(0.03 * 2 ** 0.5)
+    assert not bars["pass_within_2se"] and bars["pushes_all_verified"]       # |-0.10| > 2 x 0.0424
+    a.async_run = run("unverified", [30.0, 6.0, 6.0], [(3, 0.40)], verified=0)
+    grpo_h200.cmd_compare(a)
+    bars = json.load(open(tmp_path / "c.json"))["bars"]
+    assert bars["pass_within_2se"] and not bars["pushes_all_verified"]

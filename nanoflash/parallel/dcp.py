@@ -5,6 +5,8 @@ What is saved, under `root/step_{N:08d}/`:
                     (`layers.7.ffn.experts.42.w1.weight`, `layers.7.ffn.experts.42.w1.weight.exp_avg`, ...)
     rng_rank{r}.pt  this rank's torch / CUDA / python RNG states (read back with weights_only=True: plain
                     tensors and ints, so a crafted file cannot run code)
+    rank0_*.pt      the caller's own state, from rank 0 (`files=`: e.g. the rollout batch a one-step-off run
+                    has generated and not yet trained), also read back with weights_only=True (`load_file`)
     meta.json       step, layout (pp, ep, dp), the trainer's `extra` dict (data position, ...) and a crc32 of
                     every other file ("files"); written last
 
@@ -59,6 +61,7 @@ from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 
 STEP_PREFIX, TMP_SUFFIX, META, CORRUPT_SUFFIX = "step_", ".tmp", "meta.json", ".corrupt-"
+RANK0_PREFIX = "rank0_"   # files= of save_checkpoint: written by rank 0, checksummed with the rest
 STEP_DIR = re.compile(r"step_\d{8}")  # a checkpoint's own name: never step_N.tmp or step_N.corrupt-<k>
 # A world-size-1 save or load passes no_dist=True, so torch's "assuming the intent is to save in a single process"
 # says what was asked, at every checkpoint of every CPU run: silenced, that message only.
@@ -81,7 +84,8 @@ def file_crc32(path: str) -> int:
 
 def _own_files(tmp: str, rank: int) -> list[str]:
     """The files this rank wrote into a checkpoint directory (rank 0 also DCP's .metadata)."""
-    mine = [f for f in os.listdir(tmp) if f.startswith(f"__{rank}_") or f == f"rng_rank{rank}.pt"]
+    mine = [f for f in os.listdir(tmp) if f.startswith(f"__{rank}_") or f == f"rng_rank{rank}.pt"
+            or (rank == 0 and f.startswith(RANK0_PREFIX))]
     return sorted(mine + ([".metadata"] if rank == 0 and os.path.exists(os.path.join(tmp, ".metadata")) else []))
 
 
@@ -195,10 +199,12 @@ class PendingSave:
 
 
 def save_checkpoint(root: str, step: int, model, optimizer, dims: ParallelDims, extra: dict | None = None,
-                    keep: int = 2, async_save: bool = False, group=None):
+                    keep: int = 2, async_save: bool = False, group=None, files: dict | None = None):
     """Write the training state of every rank as checkpoint `step`; returns its path (same on all ranks), or
     with `async_save` a `PendingSave` writing it (module docstring: `wait()` before the next update). `group`:
-    the gloo group of the save's collectives (default the side group; an async save needs one of its own)."""
+    the gloo group of the save's collectives (default the side group; an async save needs one of its own).
+    `files` (rank 0): {name: object} saved as `rank0_<name>` inside the checkpoint, before its commit (tensors,
+    lists, dicts, numbers and strings: what `load_file` reads back with weights_only=True)."""
     final = os.path.join(root, f"{STEP_PREFIX}{step:08d}")
     tmp = final + TMP_SUFFIX
     if dims.rank == 0:
@@ -212,7 +218,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, dims: ParallelDims, 
     rng = _rng_state()                                                        # as of now, not of the write
 
     def write():
-        _write(root, tmp, final, step, state, rng, dims, extra, keep, group)
+        _write(root, tmp, final, step, state, rng, dims, extra, keep, group, files)
     if not async_save:
         write()
         return final
@@ -220,13 +226,17 @@ def save_checkpoint(root: str, step: int, model, optimizer, dims: ParallelDims, 
 
 
 def _write(root: str, tmp: str, final: str, step: int, state: dict, rng: dict, dims: ParallelDims, extra, keep: int,
-           group) -> None:
+           group, files: dict | None = None) -> None:
     """DCP's write, this rank's RNG states, the checksums; rank 0 commits (meta.json, rename) and prunes."""
     dcp.save(state, checkpoint_id=tmp, no_dist=dims.world_size == 1,
              process_group=dims.side_group if group is None else group)
     rng_path = os.path.join(tmp, f"rng_rank{dims.rank}.pt")
     torch.save(rng, rng_path)
     _fsync_path(rng_path)
+    for name, obj in (files or {}).items() if dims.rank == 0 else ():
+        path = os.path.join(tmp, RANK0_PREFIX + name)
+        torch.save(obj, path)
+        _fsync_path(path)
     _barrier(dims, group)
     files = _checksums(tmp, dims, dims.side_group if group is None else group)
     if dims.rank == 0:
@@ -239,6 +249,13 @@ def _write(root: str, tmp: str, final: str, step: int, state: dict, rng: dict, d
         _commit(tmp, final, root)
         _prune(root, keep)
     _barrier(dims, group)
+
+
+def load_file(path: str, name: str):
+    """The object `save_checkpoint(files={name: ...})` stored in checkpoint `path`, or None if it has none
+    (verified with the rest of the checkpoint by `load_checkpoint`; read with weights_only=True)."""
+    p = os.path.join(path, RANK0_PREFIX + name)
+    return torch.load(p, weights_only=True) if os.path.exists(p) else None
 
 
 def _prune(root: str, keep: int) -> None:

@@ -1,16 +1,22 @@
 """The rollout half of the GRPO loop: tasks, embedded servers, dynamic sampling into a packed batch, R3, eval.
 
-One rollout step (`collect`), as Miles' `inference_rollout_train` does it, synchronously:
+One rollout step (`next_batch` -> `rounds.collect`), as Miles' `inference_rollout_train` does it:
 
     repeat until G groups are kept (or `max_rounds`):
-        take k = prompts_to_request(kept, G, 0, chunk) prompts from the data stream (position p advances)
+        take k = prompts_to_request(kept, G, carried, chunk) prompts from the data stream (position p advances)
         POST /generate {input_ids, sampling_params: {n, temperature, top_p, max_new_tokens, stop_token_ids,
-                        sampling_seed = seed(run, p)}, return_logprob}      one request per prompt
+                        sampling_seed = seed(run, p)}, return_logprob}      one request per prompt, all at once
         reward every sample; keep the groups whose rewards are not all equal (`grpo.filter_groups`)
-    keep exactly G groups (extra ones are dropped; Miles returns them to its buffer)
+    once G groups are kept, the rest is aborted on the servers (the tail), and discarded or carried
+    (`rollout.partial`) -- `rounds.py` has the details
+
+How many requests are in flight: `rollout.max_workers`, or (0) every request of a round up to what the
+servers report they run (`SGLangClient.capacity`: /server_info's max running requests x DP ranks), read
+once when the collector starts.
 
 The per-request sampling seed depends only on the run seed and the prompt's position in the data stream, so
-a run that resumes from a checkpoint re-draws exactly the samples the crashed run would have drawn.
+a run that resumes from a checkpoint re-draws exactly the samples the crashed run would have drawn; what a
+checkpoint must add to the data position is the carried groups (`state_dict`).
 
 Routing replay (R3): with `rollout.routing_replay` every request asks for `return_routed_experts`; SGLang
 and the embedded server answer, per input position and MoE layer, the top-k experts the engine routed to
@@ -28,13 +34,11 @@ Tests: `pytest tests/test_train_e2e.py -q`.
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import copy
 import random
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -42,17 +46,15 @@ import torch
 from nanoflash.rl import data, plugins, rewards
 from nanoflash.rl.metrics import progress, step_metrics
 from nanoflash.rl.rewards import VerifierUnavailable
+from nanoflash.rl.rounds import (INTERRUPT_ABORT_S, SEED_MOD, Carry, RolloutCancelled, RoundStats,  # noqa: F401
+                                 StaleServerError, _episodes, check_versions, collect, expert_id_dtype,
+                                 request_pool, request_seed, reward_counts, round_line)
 from nanoflash import grpo
-from nanoflash.sglang.client import (Generation, RequestRejected, ServerGoneError, SGLangClient,
-                                     decode_routed_experts)
+from nanoflash.sglang.client import Generation, RequestRejected, ServerGoneError, SGLangClient
 from nanoflash.sglang.preflight import ServerMismatch, check_servers
 from nanoflash.server.engine import RolloutEngine, sample
 from nanoflash.server.http import serve
 
-SEED_MOD = 2 ** 62  # SGLang sampling seeds are int64; keep them positive
-# Ctrl-C: each server gets this long to take `/abort_request {"abort_all"}`; a healthy one answers at once, and a
-# second Ctrl-C does not wait for the rest (train.py)
-INTERRUPT_ABORT_S = 2.0
 # single-digit arithmetic has only 200 expressions: hold out a quarter (57) so the eval is not 24 problems
 ARITH_HELDOUT_PERCENT = {1: 25}
 MAX_ARITH_TRAIN = 50_000  # cap on the training pool of the larger difficulties
@@ -202,14 +204,19 @@ class Collector:
 
         collector.next_batch(step) -> (packed grpo.RolloutBatch | None, metrics)   the data position advances
         collector.eval_generate(prompts, n, seeds) -> samples of the weights the servers hold
+        collector.served = step       after every push: the weights the servers hold (samples' versions)
+        collector.cancel.set()        stops a rollout running in another thread (`schedule.OneStepOff`)
 
     `model` (the full weights for the embedded servers' first copy) is only read when no URLs are given.
-    `pos` is the data position (a checkpoint's `data_pos`).
+    `pos` is the data position (a checkpoint's `data_pos`); `carry` the groups carried to the next step
+    (rollout.partial); `capacity` the sequences the servers run at once, as they report it (None: they do not
+    say).
     """
 
     def __init__(self, cfg, task: Task, mcfg, model, pos: int = 0):
         self.cfg, self.task, self.mcfg, rc = cfg, task, mcfg, cfg.rollout
-        self.pos = pos
+        self.pos, self.served, self.carry, self.cancel = pos, None, Carry(), threading.Event()
+        self.history = (0, 0)   # (groups kept, groups rewarded) of the last step: grpo.adaptive_over_sampling
         if rc.urls:
             self.client, self.engines, self.httpds = SGLangClient(list(rc.urls), api_key=rc.key(),
                                                                   retry_s=rc.retry_s,
@@ -221,6 +228,18 @@ class Collector:
             self.client, self.engines, self.httpds = start_embedded(
                 model, rc.n_servers, rc.weights, cfg.train.seed, rc.key(), disk_root=cfg.train.out_dir,
                 group_hosts=None if host in ("127.0.0.1", "localhost") else ("*",))
+        self.capacity = None if rc.max_workers else self.client.capacity()
+        if not rc.max_workers:
+            print(f"rollout: {concurrency_line(self.capacity, cfg.grpo.group_size)}", flush=True)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the rollout side beyond the data position: the carried groups and the last
+        step's keep rate (adaptive over-sampling sizes the next round from it)."""
+        return {"carry": self.carry.state_dict(), "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.carry.load_state_dict(state["carry"])
+        self.history = tuple(state["history"])
 
     def next_batch(self, at: int) -> tuple:
         """Dynamic-sampling rollout for step `at` -> advantages -> the packed global batch and its metrics.
@@ -231,12 +250,13 @@ class Collector:
         t0, bar = time.time(), progress(gc.n_prompts, f"rollout {at}/{tc.steps}", tc.progress)
         on_round = lambda r: bar.write(round_line(r, f"rollout {at}/{tc.steps}", self.cfg))  # noqa: E731
         try:
-            kept, seen, pos, counts = collect(self.client, self.task, self.pos, self.cfg, self.mcfg, bar, on_round)
+            kept, seen, pos, counts = collect(self.client, self.task, self.pos, self.cfg, self.mcfg, bar, on_round,
+                                              self.carry, at, self.served, self.capacity, self.cancel, self.history)
         except (RequestRejected, VerifierUnavailable) as e:
             raise SystemExit(f"rollout for step {at} failed: {e}") from None
         finally:
             bar.close()   # a Ctrl-C's line must not land on a half-drawn bar
-        self.pos, t_roll = pos, time.time() - t0
+        self.pos, t_roll, self.history = pos, time.time() - t0, (counts["groups_kept"], counts["groups_seen"])
         m = {**step_metrics(seen, gc.group_size), **counts, "rollout_s": t_roll,
              "rollout_tokens_per_s": sum(len(e.response_ids) for e in seen) / t_roll}
         if not kept:
@@ -263,175 +283,21 @@ class Collector:
                                       list(self.task.stop_ids), seeds, top_p=ec.top_p)
         sp = {"n": n, "temperature": ec.temperature, "top_p": ec.top_p, "max_new_tokens": ec.max_new_tokens,
               "stop_token_ids": list(self.task.stop_ids)}
-        return sample_servers(self.client, prompts, sp, seeds, self.cfg.rollout.max_workers, check=True)
+        workers = self.cfg.rollout.max_workers or (max(1, self.capacity // n) if self.capacity else len(prompts))
+        return sample_servers(self.client, prompts, sp, seeds, workers, check=True)
 
     def close(self) -> None:
         for httpd in self.httpds:
             httpd.shutdown()
 
 
-# ---------------------------------------------------------------------------------------------- rollout
-def request_seed(run_seed: int, position: int) -> int:
-    """Sampling seed of the request for the prompt at `position` of the data stream (resume-stable)."""
-    return (run_seed * 1_000_003 + position * 7_919 + 17) % SEED_MOD
-
-
-class StaleServerError(RuntimeError):
-    """A server answered with weights other than the last verified push (it restarted, or missed a push)."""
-
-
-def check_versions(gens, expected) -> None:
-    """Every sample must come from the weight version the trainer last pushed and verified (`client.weight_version`;
-    None before the first push). A server that reports another one restarted or missed a push: its samples are
-    refused, naming it. Servers that report no version (older protocols) are not checked."""
-    for g in gens:
-        if expected is not None and g.weight_version is not None and str(g.weight_version) != str(expected):
-            raise StaleServerError(f"{g.server} generated with weight version {g.weight_version}, but version "
-                                   f"{expected} was pushed and verified: the server restarted or missed a push; "
-                                   f"its samples are refused (rollout.max_server_restarts > 0 re-pushes into it and redoes the "
-                                   f"step; or resume the run)")
-
-
-def reward_counts(task: Task) -> dict:
-    """The task reward's cumulative counters (rewards.TokenReward.counts: oov, no_answer, verify_error, ...)."""
-    return dict(getattr(task.reward, "counts", None) or {})
-
-
-expert_id_dtype = grpo.expert_id_dtype  # R3 records in the smallest integer type of the expert count
-
-
-def _episodes(gens, prompt_ids, position, task, problem, n_layers: int, topk: int, n_experts: int) -> list:
-    rs = task.reward([problem] * len(gens), [g.output_ids for g in gens])
-    out = []
-    for g, r in zip(gens, rs):
-        rx = None
-        if "routed_experts" in g.meta_info:  # R3: the experts the engine chose, per input position and layer
-            rx = decode_routed_experts(g.meta_info, n_layers, topk).to(expert_id_dtype(n_experts))
-        out.append(grpo.Episode(prompt_ids, g.output_ids, g.logprobs, float(r), position, g.finish_reason or "stop",
-                                rx))
-    return out
-
-
-@contextlib.contextmanager
-def request_pool(client, max_workers: int):
-    """A thread pool for /generate requests that never outlives what stops its caller: on an error the queued
-    requests are cancelled (never sent) and the running ones finish; on Ctrl-C (KeyboardInterrupt) the running
-    ones are aborted on every server too (`client.abort_all`, best effort) and not waited for."""
-    pool = ThreadPoolExecutor(max_workers=max_workers)
-    try:
-        yield pool
-    except KeyboardInterrupt:
-        pool.shutdown(wait=False, cancel_futures=True)
-        client.abort_all(timeout=INTERRUPT_ABORT_S)
-        raise
-    except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown(wait=True)
-
-
-@dataclass
-class RoundStats:
-    """One dynamic-sampling round of `collect`: what was sent, what came back, what was kept and why not."""
-
-    round: int                      # 1-based, within the step
-    sent: int                       # prompts (groups) requested
-    answered: int                   # groups that came back (sent - too_long)
-    kept: int                       # groups kept this round (dynamic sampling: rewards not all equal)
-    kept_total: int                 # groups kept so far this step (capped at target)
-    target: int                     # grpo.n_prompts
-    equal: dict = field(default_factory=dict)  # reward value -> groups whose rewards all equal it
-    truncated: int = 0              # samples cut at rollout.max_new_tokens
-    samples: int = 0                # samples that came back
-    too_long: int = 0               # prompts over the servers' context length
-    seconds: float = 0.0
-
-
-def _num(x: float) -> str:
-    return f"{x:g}"
-
-
-def round_line(r: RoundStats, where: str, cfg) -> str:
-    """One line a round: prompts sent, groups kept, the share of all-equal-reward groups; a round that keeps
-    nothing under dynamic sampling is a warning naming the cause (the rewards every group shared)."""
-    n_equal = sum(r.equal.values())
-    share = f"{n_equal / r.answered:.0%}" if r.answered else "-"
-    parts = ", ".join(f"{c} all {_num(v)}" for v, c in sorted(r.equal.items()))
-    if r.kept or not cfg.grpo.dynamic_sampling:
-        return (f"{where} round {r.round}: {r.sent} prompts sent, {r.kept} of {r.answered} groups kept "
-                f"({r.kept_total}/{r.target} so far), {share} all-equal" + (f" ({parts})" if parts else "")
-                + f" ({r.seconds:.1f}s)")
-    head = f"warning: {where} round {r.round}: 0 of {r.sent} groups kept: "
-    if not r.answered:
-        return head + (f"no group came back ({r.too_long} prompts over the servers' context length: "
-                       f"shorten them or raise the servers' context length)")
-    if len(r.equal) == 1:
-        (v, _), = r.equal.items()
-        why = ("the model never answers correctly" if v == 0 else
-               "the model always answers correctly: the prompts are too easy for it" if v == 1 else
-               "every sample scored the same")
-        cause = f"every group's rewards were equal (all {_num(v)}: {why}"
-    else:
-        cause = f"every group's rewards were equal ({parts}"
-    if r.samples and r.truncated / r.samples >= 0.5:
-        cause += (f"; {r.truncated / r.samples:.0%} of the responses were cut at rollout.max_new_tokens="
-                  f"{cfg.rollout.max_new_tokens}")
-    return head + cause + ") -- dynamic sampling drops them; see grpo.dynamic_sampling"
-
-
-def collect(client, task: Task, pos: int, cfg, mcfg, bar=None, on_round=None) -> tuple[list, list, int, dict]:
-    """Dynamic-sampling rollout under the run's `cfg` (grpo, rollout, train.seed) for the model `mcfg`.
-    `on_round(RoundStats)` is called after every round. Returns (kept episodes, all episodes, new data
-    position, counters)."""
-    gc, rc, seed = cfg.grpo, cfg.rollout, cfg.train.seed
-    G, n, n_layers, topk = gc.n_prompts, gc.group_size, mcfg.n_layers, mcfg.n_activated_experts
-    sp = {"n": n, "temperature": rc.temperature, "top_p": rc.top_p, "max_new_tokens": rc.max_new_tokens,
-          "stop_token_ids": list(task.stop_ids)}
-    kept, seen, rounds, too_long, before = [], [], 0, [], reward_counts(task)
-    with request_pool(client, rc.max_workers) as pool:
-        while len(kept) < G * n and rounds < rc.max_rounds:
-            k = grpo.prompts_to_request(len(kept) // n, G, 0, gc.over_sampling_batch_size)
-            positions = list(range(pos, pos + k))
-            pos += k
-            probs = [task.train[p % len(task.train)] for p in positions]
-            ids = [task.encode(p) for p in probs]
-            t_round, n_long, r = time.time(), len(too_long), RoundStats(rounds + 1, k, 0, 0, 0, G)
-            equal = collections.Counter()
-            futs = [pool.submit(client.generate, i, {**sp, "sampling_seed": request_seed(seed, p)},
-                                return_routed_experts=rc.routing_replay) for i, p in zip(ids, positions)]
-            for j, (i, p, prob) in enumerate(zip(ids, positions, probs)):
-                try:   # each answer is let go once read: its R3 payload (base64, 5.3 bytes an id) is not held
-                    gens, futs[j] = futs[j].result(), None   # to the end of the round (planner.rollout_bytes)
-                except RequestRejected as e:  # over the server's context length: skipped and counted
-                    if not e.too_long:
-                        raise
-                    too_long.append(e.message)
-                    continue
-                check_versions(gens, getattr(client, "weight_version", None))
-                eps = _episodes(gens, i, p, task, prob, n_layers, topk, mcfg.n_routed_experts)
-                seen += eps
-                varied = grpo.filter_groups(eps, n)
-                if not varied:
-                    equal[eps[0].reward] += 1
-                good = varied if gc.dynamic_sampling else eps
-                for e in eps if not good else ():   # a dropped group (one prompt's samples): its R3 records are
-                    e.routed_experts = None          # never trained; rank 0 holds only what it will train
-                kept += good
-                r.answered, r.kept = r.answered + 1, r.kept + bool(good)
-                r.samples, r.truncated = r.samples + len(eps), r.truncated + sum(e.truncated for e in eps)
-                if bar is not None and good and len(kept) <= G * n:
-                    bar.update(1)  # the bar counts kept groups against the target G
-            rounds += 1
-            r.kept_total, r.equal, r.too_long = min(len(kept) // n, G), dict(equal), len(too_long) - n_long
-            r.seconds = time.time() - t_round
-            if on_round is not None:
-                on_round(r)
-    if too_long:
-        print(f"rollout: {len(too_long)} prompt(s) over the servers' context length skipped ({too_long[0]})")
-    now = reward_counts(task)
-    return kept[:G * n], seen, pos, {"rounds": rounds, "groups_kept": min(len(kept) // n, G),
-                                     "groups_seen": len(seen) // n, "prompts_too_long": len(too_long),
-                                     **{f"reward_{k}": v - before.get(k, 0) for k, v in sorted(now.items())}}
+def concurrency_line(capacity: int | None, n: int) -> str:
+    """How many requests a round keeps in flight, and why (rollout.max_workers=0)."""
+    if capacity is None:
+        return ("the servers report no capacity (/server_info has no max running requests): every request of a "
+                "round is sent at once (rollout.max_workers bounds it)")
+    return (f"the servers run {capacity} sequences at once (/server_info): up to {max(1, capacity // n)} requests "
+            f"of {n} samples in flight (rollout.max_workers overrides)")
 
 
 # ---------------------------------------------------------------------------------------------- eval

@@ -5,9 +5,11 @@
 
 The first SIGINT raises KeyboardInterrupt in the main thread, as Python's own handler does, so whatever the
 loop waits on unwinds: the rollout's request pool cancels its queued /generate requests (never sent) and
-aborts the running ones on every server (`collector.request_pool`: `/abort_request {"abort_all"}`, a few
-seconds at most), so SGLang does not go on generating for a run that is gone. When the KeyboardInterrupt
-reaches the top, `sys.excepthook` prints ONE line on stderr (rank 0) instead of a traceback:
+aborts the running ones on every server (`rounds.request_pool`: `/abort_request {"abort_all"}`, a few
+seconds at most), so SGLang does not go on generating for a run that is gone. A rollout running beside the
+step in a thread (one step off, `rl/schedule.py`) is cancelled the same way by the loop (`schedule.cancel()`).
+When the KeyboardInterrupt reaches the top, `sys.excepthook` prints ONE line on stderr (rank 0) instead of a
+traceback:
 
     interrupted at step 7; last checkpoint step 5 (runs/demo/checkpoints/step_00000005); re-run the same command to resume
     interrupted at step 3; no checkpoint yet; re-run the same command to start again

@@ -92,6 +92,13 @@ class ServerRestarts:
                                                 "sync_s": time.time() - t0, "sync_tensors": info.get("tensors"),
                                                 "sync_bytes": info.get("bytes")})
 
+    def recover(self, where: str, at: int, err: str) -> None:
+        """A server error met outside `run` (one step off: the rollout beside step `at`, reported by the schedule's
+        boundary on every rank): the policy's line and wait; the caller then pushes with `restarted=True`."""
+        self._recover(where, err)
+        if self.log is not None:
+            self.log("server_restart", at, {"during": where, "server_restarts": self.used})
+
     def _recover(self, where: str, err: str) -> None:
         """One restart of the budget: one line, then wait for every server's /health (rank 0); or stop."""
         if self.used >= self.budget:

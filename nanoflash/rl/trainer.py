@@ -166,8 +166,9 @@ class Trainer:
         """(official name, tensor on this rank's device) for every parameter and buffer this rank holds."""
         yield from self.model.state_dict().items()
 
-    def save(self, root: str, step: int, extra: dict, keep: int, async_save: bool = False) -> None:
-        """DCP save of model + optimizer. The ranks first meet on the gloo side group (long timeout): rank 0
+    def save(self, root: str, step: int, extra: dict, keep: int, async_save: bool = False,
+             files: dict | None = None) -> None:
+        """DCP save of model + optimizer (+ rank 0's `files`: parallel.dcp). The ranks first meet on the gloo side group (long timeout): rank 0
         may still be evaluating or pushing, and the save's own collectives run under the training timeout.
         `async_save`: written by a thread on a gloo group of its own while the next step's rollout runs;
         `finish_save` (called by `step` before anything changes the weights) waits for it."""
@@ -178,7 +179,8 @@ class Trainer:
         if async_save and self.dims.world_size > 1 and self.save_group is None:  # every rank, same point: collective
             self.save_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.par.wait_timeout_s))
         out = save_checkpoint(root, step, self.model, self.optimizer, self.dims, extra=extra, keep=keep,
-                              async_save=async_save, group=self.save_group if async_save else None)
+                              async_save=async_save, group=self.save_group if async_save else None,
+                              files=files)
         self.pending_save = out if async_save else None
 
     def finish_save(self) -> str | None:

@@ -56,6 +56,13 @@ MAX_N = 64                # samples per request
 # here T = 0 asks for greedy and 0 < T < MIN_TEMPERATURE is refused rather than switched silently.
 MIN_TEMPERATURE = 1e-6
 HEALTH_PROMPT = [0]       # /health_generate: one greedy token after this prompt
+# Sequences decoding at once (SGLang's --max-running-requests): a request of n samples takes n; the next waits
+# in a queue until enough finish. The engine runs one forward at a time, so this bounds memory and the threads
+# holding a request, not speed: 256 = 4 x the h200 recipe's 64 running, 2x the demo's 16 prompts x 8.
+DEFAULT_MAX_RUNNING = 256
+# pause_generation(mode="abort") returns once nothing runs (SGLang waits the same way); a request ends at its
+# next decode step, so this only bounds a stuck forward.
+PAUSE_DRAIN_S = 60.0
 SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed",
                  "min_new_tokens", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens",
                  "ignore_eos", "stop"}
@@ -140,9 +147,13 @@ def check_values(name: str, t: torch.Tensor, n_experts: int) -> None:
 class RolloutEngine:
     """nanoflash inference + SGLang-layout weight store. Thread-safe: one forward at a time (`lock`)."""
 
-    def __init__(self, model, weights: str = "fp32", decode: str = "auto", seed: int = 0):
+    def __init__(self, model, weights: str = "fp32", decode: str = "auto", seed: int = 0,
+                 max_running: int = DEFAULT_MAX_RUNNING):
         if weights not in WEIGHT_DTYPES:
             raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {weights!r}")
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
+        self.max_running, self.running, self.slots = max_running, 0, threading.Condition()
         self.model, self.cfg, self.weights = model.eval(), model.cfg, weights
         self.device = next(model.parameters()).device
         self.lock = threading.RLock()
@@ -227,10 +238,17 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ pause / abort
     def pause(self, mode: str):
+        """SGLang's pause_generation: new and running requests wait (in_place / retract: a request re-prefills
+        after a weight update, `epoch`); "abort" also ends every request and returns once none runs (SGLang
+        0.5.16 `TokenizerManager.pause_generation` aborts, then waits on its model_update_lock)."""
         with self.lock:
             self.paused = True
             if mode == "abort":
                 self.abort_all_before = time.monotonic()
+        if mode == "abort":
+            self._wake()
+            with self.slots:
+                self.slots.wait_for(lambda: self.running == 0, timeout=PAUSE_DRAIN_S)
 
     def unpause(self):
         with self.lock:
@@ -238,13 +256,43 @@ class RolloutEngine:
             self.resume.notify_all()
 
     def abort(self, rid: str | None = None, abort_all: bool = False):
-        """Abort every request (abort_all) or the one in flight under `rid`; an unknown rid is a no-op (as in
-        SGLang), so `aborted` holds in-flight ids only and each leaves it when its request ends."""
+        """SGLang's /abort_request: a queued request ends at once with no tokens, a running one at its next
+        decode step with the tokens it has (scored: its log-probs come back too); abort_all ends every request
+        that arrived before it. An unknown rid is a no-op (as in SGLang), so `aborted` holds in-flight ids only
+        and each leaves it when its request ends."""
         with self.lock:
             if abort_all:
                 self.abort_all_before = time.monotonic()
             elif rid and rid in self.inflight:
                 self.aborted.add(rid)
+        self._wake()
+
+    def _wake(self):
+        with self.lock:
+            self.resume.notify_all()
+        with self.slots:
+            self.slots.notify_all()
+
+    def _is_aborted(self, rid: str, t0: float) -> bool:
+        return t0 < self.abort_all_before or rid in self.aborted
+
+    def _admit(self, rid: str, t0: float, n: int) -> bool:
+        """Wait in the queue until n sequences fit under max_running (alone, a larger request runs); False if
+        the request is aborted while it waits."""
+        with self.slots:
+            while self.running and self.running + n > self.max_running:
+                if self._is_aborted(rid, t0):
+                    return False
+                self.slots.wait(timeout=0.5)
+            if self._is_aborted(rid, t0):
+                return False
+            self.running += n
+            return True
+
+    def _release(self, n: int):
+        with self.slots:
+            self.running -= n
+            self.slots.notify_all()
 
     # ------------------------------------------------------------------ generation
     def _cache_agrees(self) -> bool:
@@ -310,8 +358,16 @@ class RolloutEngine:
                              f"the model's context length (max_seq_len {max_len})")
         with self.lock:
             self.inflight[rid] += 1
+        n = sp["n"]
         try:
-            return self._generate(input_ids, sp, rid, t0, routed)
+            if not self._admit(rid, t0, n):   # aborted in the queue: SGLang answers "abort" with no tokens
+                empty = torch.tensor([], dtype=torch.long, device=self.device)
+                return [self._finish(input_ids, empty, None, "abort", sp, rid, t0, False, queued=True)
+                        for _ in range(n)]
+            try:
+                return self._generate(input_ids, sp, rid, t0, routed)
+            finally:
+                self._release(n)
         finally:
             with self.lock:
                 self.inflight[rid] -= 1
@@ -341,17 +397,17 @@ class RolloutEngine:
                 break
         return [self._finish(input_ids, seqs[i], done[i], reason, sp, rid, t0, routed) for i in range(n)]
 
-    def _finish(self, prompt, seq, stopped, reason, sp, rid, t0, routed=False) -> dict:
-        out = seq[len(prompt):stopped[0] + len(prompt)] if stopped else seq[len(prompt):]
+    def _finish(self, prompt, seq, stopped, reason, sp, rid, t0, routed=False, queued=False) -> dict:
+        out = seq if queued else seq[len(prompt):stopped[0] + len(prompt)] if stopped else seq[len(prompt):]
         with self.lock:  # the routing record must come from this very scoring forward
-            if not self._wait_to_score(rid, t0):   # aborted during a push: its tokens cannot be scored
+            if not queued and not self._wait_to_score(rid, t0):   # aborted during a push: cannot be scored
                 out, stopped, reason = out[:0], None, "abort"
             full = torch.cat([torch.tensor(prompt, dtype=torch.long, device=out.device), out])
             lps = self.score(full, len(prompt), sp["temperature"]) if len(out) else []
             routes = self.routed_experts(full, scored=len(out) > 0) if routed else None
             version = self.weight_version  # of the weights that scored it
         fr = ({"type": "stop", "matched": stopped[1]} if stopped else
-              {"type": "abort", "message": "aborted"} if reason == "abort" else
+              {"type": "abort", "message": "Abort in waiting queue" if queued else "aborted"} if reason == "abort" else
               {"type": "length", "length": sp["max_new_tokens"]})
         ids = out.tolist()
         res = {"output_ids": ids, "meta_info": {

@@ -3,6 +3,7 @@
     python -m nanoflash.server --preset tiny --port 30000 [--weights fp32|bf16|fp8]
         [--protocol stock|post_process|session] [--api-key KEY] [--checkpoint DIR] [--host 127.0.0.1]
         [--disk-root DIR] [--group-hosts HOST,...] [--read-timeout S] [--max-connections N] [--max-trace-bytes B]
+        [--max-running-requests N]
 
 SGLang's launch flags are accepted too, so a rehearsal starts it with SGLang's command line (`python -m
 nanoflash.server` in place of `python3 -m sglang.launch_server`, the rest unchanged; `tests/test_rehearsal.py`
@@ -50,8 +51,17 @@ of the weights the model runs with (`derived_checksum`: every parameter in fp32,
 naming the problem; an unexpected failure gets 500; the server keeps serving either way. `/health_generate`
 runs one greedy token and answers 503 naming the failure when it cannot (e.g. NaN weights).
 
+Scheduling as SGLang does it, as far as RL sees it: at most `--max-running-requests` sequences decode at once
+(a request of n samples takes n; /server_info reports the number as SGLang 0.5.16 does, `max_running_requests`
+and `internal_states[i].effective_max_running_requests_per_dp`), the others wait in a queue. `/abort_request`
+(`rid`, or `abort_all`) ends a queued request at once with no tokens ("Abort in waiting queue") and a running
+one at its next decode step with the tokens it has, scored; `/pause_generation` holds every request at its next
+step (`in_place`, `retract`) or aborts them all and returns once none runs (`abort`); `/continue_generation`
+releases them.
+
 Differences from SGLang: stdlib `ThreadingHTTPServer` instead of FastAPI/uvicorn (no new dependencies);
-one forward at a time; no radix cache (`flush_cache` is a no-op that succeeds); no tokenizer (token ids only).
+one forward at a time; no radix cache (`flush_cache` is a no-op that succeeds); no tokenizer (token ids only);
+an aborted running request stops before its next decode step (SGLang runs one more).
 
 Tests: `pytest tests/test_rollout_server.py tests/test_rollout_http_limits.py -q`.
 """
@@ -65,7 +75,7 @@ import torch
 from nanoflash.checkpoint import load_hf_checkpoint
 from nanoflash.config import ModelConfig, preset
 from nanoflash.model import Transformer
-from nanoflash.server.engine import MAX_N, BadRequest, RolloutEngine, check_ids, parse_sampling
+from nanoflash.server.engine import DEFAULT_MAX_RUNNING, MAX_N, BadRequest, RolloutEngine, check_ids, parse_sampling
 from nanoflash.server.http_guard import BoundedHTTPServer, HTTPError, HTTPLimits, make_handler
 from nanoflash.server.trace import MAX_TRACE_BYTES, checked_ids, trace
 from nanoflash.server.update_guard import GroupPolicy, check_group, disk_files, own_hosts
@@ -142,7 +152,10 @@ class RolloutServer:
         return self.r_get_server_info(body)
 
     def r_get_server_info(self, _):   # SGLang's own fields (model_path, load_format, quantization: its server_args)
+        e = self.engine   # capacity as SGLang 0.5.16 reports it: the flag, and per DP rank what the scheduler runs
         return {"version": VERSION, "engine": "nanoflash", "protocol": self.protocol, "tp_size": self.tp_size,
+                "max_running_requests": e.max_running, "internal_states": [
+                    {"effective_max_running_requests_per_dp": e.max_running, "num_running_reqs": e.running}],
                 "dp_size": 1, "pp_size": 1, "model_path": self.model_path or "nanoflash", "quantization": None,
                 "load_format": "auto" if self.model_path else "dummy", "torch_version": self.versions["torch"],
                 "nccl_version": self.versions["nccl"], "weights": self.engine.weights,
@@ -387,7 +400,8 @@ def build_engine(args) -> RolloutEngine:
             model = Transformer(preset(args.preset)).init_weights(args.seed)
     if args.weights == "bf16":
         model.cast_(torch.bfloat16)
-    return RolloutEngine(model, weights=args.weights, decode=args.decode, seed=args.seed)
+    return RolloutEngine(model, weights=args.weights, decode=args.decode, seed=args.seed,
+                         max_running=args.max_running_requests)
 
 
 def main(argv=None):
@@ -404,6 +418,8 @@ def main(argv=None):
     ap.add_argument("--max-connections", type=int, default=HTTPLimits.max_connections, help="open connections")
     ap.add_argument("--max-request-tokens", type=int, default=0, help="prompts x n x max_new_tokens per "
                     "/generate (0: MAX_N x max_seq_len)")
+    ap.add_argument("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING, help="sequences decoding at "
+                    "once (SGLang's flag); more wait in a queue. Reported in /server_info")
     ap.add_argument("--max-trace-bytes", type=int, default=MAX_TRACE_BYTES, help="largest /nanoflash/trace answer")
     ap.add_argument("--weights", default=None, choices=["fp32", "bf16", "fp8"], help="default fp32 (fp8 with "
                     "--model-path)")

@@ -16,7 +16,9 @@ What it speaks (request/response shapes of SGLang 0.5.16, `docs/rl_notes.md` §4
     POST /destroy_weights_update_group {group_name}
     POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache, weight_version,
                                            load_format: "flattened_bucket" (optional: one flat uint8 broadcast)}
-    GET  /server_info -> {tp_size, dp_size, pp_size, enable_dp_attention, version, ...}: a group's world size
+    GET  /server_info -> {tp_size, dp_size, pp_size, enable_dp_attention, version, max_running_requests,
+                          internal_states: [{effective_max_running_requests_per_dp}, ...], ...}: a group's
+                          world size, and how many sequences the server runs at once (`capacity`)
     POST /update_weights_from_tensor {serialized_named_tensors: [one per TP rank], load_format, ...}
     POST /update_weights_from_disk {model_path, load_format, weight_version}
     POST /weights_checker {"action": "checksum"} -> {"success", "message", "ranks": [{"checksums": {...}}]}
@@ -292,7 +294,9 @@ class SGLangClient:
 
     def abort_all(self, timeout: float = ABORT_TIMEOUT_S) -> list:
         """Abort every request in flight on every server (Ctrl-C, dynamic sampling's over-sampling tail), best
-        effort: each server gets `timeout` seconds and no retry. -> [whether each server took it]"""
+        effort: each server gets `timeout` seconds and no retry. -> [whether each server took it]. SGLang 0.5.16
+        (`Scheduler.abort_request`) ends a queued request at once with no tokens and a running one after one more
+        decode step, answering its /generate with finish_reason "abort" and the tokens (and log-probs) it had."""
         out = []
         for u in self.urls:
             try:
@@ -329,6 +333,25 @@ class SGLangClient:
             except RequestRejected:  # older name, deprecated in 0.5.16
                 self._info[url] = self.get(url, "/get_server_info")
         return self._info[url]
+
+    def max_running(self, url: str) -> int | None:
+        """Sequences the server runs at once, as its `/server_info` says. SGLang 0.5.16 answers with its
+        ServerArgs (`max_running_requests`: None unless set, `dp_size`) and one `internal_states` entry per DP
+        rank, each with `effective_max_running_requests_per_dp` (`Scheduler.get_internal_state`,
+        srt/managers/scheduler.py; the value the scheduler derived from its KV pool, or the flag): their sum,
+        else max_running_requests x dp_size, else None (the server does not say)."""
+        info = self.server_info(url)
+        per_dp = [s.get("effective_max_running_requests_per_dp") for s in info.get("internal_states") or []
+                  if isinstance(s, dict)]
+        if per_dp and all(isinstance(v, int) and v > 0 for v in per_dp):
+            return sum(per_dp)
+        flag = info.get("max_running_requests")
+        return int(flag) * int(info.get("dp_size") or 1) if isinstance(flag, int) and flag > 0 else None
+
+    def capacity(self) -> int | None:
+        """Sequences all servers run at once (`max_running` summed); None if any server does not say."""
+        caps = [self.max_running(u) for u in self.urls]
+        return None if any(c is None for c in caps) else sum(caps)
 
     def forget(self, url: str) -> None:
         """Drop what was learnt about a server (it restarted: re-read its info before the next push)."""
