@@ -68,6 +68,17 @@ def free_port(n: int = 1) -> int:
     raise RuntimeError(f"no {n} consecutive free ports in {FIXED_PORTS}")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny forwards (a module opts in: `pytestmark =
+    pytest.mark.usefixtures("one_thread")`): they are latency-bound, and two threads on a loaded 2-core box spin
+    against each other (a 2-token generate measured 2-7 s with two, 0.26 s with one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _child(rank, world_size, port, outdir, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))

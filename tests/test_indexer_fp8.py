@@ -22,13 +22,7 @@ ULP_RTOL = 1e-6     # one rotated row summed as a butterfly (the kernels) vs one
                     # scale amax/448 may differ in its last fp32 bit; an FP8 code flip would be >= 2^-4 off
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread (two threads on a loaded 2-core box spin far slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny forwards, one thread
 
 
 def e4m3_grid() -> list:

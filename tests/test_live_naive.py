@@ -45,13 +45,7 @@ FP8_SERVED = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.(expert
 KEPT_FP32 = re.compile(r"(hc_\w+|attn_sink|\.ape|gate\.bias)$")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread (two threads on a loaded 2-core box spin far slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny forwards, one thread
 
 
 def _naive_fp8_roundtrip(w):

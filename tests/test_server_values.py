@@ -22,14 +22,7 @@ from nanoflash.sglang.buckets import decode_blob, encode_blob, encode_tensors
 from nanoflash.sglang.client import RequestRejected, SGLangClient
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the server's tiny forwards are latency-bound, and two threads on a loaded 2-core box
-    spin against each other (a 2-token generate measured 2-7 s with two, 0.26 s with one)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny forwards, one thread
 
 
 @pytest.fixture(scope="module")

@@ -26,14 +26,7 @@ KEY = "trace-key"
 N_FIT = 3   # the test server's max_trace_bytes holds the answer for this many ids, not one more
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the server's tiny forwards are latency-bound, and two threads on a loaded 2-core box
-    spin against each other (a 2-token generate measured 2-7 s with two, 0.26 s with one)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny forwards, one thread
 
 
 @pytest.fixture(scope="module")
