@@ -14,7 +14,6 @@ import json
 import socket
 
 import pytest
-import torch
 
 from nanoflash.config import preset
 from nanoflash.model import Transformer

@@ -310,7 +310,7 @@ collect() {  # <= 8 files back: one tarball of the results + the logs (a run sti
   [ "$MODE" = gpu ] && jit_save "$out/jit"
   ls -la "$out" "$out/jit" 2> /dev/null
 }
-snapshot() {  # everything from here on runs from its own copy: a later device call re-syncs the checkout (and bash
+snapshot() {  # everything from here on runs from its own copy: a later command that re-syncs the checkout (and bash
   # reads scripts as it goes); .h20src (git archive of a tested commit, experiments/h200/README.md) before the checkout
   # (the dry run copies the checkout itself: it tests the code as it is)
   local src=$R/.h20src; [ -d $src/nanoflash ] && [ "${1:-}" != checkout ] || src=$R
