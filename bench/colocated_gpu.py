@@ -1,7 +1,8 @@
 """Four ranks of the engine on one GPU (issue 37 item 1): PP2 x EP2 GRPO steps checked against one process.
 
-    python bench/colocated_gpu.py --out docs/results/colocated_pp2ep2_h200.json   # one H200, < 4 min
+    python bench/colocated_gpu.py --out docs/results/colocated_pp2ep2_h200.json   # one H200, ~5.5 min
     python bench/colocated_gpu.py --device cpu --out /tmp/colocated_cpu.json      # the same on the CPU, tiny
+    python bench/colocated_gpu.py --write-docs docs/results/colocated_pp2ep2_h200.json   # docs/benchmarks.md's table
 
 One command, four phases:
 
@@ -294,6 +295,48 @@ def memory(args_: list, run_out: str, fit_lens, device: str) -> dict:
             "cuda_context_gib_per_rank": planner.CUDA_CONTEXT_BYTES / GIB, "seq_len": seq}
 
 
+# ---------------------------------------------------------------------------------------------- the docs' table
+DOC = os.path.join(ROOT, "docs", "benchmarks.md")
+TABLE = ("<!-- COLOCATED_TABLE: bench/colocated_gpu.py --write-docs -->", "<!-- /COLOCATED_TABLE -->")
+
+
+def table(doc: dict) -> str:
+    """docs/benchmarks.md's rendering of one result: the run, the three comparisons, memory per rank."""
+    c, m, r = doc["compare"], doc["memory"], doc["run"]
+    fm = c["first_moments"]
+    rows = ["| measured | value |", "|---|---|",
+            f"| device, torch | {doc['device']}, {doc['torch']} |",
+            f"| 4-rank run (PP2 x EP2, {doc['steps']} GRPO steps), wall | rc {r['rc']}, {r['wall_s']:.1f} s |",
+            f"| weights over the bound ({c['weights']['bound']}) | {c['weights']['elements_over']} elements; "
+            f"worst diff / bound {c['weights']['worst_diff_over_bound']:.3f} ({c['weights']['worst_tensor']}) |",
+            f"| AdamW masters over the bound | {c['masters']['elements_over']} elements; max diff "
+            f"{c['masters']['max_abs_diff']:.3g} |",
+            f"| first moments, run vs one process (relative) | {fm['rel_diff_run_vs_ref']:.4f} |",
+            f"| first moments, re-split control vs one process | {fm['rel_diff_control_vs_ref']:.4f} "
+            f"(limit {fm['limit']:.4f}) |",
+            f"| old log-probs, run vs one process (max abs) | {c['old_logprobs_max_abs_diff']:.4f} |"]
+    for p in m["per_rank"]:
+        rows.append(f"| rank {p['rank']} (pp {p['pp']}, ep {p['ep']}): allocator peak / planner | "
+                    f"{p['measured_peak_gib']:.2f} / {p['planned_gib']:.2f} GiB |")
+    peak = r["nvidia_smi_peak_gib"]
+    rows.append(f"| GPU in use (nvidia-smi peak) / planner sum + {len(m['per_rank'])} CUDA contexts | "
+                f"{'n/a' if peak is None else f'{peak:.2f}'} / "
+                f"{m['planned_sum_gib'] + len(m['per_rank']) * m['cuda_context_gib_per_rank']:.2f} GiB |")
+    rows.append(f"| all bounds met | {doc['ok']} |")
+    return "\n".join(rows)
+
+
+def write_docs(src: str) -> int:
+    with open(src) as f:
+        doc = json.load(f)
+    text = open(DOC).read()
+    head, rest = text.split(TABLE[0], 1)
+    _, tail = rest.split(TABLE[1], 1)
+    with open(DOC, "w") as f:
+        f.write(head + TABLE[0] + "\n" + table(doc) + "\n" + TABLE[1] + tail)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -301,9 +344,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="", help="write the JSON result here (e.g. docs/results/...json)")
     ap.add_argument("--workdir", default="", help="run directory (default: a temporary one, removed)")
-    ap.add_argument("--timeout", type=float, default=200.0, help="seconds the 4-rank run may take")
+    ap.add_argument("--timeout", type=float, default=420.0,   # the H200 run took 164 s (Triton compiles in 4 ranks)
+                    help="seconds the 4-rank run may take")
+    ap.add_argument("--write-docs", metavar="JSON", help="only render docs/benchmarks.md's table from this result")
     ap.add_argument("--sync-port", type=int, default=29600, help="first port of the per-stage update groups")
     a = ap.parse_args(argv)
+    if a.write_docs:
+        return write_docs(a.write_docs)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU visible (--device cpu runs the same on the CPU)")
     mode, t0 = MODES[a.device], time.time()

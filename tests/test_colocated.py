@@ -45,3 +45,18 @@ def test_colocated_pp2xep2_on_one_gpu(tmp_path):
     """The H200 run: 4 ranks on cuda:0, bf16, kernels=auto; every rank's GPU peak next to the planner's."""
     doc = _run(tmp_path, "--device", "cuda")
     assert all(r["measured_peak_gib"] for r in doc["memory"]["per_rank"])
+
+
+def test_benchmarks_md_table_is_the_h200_result():
+    """docs/benchmarks.md quotes the H200 run only through the table `--write-docs` renders from its JSON.
+    Bugs caught: a number edited by hand or left from an older run; a result that no longer meets what the
+    section says of it (every bound met, four ranks, >= 3 steps, each rank's peak under the planner's bytes)."""
+    sys.path.insert(0, ROOT)
+    from bench import colocated_gpu as cg
+    doc = json.load(open(os.path.join(ROOT, "docs", "results", "colocated_pp2ep2_h200.json")))
+    text = open(cg.DOC).read()
+    block = text.split(cg.TABLE[0], 1)[1].split(cg.TABLE[1], 1)[0]
+    assert block.strip() == cg.table(doc), "run bench/colocated_gpu.py --write-docs docs/results/colocated_pp2ep2_h200.json"
+    assert doc["ok"] and doc["steps"] >= 3 and "H200" in doc["device"]
+    assert [p["rank"] for p in doc["memory"]["per_rank"]] == [0, 1, 2, 3]
+    assert all(p["measured_peak_gib"] <= p["planned_gib"] for p in doc["memory"]["per_rank"])
