@@ -19,7 +19,8 @@
 # x 8 at steps 0 / 20 / 40, then the parity table on 2-4K prompts of the same task. `diagnose` (H20_DIAGNOSE=1 runs it after the parity) restarts
 # SGLang with its tensor dump and top-k report on the warm start and names the module where it leaves nanoflash
 # (experiments/h200/sglang_dump_compare.py). experiments/h200/README.md has the time budget of one hold.
-# Issue 41, synchronous vs one step off from ONE warm start (no parity, no live-check hooks): the same pipeline
+# Issue 41, synchronous vs one step off from ONE warm start (no parity, no live-check hooks; H20_TASK=long: on the
+# long-context task, 20 steps each, where the trainer's share of a step is the reference run's): the same pipeline
 # with H20_COMPARE=1 runs GRPO twice on the same SGLang, `--rollout.async false` then `true`, H20_STEPS (20)
 # steps each, evals every H20_EVAL_EVERY (20; the one-step-off run skips step 0, the same weights and seeds as the
 # synchronous run's), then `grpo_h200.py compare` writes compare.json (step time, gap, held-out pass@1 with SE,
@@ -53,7 +54,8 @@ dry_env() {
 overrides() {
   [ "$LONG" = 1 ] && long_overrides
   if [ "$MODE" = gpu ] && [ "$LONG" = 1 ]; then
-    echo "--train.steps ${H20_STEPS:-40} --eval.every ${H20_EVAL_EVERY:-20} --optim.lr ${H20_LR:-1e-5}" \
+    local steps=40; [ "${H20_COMPARE:-0}" = 1 ] && steps=20
+    echo "--train.steps ${H20_STEPS:-$steps} --eval.every ${H20_EVAL_EVERY:-20} --optim.lr ${H20_LR:-1e-5}" \
          "--train.lr_warmup_steps ${H20_LR_WARMUP:-5} --eval.n_problems ${H20_EVAL_PROBLEMS:-64} --train.progress false"
     return
   elif [ "$MODE" = gpu ]; then
@@ -76,7 +78,9 @@ overrides() {
 # reference's [S, 64, C] indexer scores and dense masks cost GiBs at 4K tokens; the head stays fp32)
 long_overrides() {
   local fam=${H20_FAMILY:-facts}; [ "$MODE" = dry ] && fam=factsdry   # H20_FAMILY=facts4k: prompts to 4K
-  echo "--train.data $LT:$fam:train --eval.data $LT:$fam:heldout --train.hooks instruments.live:LiveChecksLong"
+  echo "--train.data $LT:$fam:train --eval.data $LT:$fam:heldout"
+  # the live checks assume one policy on both sides: not in the sync/async comparison (compare_runs)
+  [ "${H20_COMPARE:-0}" = 1 ] || echo "--train.hooks instruments.live:LiveChecksLong"
   [ "$MODE" = gpu ] && echo "--rollout.max_new_tokens 64 --eval.max_new_tokens 64 --grpo.n_prompts ${H20_PROMPTS:-4}" \
     "--grpo.over_sampling_batch_size ${H20_PROMPTS:-4} --model.kernels auto"
 }
