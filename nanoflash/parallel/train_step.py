@@ -36,10 +36,14 @@ from nanoflash.parallel.pipeline import build_stage, forward_backward
 CLIP_EPS = 1e-6  # added to the norm in the clip factor (as torch.nn.utils.clip_grad_norm_)
 
 
-def stage_logprobs(model: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+def stage_logprobs(model: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   positions: torch.Tensor | None = None):
     """log softmax(logits / T)[targets] from the last stage's streams (the pipeline form of
-    `Transformer.token_logprobs`, chunked so full-vocabulary logits never exist). h [B,S,M,D] -> [B,S] fp32"""
-    return chunked_logprobs(model.hidden(h), model.head.weight, targets, temperature)
+    `Transformer.token_logprobs`, chunked so full-vocabulary logits never exist). h [B,S,M,D] -> [B,S] fp32
+
+    positions [B,S] (optional): only there is the head computed (0 elsewhere), as `chunked_logprobs`."""
+    return chunked_logprobs(model.hidden(h), model.head.weight, targets, temperature,
+                            positions=None if positions is None else positions > 0)
 
 
 def token_nll_loss(model: nn.Module, h: torch.Tensor, mb: dict) -> torch.Tensor:

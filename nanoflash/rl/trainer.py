@@ -256,11 +256,11 @@ class Trainer:
 
     @torch.no_grad()
     def logprobs(self, shard) -> torch.Tensor | None:
-        """The trainer's log-probs of every position of the shard (no grad), through the pipeline.
-        -> [b,S] fp32 on the CPU on first stages (0 past each row's length), None elsewhere."""
+        """The trainer's log-probs of the shard's scored positions (`scored_positions`; no grad), through the
+        pipeline. -> [b,S] fp32 on the CPU on first stages (0 elsewhere), None on the other stages."""
         mbs, groups = self.micro_batches(shard, self._fields(), per_sample=self.matched)
-        T = self.temperature
-        lps = forward_only(self.model, self.dims, mbs, lambda m, h, mb: stage_logprobs(m, h, mb["targets"], T))
+        T, at = self.temperature, self.scored_positions
+        lps = forward_only(self.model, self.dims, mbs, lambda m, h, mb: stage_logprobs(m, h, mb["targets"], T, at(mb)))
         if mbs is None:
             return None
         old = torch.zeros_like(shard.rollout_logprobs)
@@ -270,6 +270,12 @@ class Trainer:
                 old[i, :lens[i]] = lp[j, :lens[i]].float()
         return old
 
+    def scored_positions(self, mb: dict):
+        """Where the head runs: the loss mask's positions (the response tokens), the only ones the loss, the
+        gap and the hooks read. Matched precision keeps every position, so each sequence's head GEMMs have the
+        rollout engine's shapes and its log-probs stay equal bit for bit."""
+        return None if self.matched else mb["mask"]
+
     def train(self, shard) -> dict:
         """One optimizer step of the GRPO loss on the shard (`shard.old_logprobs` filled). -> global metrics."""
         gc, first = self.gc, self.dims.is_first_stage
@@ -278,7 +284,7 @@ class Trainer:
         T, lc = self.temperature, grpo.LossConfig.of(gc)
 
         def loss_fn(m, h, mb):
-            lp = stage_logprobs(m, h, mb["targets"], T)
+            lp = stage_logprobs(m, h, mb["targets"], T, self.scored_positions(mb))
             loss, met = grpo.policy_loss(lp, mb["old_logprobs"], mb["advantages"], mb["mask"], lc,
                                          rollout_logp=mb["rollout_logprobs"], denom=1.0)
             return loss, {k: met[k] for k in LOSS_KEYS if k in met}
