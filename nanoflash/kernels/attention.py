@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from nanoflash.kernels import target as tgt
+from nanoflash.kernels.attention_bwd import attention_backward_wgmma
 
 LOG2E = math.log2(math.e)
 # Launch configurations (BLOCK_H heads x BLOCK_K keys per step, warps, pipeline stages): the fastest of
@@ -216,10 +217,13 @@ def attention_forward(q, kv, comp, sel, n_sel, sink, scale: float, window: int, 
 
 def attention_backward(do, q, kv, comp, sel, n_sel, o, lse, scale: float, window: int, config=None):
     """Launch `_bwd`: once fused (config "dq"), or a dq pass then a dkv pass. The dq pass writes delta.
+    A config with kind="wgmma" runs `attention_bwd.attention_backward_wgmma` instead (key-major dkv).
     -> dq, dkv, dcomp (or None), delta [B,S,H]"""
     B, S, H, D = q.shape
     target = tgt.device_target(q.device)
     cfg = config or launch_configs(target)[1]
+    if cfg.get("kind") == "wgmma":
+        return attention_backward_wgmma(do, q, kv, comp, sel, n_sel, o, lse, scale, window, cfg)
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     dcomp = torch.zeros(comp.shape, device=kv.device, dtype=torch.float32) if comp is not None else None

@@ -1,0 +1,321 @@
+"""The backward of V4 sparse attention in passes that each hold ONE [64, 512] fp32 accumulator, so every dot
+runs on Hopper's wgmma (M = 64 per warpgroup, operands in shared memory) and no pass needs fp32 atomics per
+(query, key) pair. The math is `attention.py`'s (its module docstring): with delta_h = dO_h . o_h and
+p_j = exp2(s_j - lse), ds_j = p_j (dO . k_j - delta),
+
+    dq_h  = scale sum_j ds_j k_j                    (the query's window keys and selected entries)
+    dkv_j = sum_(t,h) p_tj dO_th + scale ds_tj q_th  (over the queries t that see key j, all heads h)
+
+At V4's geometry (64 query heads sharing one K=V head of dim 512) a fused pass cannot keep both dq [64 heads,
+512] and a dkv tile [64 keys, 512] in fp32 registers (2 x 128 KB = the whole register file), and a
+query-major dkv contracts over only one query's 64 heads before its atomic write (2 KB of fp32 per key per
+query). So the work is split by who owns the accumulator:
+
+    _bwd_dq     query-major, one program per (query, 64 heads): s = q k^T, dp = dO k^T, dq += ds k over the
+                window rows and the selected entries -- the forward's loop with three dots; writes dq.
+                delta is computed first by `_bwd_delta` (rows of o . dO).
+    _bwd_dkv    KEY-major, one program per (block of BLOCK_K keys, chunk of the queries that see them): the
+                keys stay in shared memory, the (query, head-tile) rows stream through it, and the tile
+                dkv [BLOCK_K, 512] accumulates over every row before ONE write. WINDOW: key block [j0, j0+BK)
+                is seen by queries [j0, j0+BK+W-1) (a bounded range). Entries (COMP): the queries that
+                selected an entry of the block come from a per-block list (`selection_lists`), and a 64-bit
+                word per (query, block) says which entries each selected. One program per block when the
+                queries fit one chunk (a plain store), else an fp32 atomic add per program (one per ~QCHUNK
+                queries, not one per query).
+    _bwd_dcomp_rows  query-major alternative for sparse selections (each query keeps few of the entries a
+                block offers, e.g. top-512 of S/4 at long S): per query, the selected entries in blocks of
+                BLOCK_K, the [BLOCK_K, 512] tile contracted over the query's 64 heads and added with fp32
+                atomics. `comp_mode` picks: "keys", "rows", or "auto" (keys when the selection is dense).
+
+Counting dots per (query, head, key) pair: dq 3 + dkv 4 (the key-major window pass also computes the edge
+triangles of its band, (BK + W - 1) / W of the pairs); the fused backward does 5 but on mma.sync and with
+atomics. Precision as `attention.py`: bf16 operands (p, ds rounded to bf16), fp32 accumulation.
+
+Tests: tests/test_kernels_attention.py (CPU interpreter, every mode), tests/test_kernels_attention_gpu.py
+(H200, the real geometry), tests/test_kernels_compile_targets.py (cuda:90: wgmma, shared memory).
+Speed: bench/bench_attention.py (old vs new backward in one run).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoflash.kernels import target as tgt
+
+MIN_DOT = 16          # tl.dot needs every dimension >= 16
+WORD_BITS = 64        # one int64 word per (query, entry block): BLOCK_K of the entry pass is at most this
+DELTA_ROWS = 16       # rows of o . dO per program of _bwd_delta
+
+
+@triton.jit
+def _bwd_delta(O, DO, DELTA, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """delta[r] = sum_d o[r, d] dO[r, d] in fp32, over the rows r of [B*S*H, D] (contiguous)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows < R)[:, None] & (offs_d < D)[None, :]
+    off = rows[:, None] * D + offs_d[None, :]
+    o = tl.load(O + off, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + rows, tl.sum(o * do, 1), mask=rows < R)
+
+
+@triton.jit
+def _dq_step(q, do, k, valid, lse, delta, dq, scale_log2, PREC: tl.constexpr):
+    """One block of keys [BK,BD] for dq [BH,BD]: s = q k^T, dp = dO k^T, dq += ds k."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2                      # [BH,BK] log2 units
+    p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(k), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+
+
+@triton.jit
+def _bwd_dq(Q, KV, COMP, SEL, NSEL, DO, LSE, DELTA, DQ,
+            sq_b, sq_s, sq_h, skv_b, skv_s, sc_b, sc_c, ss_b, ss_s, sn_b,
+            S, H, D, W, scale, scale_log2,
+            HAS_COMP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+            PREC: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    b, t = pid // S, pid % S
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_k, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_D)
+    mask_h, mask_d = offs_h < H, offs_d < D
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+    row = b * sq_b + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :]
+    q = tl.load(Q + row, mask=mask_hd, other=0.0)                                       # [BH,BD]
+    do = tl.load(DO + row, mask=mask_hd, other=0.0)
+    lse = tl.load(LSE + pid * H + offs_h, mask=mask_h, other=0.0)
+    delta = tl.load(DELTA + pid * H + offs_h, mask=mask_h, other=0.0)
+    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(tl.maximum(t - W + 1, 0), t + 1, BLOCK_K):                     # window: rows of kv
+        rows = start + offs_k
+        valid = rows <= t
+        k = tl.load(KV + b * skv_b + rows.to(tl.int64)[:, None] * skv_s + offs_d[None, :],
+                    mask=valid[:, None] & mask_d[None, :], other=0.0)                  # [BK,BD]
+        dq = _dq_step(q, do, k, valid, lse, delta, dq, scale_log2, PREC)
+    if HAS_COMP:
+        n_sel = tl.load(NSEL + b * sn_b + t)
+        for start in range(0, n_sel, BLOCK_K):                                         # selection: rows of comp
+            valid = start + offs_k < n_sel
+            j = tl.load(SEL + b * ss_b + t * ss_s + start + offs_k, mask=valid, other=0).to(tl.int64)
+            k = tl.load(COMP + b * sc_b + j[:, None] * sc_c + offs_d[None, :],
+                        mask=valid[:, None] & mask_d[None, :], other=0.0)
+            dq = _dq_step(q, do, k, valid, lse, delta, dq, scale_log2, PREC)
+    tl.store(DQ + row, (dq * scale).to(DQ.dtype.element_ty), mask=mask_hd)
+
+
+@triton.jit
+def _dkv_step(k, q, do, lse, delta, vis, acc, scale, scale_log2, PREC: tl.constexpr):
+    """Keys k [BK,BD] against rows q, dO [BR,BD] (one query's heads): acc [BK,BD] += p^T dO + scale ds^T q.
+    vis [BK,BR]: which (key, row) pairs attend. Computed key-major (s^T = k q^T), so p^T and ds^T are the
+    register A operands of the accumulating dots and need no transpose."""
+    st = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2                     # [BK,BR]
+    pt = tl.where(vis, tl.exp2(st - lse[None, :]), 0.0)
+    dpt = tl.dot(k, tl.trans(do), input_precision=PREC)
+    dst = pt * (dpt - delta[None, :]) * scale
+    acc = tl.dot(pt.to(k.dtype), do, acc, input_precision=PREC)
+    return tl.dot(dst.to(k.dtype), q, acc, input_precision=PREC)
+
+
+@triton.jit
+def _bwd_dkv(Q, DO, LSE, DELTA, KEYS, DKEYS, WORDS, LIST, COUNT,
+             sq_b, sq_s, sq_h, sk_b, sk_s, sw_b, sw_s, sl_b, sl_k, sc_b,
+             S, H, D, W, n_keys, n_blocks, scale, scale_log2,
+             WINDOW: tl.constexpr, ATOMIC: tl.constexpr, QCHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+    """Key-major: program (b * n_blocks + kb, chunk) owns keys [kb*BK, kb*BK + BK) of KEYS[b] and the
+    chunk-th QCHUNK of the queries that see them; loops over (query, head tile) rows; writes / adds the
+    [BK, D] gradient once."""
+    pid = tl.program_id(0).to(tl.int64)
+    b, kb = pid // n_blocks, pid % n_blocks
+    chunk = tl.program_id(1)
+    offs_k, offs_r, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
+    keys = kb * BLOCK_K + offs_k
+    mask_k, mask_d = keys < n_keys, offs_d < D
+    koff = b * sk_b + keys[:, None] * sk_s + offs_d[None, :]
+    k = tl.load(KEYS + koff, mask=mask_k[:, None] & mask_d[None, :], other=0.0)       # [BK,BD]
+    if WINDOW:   # queries t in [j0, j0 + BK + W - 1) see some key of the block
+        lo = kb * BLOCK_K + chunk * QCHUNK
+        hi = tl.minimum(tl.minimum(lo + QCHUNK, kb * BLOCK_K + BLOCK_K + W - 1), S)
+    else:        # the chunk-th QCHUNK of this block's list of selecting queries
+        lo = chunk * QCHUNK
+        hi = tl.minimum(lo + QCHUNK, tl.load(COUNT + b * sc_b + kb))
+    n_ht = tl.cdiv(H, BLOCK_R)
+    acc = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+    for it in range(0, tl.maximum(hi - lo, 0) * n_ht):
+        i = lo + it // n_ht
+        h = (it % n_ht) * BLOCK_R + offs_r
+        mask_r = h < H
+        if WINDOW:
+            t = i.to(tl.int64)
+            dist = t - keys
+            vis = (dist >= 0) & (dist < W) & mask_k
+        else:
+            t = tl.load(LIST + b * sl_b + kb * sl_k + i).to(tl.int64)
+            word = tl.load(WORDS + b * sw_b + t * sw_s + kb)
+            vis = ((word >> offs_k.to(tl.int64)) & 1) != 0
+        roff = b * sq_b + t * sq_s + h[:, None] * sq_h + offs_d[None, :]
+        rmask = mask_r[:, None] & mask_d[None, :]
+        q = tl.load(Q + roff, mask=rmask, other=0.0)                                    # [BR,BD]
+        do = tl.load(DO + roff, mask=rmask, other=0.0)
+        lse = tl.load(LSE + (b * S + t) * H + h, mask=mask_r, other=0.0)
+        delta = tl.load(DELTA + (b * S + t) * H + h, mask=mask_r, other=0.0)
+        acc = _dkv_step(k, q, do, lse, delta, vis[:, None] & mask_r[None, :], acc, scale, scale_log2, PREC)
+    omask = mask_k[:, None] & mask_d[None, :]
+    if ATOMIC:
+        if hi > lo:   # chunks past the end of a block's list add nothing
+            tl.atomic_add(DKEYS + koff, acc, mask=omask, sem="relaxed")
+    else:
+        tl.store(DKEYS + koff, acc.to(DKEYS.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _bwd_dcomp_rows(Q, DO, LSE, DELTA, COMP, SEL, NSEL, DCOMP,
+                    sq_b, sq_s, sq_h, sc_b, sc_c, ss_b, ss_s, sn_b,
+                    S, H, D, scale, scale_log2,
+                    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+    """Query-major entries: program (query, head block) walks its selected entries in blocks of BLOCK_K and
+    adds each block's [BK, D] tile to DCOMP (fp32) with atomics."""
+    pid = tl.program_id(0).to(tl.int64)
+    b, t = pid // S, pid % S
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_k, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_D)
+    mask_h, mask_d = offs_h < H, offs_d < D
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+    row = b * sq_b + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :]
+    q = tl.load(Q + row, mask=mask_hd, other=0.0)                                       # [BH,BD]
+    do = tl.load(DO + row, mask=mask_hd, other=0.0)
+    lse = tl.load(LSE + pid * H + offs_h, mask=mask_h, other=0.0)
+    delta = tl.load(DELTA + pid * H + offs_h, mask=mask_h, other=0.0)
+    n_sel = tl.load(NSEL + b * sn_b + t)
+    for start in range(0, n_sel, BLOCK_K):
+        valid = start + offs_k < n_sel
+        j = tl.load(SEL + b * ss_b + t * ss_s + start + offs_k, mask=valid, other=0).to(tl.int64)
+        off = b * sc_b + j[:, None] * sc_c + offs_d[None, :]
+        kmask = valid[:, None] & mask_d[None, :]
+        k = tl.load(COMP + off, mask=kmask, other=0.0)                                  # [BK,BD]
+        tile = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+        tile = _dkv_step(k, q, do, lse, delta, valid[:, None] & mask_h[None, :], tile, scale, scale_log2, PREC)
+        tl.atomic_add(DCOMP + off, tile, mask=kmask, sem="relaxed")
+
+
+def selection_lists(sel, n_sel, n_entries: int, block: int):
+    """The entry pass's view of the selection, built with a few torch ops (no host sync):
+    words [B',S,NB] int64  bit i of words[b,t,kb] = query t selected entry kb*block + i
+    order [B',NB,S] int32  per block, the queries that selected any of its entries first, ascending
+    count [B',NB] int32    how many they are
+    sel [B'|1,S,K] int32, entries < n_entries, each at most once per query; n_sel: its valid prefix."""
+    Bs, S, K = sel.shape
+    nb = triton.cdiv(n_entries, block)
+    valid = torch.arange(K, device=sel.device)[None, None] < n_sel[..., None]
+    s = torch.where(valid, sel, 0).long()
+    blk = torch.where(valid, s // block, nb)                                            # nb: a spare column
+    bit = torch.where(valid, torch.ones_like(s) << (s % block), 0)
+    words = torch.zeros(Bs, S, nb + 1, dtype=torch.int64, device=sel.device)
+    words.scatter_add_(2, blk, bit)                                                     # distinct bits: sum = OR
+    words = words[..., :nb].contiguous()
+    hit = (words != 0).transpose(1, 2)                                                  # [B',NB,S]
+    order = torch.sort((~hit).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32).contiguous()
+    return words, order, hit.sum(-1, dtype=torch.int32).contiguous()
+
+
+def _grid_chunks(n_blocks: int, rows: int, programs: int, min_chunk: int) -> int:
+    """Queries per program: split each block's `rows` queries so that about `programs` programs run, but no
+    chunk smaller than min_chunk (each chunk re-reads its keys and adds its tile once)."""
+    chunks = max(1, min(triton.cdiv(programs, max(n_blocks, 1)), triton.cdiv(rows, min_chunk)))
+    return triton.cdiv(rows, chunks)
+
+
+def comp_mode(cfg: dict, sel, n_entries: int) -> str:
+    """"keys" (key-major entry pass) or "rows" (query-major with atomics). "auto": keys when a query's kept
+    entries are a large share of what it sees (K >= fill x C/2: C128's all-visible lists, C4 at S <= 4 K)."""
+    mode = cfg.get("comp_mode", "auto")
+    if mode != "auto":
+        return mode
+    return "keys" if sel.shape[-1] >= cfg.get("keys_min_fill", 0.5) * n_entries / 2 else "rows"
+
+
+def _kcfg(cfg: dict) -> dict:
+    """Launch keywords of a pass config (its BLOCK_* sizes and num_warps / num_stages)."""
+    return {k: v for k, v in cfg.items() if k.startswith("BLOCK_") or k in ("num_warps", "num_stages")}
+
+
+def attention_backward_wgmma(do, q, kv, comp, sel, n_sel, o, lse, scale: float, window: int, cfg: dict):
+    """The passes of the module docstring. -> dq, dkv, dcomp (or None), delta [B,S,H]
+    cfg: dq=dict(BLOCK_H, BLOCK_K, num_warps, num_stages), dkv=dict(BLOCK_K, BLOCK_R, num_warps, num_stages,
+    programs, min_chunk), comp=dict(like dkv; comp_mode, keys_min_fill; rows=dict(BLOCK_H, BLOCK_K, ...))."""
+    B, S, H, D = q.shape
+    target = tgt.device_target(q.device)
+    prec = tgt.dot_precision(q.dtype, target)
+    BD = max(MIN_DOT, triton.next_power_of_2(D))
+    scale_log2 = scale * 1.4426950408889634
+    delta = torch.empty(B, S, H, device=q.device, dtype=torch.float32)
+    _bwd_delta[(triton.cdiv(B * S * H, DELTA_ROWS),)](o, do, delta, B * S * H, D, BLOCK_R=DELTA_ROWS, BLOCK_D=BD)
+
+    dq = torch.empty_like(q)
+    dqc = cfg["dq"]
+    bh = max(MIN_DOT, min(dqc["BLOCK_H"], triton.next_power_of_2(H)))
+    cs = (comp.stride(0), comp.stride(1)) if comp is not None else (0, 0)
+    ss = (sel.stride(0) if sel.shape[0] > 1 else 0, sel.stride(1)) if sel is not None else (0, 0)
+    ns = (n_sel.stride(0) if n_sel.shape[0] > 1 else 0,) if n_sel is not None else (0,)
+    _bwd_dq[(B * S, triton.cdiv(H, bh))](
+        q, kv, comp if comp is not None else kv, sel if sel is not None else kv, n_sel if n_sel is not None else kv,
+        do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), *cs, *ss, *ns,
+        S, H, D, window, scale, scale_log2, HAS_COMP=comp is not None, PREC=prec,
+        **dict(_kcfg(dqc), BLOCK_H=bh, BLOCK_D=BD))
+
+    dkv = _key_major(q, do, lse, delta, kv, None, scale, scale_log2, window, prec, BD, cfg["dkv"])
+    dcomp = None
+    if comp is not None:
+        if comp_mode(cfg["comp"], sel, comp.shape[1]) == "keys":
+            dcomp = _key_major(q, do, lse, delta, comp, (sel, n_sel), scale, scale_log2, window, prec, BD,
+                               cfg["comp"])
+        else:
+            dcomp = _rows_comp(q, do, lse, delta, comp, sel, n_sel, scale, scale_log2, prec, BD, cfg["comp"]["rows"])
+    return dq, dkv, dcomp, delta
+
+
+def _key_major(q, do, lse, delta, keys, selection, scale, scale_log2, window, prec, BD, kc):
+    """Launch `_bwd_dkv` over the rows of `keys` [B,N,D]: the window rule (selection None) or a selection.
+    -> the gradient of keys, in keys' dtype"""
+    B, S, H, D = q.shape
+    N = keys.shape[1]
+    bk = kc["BLOCK_K"]
+    br = max(MIN_DOT, min(kc["BLOCK_R"], triton.next_power_of_2(H)))
+    nb = triton.cdiv(N, bk)
+    if selection is None:
+        rows = min(S, bk + window - 1)
+        words = order = count = keys                                                    # never read
+        sw, sl, sc = (0, 0), (0, 0), 0
+    else:
+        if bk > WORD_BITS:
+            raise ValueError(f"attention backward: the entry pass's BLOCK_K={bk} must be <= {WORD_BITS}")
+        words, order, count = selection_lists(*selection, N, bk)
+        rows = S
+        bs = words.shape[0] > 1
+        sw = (words.stride(0) if bs else 0, words.stride(1))
+        sl, sc = (order.stride(0) if bs else 0, order.stride(1)), (count.stride(0) if bs else 0)
+    qchunk = _grid_chunks(B * nb, rows, kc.get("programs", 264), kc.get("min_chunk", 32))
+    chunks = triton.cdiv(rows, qchunk)
+    atomic = chunks > 1
+    out = (torch.zeros(keys.shape, device=keys.device, dtype=torch.float32) if atomic else torch.empty_like(keys))
+    _bwd_dkv[(B * nb, chunks)](
+        q, do, lse, delta, keys, out, words, order, count,
+        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), *sw, *sl, sc,
+        S, H, D, window, N, nb, scale, scale_log2, WINDOW=selection is None, ATOMIC=atomic, QCHUNK=qchunk,
+        PREC=prec, **dict(_kcfg(kc), BLOCK_K=bk, BLOCK_R=br, BLOCK_D=BD))
+    return out.to(keys.dtype)
+
+
+def _rows_comp(q, do, lse, delta, comp, sel, n_sel, scale, scale_log2, prec, BD, rc):
+    """Launch `_bwd_dcomp_rows`. -> dcomp in comp's dtype"""
+    B, S, H, D = q.shape
+    bh = max(MIN_DOT, min(rc["BLOCK_H"], triton.next_power_of_2(H)))
+    dcomp = torch.zeros(comp.shape, device=comp.device, dtype=torch.float32)
+    _bwd_dcomp_rows[(B * S, triton.cdiv(H, bh))](
+        q, do, lse, delta, comp, sel, n_sel, dcomp, q.stride(0), q.stride(1), q.stride(2),
+        comp.stride(0), comp.stride(1), sel.stride(0) if sel.shape[0] > 1 else 0, sel.stride(1),
+        n_sel.stride(0) if n_sel.shape[0] > 1 else 0, S, H, D, scale, scale_log2, PREC=prec,
+        **dict(_kcfg(rc), BLOCK_H=bh, BLOCK_D=BD))
+    return dcomp.to(comp.dtype)
