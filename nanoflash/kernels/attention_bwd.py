@@ -61,11 +61,26 @@ def _bwd_delta(O, DO, DELTA, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr)
 
 
 @triton.jit
-def _dq_step(q, do, k, valid, lse, delta, dq, scale_log2, PREC: tl.constexpr):
-    """One block of keys [BK,BD] for dq [BH,BD]: s = q k^T, dp = dO k^T, dq += ds k."""
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2                      # [BH,BK] log2 units
-    p = tl.where(valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
-    dp = tl.dot(do, tl.trans(k), input_precision=PREC)
+def _rows(Q, DO, base, offs_x, h0, H, sq_h, offs_d, mask_d):
+    """The interleaved row tile X [2R,BD] of one query: X[2i] = q[h0+i], X[2i+1] = dO[h0+i] (zero past H).
+    One A operand for s and dp together (M = 2R: 128 rows at 64 heads, see _split)."""
+    h = h0 + offs_x // 2
+    off = base + h[:, None] * sq_h + offs_d[None, :]
+    mask = (h < H)[:, None] & mask_d[None, :]
+    return tl.load(tl.where((offs_x % 2 == 0)[:, None], Q + off, DO + off), mask=mask, other=0.0)
+
+
+@triton.jit
+def _split(sd, R: tl.constexpr, BK: tl.constexpr):
+    """[2R,BK] rows (s_0, dp_0, s_1, dp_1, ...) -> s, dp [R,BK]."""
+    return tl.split(tl.permute(tl.reshape(sd, [R, 2, BK]), (0, 2, 1)))
+
+
+@triton.jit
+def _dq_step(x, k, valid, lse, delta, dq, scale_log2, BH: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """One block of keys [BK,BD] for dq [BH,BD]: (s, dp) = X k^T in one dot, dq += ds k."""
+    s, dp = _split(tl.dot(x, tl.trans(k), input_precision=PREC), BH, BK)                # [BH,BK] each
+    p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
 
@@ -78,13 +93,12 @@ def _bwd_dq(Q, KV, COMP, SEL, NSEL, DO, LSE, DELTA, DQ,
             PREC: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     b, t = pid // S, pid % S
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h0 = tl.program_id(1) * BLOCK_H
+    offs_h = h0 + tl.arange(0, BLOCK_H)
     offs_k, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_D)
     mask_h, mask_d = offs_h < H, offs_d < D
-    mask_hd = mask_h[:, None] & mask_d[None, :]
-    row = b * sq_b + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :]
-    q = tl.load(Q + row, mask=mask_hd, other=0.0)                                       # [BH,BD]
-    do = tl.load(DO + row, mask=mask_hd, other=0.0)
+    base = b * sq_b + t * sq_s
+    x = _rows(Q, DO, base, tl.arange(0, 2 * BLOCK_H), h0, H, sq_h, offs_d, mask_d)      # [2BH,BD]
     lse = tl.load(LSE + pid * H + offs_h, mask=mask_h, other=0.0)
     delta = tl.load(DELTA + pid * H + offs_h, mask=mask_h, other=0.0)
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -93,7 +107,7 @@ def _bwd_dq(Q, KV, COMP, SEL, NSEL, DO, LSE, DELTA, DQ,
         valid = rows <= t
         k = tl.load(KV + b * skv_b + rows.to(tl.int64)[:, None] * skv_s + offs_d[None, :],
                     mask=valid[:, None] & mask_d[None, :], other=0.0)                  # [BK,BD]
-        dq = _dq_step(q, do, k, valid, lse, delta, dq, scale_log2, PREC)
+        dq = _dq_step(x, k, valid, lse, delta, dq, scale_log2, BLOCK_H, BLOCK_K, PREC)
     if HAS_COMP:
         n_sel = tl.load(NSEL + b * sn_b + t)
         for start in range(0, n_sel, BLOCK_K):                                         # selection: rows of comp
@@ -101,21 +115,21 @@ def _bwd_dq(Q, KV, COMP, SEL, NSEL, DO, LSE, DELTA, DQ,
             j = tl.load(SEL + b * ss_b + t * ss_s + start + offs_k, mask=valid, other=0).to(tl.int64)
             k = tl.load(COMP + b * sc_b + j[:, None] * sc_c + offs_d[None, :],
                         mask=valid[:, None] & mask_d[None, :], other=0.0)
-            dq = _dq_step(q, do, k, valid, lse, delta, dq, scale_log2, PREC)
-    tl.store(DQ + row, (dq * scale).to(DQ.dtype.element_ty), mask=mask_hd)
+            dq = _dq_step(x, k, valid, lse, delta, dq, scale_log2, BLOCK_H, BLOCK_K, PREC)
+    out = base + offs_h[:, None] * sq_h + offs_d[None, :]
+    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
 @triton.jit
-def _dkv_step(k, q, do, lse, delta, vis, acc, scale, scale_log2, PREC: tl.constexpr):
-    """Keys k [BK,BD] against rows q, dO [BR,BD] (one query's heads): acc [BK,BD] += p^T dO + scale ds^T q.
-    vis [BK,BR]: which (key, row) pairs attend. Computed key-major (s^T = k q^T), so p^T and ds^T are the
-    register A operands of the accumulating dots and need no transpose."""
-    st = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2                     # [BK,BR]
-    pt = tl.where(vis, tl.exp2(st - lse[None, :]), 0.0)
-    dpt = tl.dot(k, tl.trans(do), input_precision=PREC)
-    dst = pt * (dpt - delta[None, :]) * scale
-    acc = tl.dot(pt.to(k.dtype), do, acc, input_precision=PREC)
-    return tl.dot(dst.to(k.dtype), q, acc, input_precision=PREC)
+def _dkv_step(x, k, vis, lse, delta, acc, scale, scale_log2, R: tl.constexpr, BK: tl.constexpr,
+              PREC: tl.constexpr):
+    """Keys k [BK,BD] against one row tile X [2R,BD] (_rows): acc [BK,BD] += p^T dO + scale ds^T q as ONE dot
+    Z^T X, Z [2R,BK] interleaved like X (Z[2i] = scale ds_i, Z[2i+1] = p_i). vis [R,BK]: attending pairs."""
+    s, dp = _split(tl.dot(x, tl.trans(k), input_precision=PREC), R, BK)                # [R,BK] each
+    p = tl.where(vis, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+    ds = p * (dp - delta[:, None]) * scale
+    z = tl.reshape(tl.permute(tl.join(ds, p), (0, 2, 1)), [2 * R, BK])                  # [2R,BK]
+    return tl.dot(tl.trans(z.to(k.dtype)), x, acc, input_precision=PREC)
 
 
 @triton.jit
@@ -131,6 +145,7 @@ def _bwd_dkv(Q, DO, LSE, DELTA, KEYS, DKEYS, WORDS, LIST, COUNT,
     b, kb = pid // n_blocks, pid % n_blocks
     chunk = tl.program_id(1)
     offs_k, offs_r, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
+    offs_x = tl.arange(0, 2 * BLOCK_R)
     keys = kb * BLOCK_K + offs_k
     mask_k, mask_d = keys < n_keys, offs_d < D
     koff = b * sk_b + keys[:, None] * sk_s + offs_d[None, :]
@@ -145,8 +160,8 @@ def _bwd_dkv(Q, DO, LSE, DELTA, KEYS, DKEYS, WORDS, LIST, COUNT,
     acc = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
     for it in range(0, tl.maximum(hi - lo, 0) * n_ht):
         i = lo + it // n_ht
-        h = (it % n_ht) * BLOCK_R + offs_r
-        mask_r = h < H
+        h0 = (it % n_ht) * BLOCK_R
+        mask_r = h0 + offs_r < H
         if WINDOW:
             t = i.to(tl.int64)
             dist = t - keys
@@ -155,13 +170,11 @@ def _bwd_dkv(Q, DO, LSE, DELTA, KEYS, DKEYS, WORDS, LIST, COUNT,
             t = tl.load(LIST + b * sl_b + kb * sl_k + i).to(tl.int64)
             word = tl.load(WORDS + b * sw_b + t * sw_s + kb)
             vis = ((word >> offs_k.to(tl.int64)) & 1) != 0
-        roff = b * sq_b + t * sq_s + h[:, None] * sq_h + offs_d[None, :]
-        rmask = mask_r[:, None] & mask_d[None, :]
-        q = tl.load(Q + roff, mask=rmask, other=0.0)                                    # [BR,BD]
-        do = tl.load(DO + roff, mask=rmask, other=0.0)
-        lse = tl.load(LSE + (b * S + t) * H + h, mask=mask_r, other=0.0)
-        delta = tl.load(DELTA + (b * S + t) * H + h, mask=mask_r, other=0.0)
-        acc = _dkv_step(k, q, do, lse, delta, vis[:, None] & mask_r[None, :], acc, scale, scale_log2, PREC)
+        x = _rows(Q, DO, b * sq_b + t * sq_s, offs_x, h0, H, sq_h, offs_d, mask_d)      # [2BR,BD]
+        lse = tl.load(LSE + (b * S + t) * H + h0 + offs_r, mask=mask_r, other=0.0)
+        delta = tl.load(DELTA + (b * S + t) * H + h0 + offs_r, mask=mask_r, other=0.0)
+        acc = _dkv_step(x, k, mask_r[:, None] & vis[None, :], lse, delta, acc, scale, scale_log2, BLOCK_R,
+                        BLOCK_K, PREC)
     omask = mask_k[:, None] & mask_d[None, :]
     if ATOMIC:
         if hi > lo:   # chunks past the end of a block's list add nothing
@@ -179,13 +192,11 @@ def _bwd_dcomp_rows(Q, DO, LSE, DELTA, COMP, SEL, NSEL, DCOMP,
     adds each block's [BK, D] tile to DCOMP (fp32) with atomics."""
     pid = tl.program_id(0).to(tl.int64)
     b, t = pid // S, pid % S
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h0 = tl.program_id(1) * BLOCK_H
+    offs_h = h0 + tl.arange(0, BLOCK_H)
     offs_k, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_D)
     mask_h, mask_d = offs_h < H, offs_d < D
-    mask_hd = mask_h[:, None] & mask_d[None, :]
-    row = b * sq_b + t * sq_s + offs_h[:, None] * sq_h + offs_d[None, :]
-    q = tl.load(Q + row, mask=mask_hd, other=0.0)                                       # [BH,BD]
-    do = tl.load(DO + row, mask=mask_hd, other=0.0)
+    x = _rows(Q, DO, b * sq_b + t * sq_s, tl.arange(0, 2 * BLOCK_H), h0, H, sq_h, offs_d, mask_d)
     lse = tl.load(LSE + pid * H + offs_h, mask=mask_h, other=0.0)
     delta = tl.load(DELTA + pid * H + offs_h, mask=mask_h, other=0.0)
     n_sel = tl.load(NSEL + b * sn_b + t)
@@ -195,8 +206,8 @@ def _bwd_dcomp_rows(Q, DO, LSE, DELTA, COMP, SEL, NSEL, DCOMP,
         off = b * sc_b + j[:, None] * sc_c + offs_d[None, :]
         kmask = valid[:, None] & mask_d[None, :]
         k = tl.load(COMP + off, mask=kmask, other=0.0)                                  # [BK,BD]
-        tile = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
-        tile = _dkv_step(k, q, do, lse, delta, valid[:, None] & mask_h[None, :], tile, scale, scale_log2, PREC)
+        tile = _dkv_step(x, k, mask_h[:, None] & valid[None, :], lse, delta,
+                         tl.zeros([BLOCK_K, BLOCK_D], tl.float32), scale, scale_log2, BLOCK_H, BLOCK_K, PREC)
         tl.atomic_add(DCOMP + off, tile, mask=kmask, sem="relaxed")
 
 
