@@ -121,41 +121,53 @@ def _bwd_dq(Q, KV, COMP, SEL, NSEL, DO, LSE, DELTA, DQ,
 
 
 @triton.jit
+def _z(sd, vis, lse, delta, scale, scale_log2, R: tl.constexpr, BK: tl.constexpr):
+    """(s, dp) rows [2R,BK] (X k^T) -> Z [2R,BK] interleaved like X: Z[2i] = scale ds_i, Z[2i+1] = p_i, so that
+    Z^T X = p^T dO + scale ds^T q. vis [R,BK]: the attending pairs."""
+    s, dp = _split(sd, R, BK)                                                           # [R,BK] each
+    p = tl.where(vis, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+    ds = p * (dp - delta[:, None]) * scale
+    return tl.reshape(tl.permute(tl.join(ds, p), (0, 2, 1)), [2 * R, BK])
+
+
+@triton.jit
 def _dkv_step(x, k, vis, lse, delta, acc, scale, scale_log2, R: tl.constexpr, BK: tl.constexpr,
               PREC: tl.constexpr):
     """Keys k [BK,BD] against one row tile X [2R,BD] (_rows): acc [BK,BD] += p^T dO + scale ds^T q as ONE dot
-    Z^T X, Z [2R,BK] interleaved like X (Z[2i] = scale ds_i, Z[2i+1] = p_i). vis [R,BK]: attending pairs."""
-    s, dp = _split(tl.dot(x, tl.trans(k), input_precision=PREC), R, BK)                # [R,BK] each
-    p = tl.where(vis, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
-    ds = p * (dp - delta[:, None]) * scale
-    z = tl.reshape(tl.permute(tl.join(ds, p), (0, 2, 1)), [2 * R, BK])                  # [2R,BK]
+    Z^T X (_z). vis [R,BK]: attending pairs."""
+    z = _z(tl.dot(x, tl.trans(k), input_precision=PREC), vis, lse, delta, scale, scale_log2, R, BK)
     return tl.dot(tl.trans(z.to(k.dtype)), x, acc, input_precision=PREC)
 
 
 @triton.jit
-def _bwd_dkv(Q, DO, LSE, DELTA, KEYS, DKEYS, WORDS, LIST, COUNT,
-             sq_b, sq_s, sq_h, sk_b, sk_s, sw_b, sw_s, sl_b, sl_k, sc_b,
+def _bwd_dkv(Q, DO, LSE, DELTA, KEYS, DKEYS, WORDS, LIST, OFFS,
+             sq_b, sq_s, sq_h, sk_b, sk_s, sw_b, sw_s, sl_b, sl_k, so_b, so_k,
              S, H, D, W, n_keys, n_blocks, scale, scale_log2,
              WINDOW: tl.constexpr, ATOMIC: tl.constexpr, QCHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-    """Key-major: program (b * n_blocks + kb, chunk) owns keys [kb*BK, kb*BK + BK) of KEYS[b] and the
-    chunk-th QCHUNK of the queries that see them; loops over (query, head tile) rows; writes / adds the
-    [BK, D] gradient once."""
-    pid = tl.program_id(0).to(tl.int64)
+    """Key-major: a program owns keys [kb*BK, kb*BK + BK) of KEYS[b] and one chunk of the queries that see
+    them; it loops over (query, head tile) rows and writes / adds the [BK, D] gradient once.
+    WINDOW: grid (chunk, b * n_blocks + kb), chunk c = queries [j0 + c*QCHUNK, ...) of [j0, j0 + BK + W - 1).
+    Else:   grid (b * n_blocks + kb, chunk), chunk c = the block's selecting queries in [c*QCHUNK, (c+1)*QCHUNK):
+            LIST[b, kb, OFFS[b, kb, c] : OFFS[b, kb, c+1]] (selection_lists).
+    Programs launched together read the same queries either way (neighbouring blocks / one query range)."""
+    if WINDOW:
+        chunk, pid = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    else:
+        pid, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     b, kb = pid // n_blocks, pid % n_blocks
-    chunk = tl.program_id(1)
     offs_k, offs_r, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
     offs_x = tl.arange(0, 2 * BLOCK_R)
     keys = kb * BLOCK_K + offs_k
     mask_k, mask_d = keys < n_keys, offs_d < D
     koff = b * sk_b + keys[:, None] * sk_s + offs_d[None, :]
     k = tl.load(KEYS + koff, mask=mask_k[:, None] & mask_d[None, :], other=0.0)       # [BK,BD]
-    if WINDOW:   # queries t in [j0, j0 + BK + W - 1) see some key of the block
+    if WINDOW:
         lo = kb * BLOCK_K + chunk * QCHUNK
         hi = tl.minimum(tl.minimum(lo + QCHUNK, kb * BLOCK_K + BLOCK_K + W - 1), S)
-    else:        # the chunk-th QCHUNK of this block's list of selecting queries
-        lo = chunk * QCHUNK
-        hi = tl.minimum(lo + QCHUNK, tl.load(COUNT + b * sc_b + kb))
+    else:
+        lo = tl.load(OFFS + b * so_b + kb * so_k + chunk)
+        hi = tl.load(OFFS + b * so_b + kb * so_k + chunk + 1)
     n_ht = tl.cdiv(H, BLOCK_R)
     acc = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
     for it in range(0, tl.maximum(hi - lo, 0) * n_ht):
@@ -177,7 +189,7 @@ def _bwd_dkv(Q, DO, LSE, DELTA, KEYS, DKEYS, WORDS, LIST, COUNT,
                         BLOCK_K, PREC)
     omask = mask_k[:, None] & mask_d[None, :]
     if ATOMIC:
-        if hi > lo:   # chunks past the end of a block's list add nothing
+        if hi > lo:   # empty chunks add nothing
             tl.atomic_add(DKEYS + koff, acc, mask=omask, sem="relaxed")
     else:
         tl.store(DKEYS + koff, acc.to(DKEYS.dtype.element_ty), mask=omask)
@@ -189,34 +201,45 @@ def _bwd_dcomp_rows(Q, DO, LSE, DELTA, COMP, SEL, NSEL, DCOMP,
                     S, H, D, scale, scale_log2,
                     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
     """Query-major entries: program (query, head block) walks its selected entries in blocks of BLOCK_K and
-    adds each block's [BK, D] tile to DCOMP (fp32) with atomics."""
+    adds each block's [BK, D] tile to DCOMP (fp32) with atomics. The head dim is held as two halves (separate
+    tiles) so the fp32 tile is converted for the atomic add half at a time: a whole [64, 512] tile's layout
+    conversion needs 128 KB of shared memory on top of the 128 KB (q, dO) rows."""
+    HD: tl.constexpr = BLOCK_D // 2
     pid = tl.program_id(0).to(tl.int64)
     b, t = pid // S, pid % S
     h0 = tl.program_id(1) * BLOCK_H
     offs_h = h0 + tl.arange(0, BLOCK_H)
-    offs_k, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_D)
-    mask_h, mask_d = offs_h < H, offs_d < D
-    x = _rows(Q, DO, b * sq_b + t * sq_s, tl.arange(0, 2 * BLOCK_H), h0, H, sq_h, offs_d, mask_d)
+    offs_k, offs_lo, offs_x = tl.arange(0, BLOCK_K), tl.arange(0, HD), tl.arange(0, 2 * BLOCK_H)
+    offs_hi = HD + offs_lo
+    mask_h, mask_lo, mask_hi = offs_h < H, offs_lo < D, offs_hi < D
+    base = b * sq_b + t * sq_s
+    x_lo = _rows(Q, DO, base, offs_x, h0, H, sq_h, offs_lo, mask_lo)                    # [2BH,BD/2]
+    x_hi = _rows(Q, DO, base, offs_x, h0, H, sq_h, offs_hi, mask_hi)
     lse = tl.load(LSE + pid * H + offs_h, mask=mask_h, other=0.0)
     delta = tl.load(DELTA + pid * H + offs_h, mask=mask_h, other=0.0)
     n_sel = tl.load(NSEL + b * sn_b + t)
     for start in range(0, n_sel, BLOCK_K):
         valid = start + offs_k < n_sel
         j = tl.load(SEL + b * ss_b + t * ss_s + start + offs_k, mask=valid, other=0).to(tl.int64)
-        off = b * sc_b + j[:, None] * sc_c + offs_d[None, :]
-        kmask = valid[:, None] & mask_d[None, :]
-        k = tl.load(COMP + off, mask=kmask, other=0.0)                                  # [BK,BD]
-        tile = _dkv_step(x, k, mask_h[:, None] & valid[None, :], lse, delta,
-                         tl.zeros([BLOCK_K, BLOCK_D], tl.float32), scale, scale_log2, BLOCK_H, BLOCK_K, PREC)
-        tl.atomic_add(DCOMP + off, tile, mask=kmask, sem="relaxed")
+        row = COMP + b * sc_b + j[:, None] * sc_c
+        m_lo, m_hi = valid[:, None] & mask_lo[None, :], valid[:, None] & mask_hi[None, :]
+        k_lo = tl.load(row + offs_lo[None, :], mask=m_lo, other=0.0)                   # [BK,BD/2]
+        k_hi = tl.load(row + offs_hi[None, :], mask=m_hi, other=0.0)
+        sd = tl.dot(x_hi, tl.trans(k_hi), tl.dot(x_lo, tl.trans(k_lo), input_precision=PREC), input_precision=PREC)
+        z = _z(sd, mask_h[:, None] & valid[None, :], lse, delta, scale, scale_log2, BLOCK_H, BLOCK_K).to(k_lo.dtype)
+        drow = DCOMP + b * sc_b + j[:, None] * sc_c
+        tl.atomic_add(drow + offs_lo[None, :], tl.dot(tl.trans(z), x_lo, input_precision=PREC), mask=m_lo,
+                      sem="relaxed")
+        tl.atomic_add(drow + offs_hi[None, :], tl.dot(tl.trans(z), x_hi, input_precision=PREC), mask=m_hi,
+                      sem="relaxed")
 
 
-def selection_lists(sel, n_sel, n_entries: int, block: int):
-    """The entry pass's view of the selection, built with a few torch ops (no host sync):
-    words [B',S,NB] int64  bit i of words[b,t,kb] = query t selected entry kb*block + i
-    order [B',NB,S] int32  per block, the queries that selected any of its entries first, ascending
-    count [B',NB] int32    how many they are
-    sel [B'|1,S,K] int32, entries < n_entries, each at most once per query; n_sel: its valid prefix."""
+def selection_lists(sel, n_sel, n_entries: int, block: int, chunk: int):
+    """The key-major entry pass's view of the selection, built with a few torch ops (no host sync):
+    words [B',S,NB] int64   bit i of words[b,t,kb] = query t selected entry kb*block + i
+    lists [B',NB,S] int32   per entry block, the queries that selected any of its entries, ascending (S-padded)
+    offs  [B',NB,NC+1] int32  lists[b,kb,offs[c]:offs[c+1]] are those in [c*chunk, (c+1)*chunk)
+    sel [B'|1,S,K] int32, entries < n_entries, each at most once per query; n_sel [B',S]: its valid prefix."""
     Bs, S, K = sel.shape
     nb = triton.cdiv(n_entries, block)
     valid = torch.arange(K, device=sel.device)[None, None] < n_sel[..., None]
@@ -226,12 +249,14 @@ def selection_lists(sel, n_sel, n_entries: int, block: int):
     words = torch.zeros(Bs, S, nb + 1, dtype=torch.int64, device=sel.device)
     words.scatter_add_(2, blk, bit)                                                     # distinct bits: sum = OR
     words = words[..., :nb].contiguous()
-    hit = (words != 0).transpose(1, 2)                                                  # [B',NB,S]
-    order = torch.sort((~hit).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32).contiguous()
-    return words, order, hit.sum(-1, dtype=torch.int32).contiguous()
+    t = torch.arange(S, device=sel.device, dtype=torch.int32)
+    lists = torch.where((words != 0).transpose(1, 2), t, S).sort(-1).values.contiguous()   # [B',NB,S]
+    edges = (torch.arange(0, triton.cdiv(S, chunk) + 1, device=sel.device, dtype=torch.int32) * chunk).clamp_max(S)
+    offs = torch.searchsorted(lists, edges.expand(Bs, nb, -1).contiguous()).to(torch.int32)
+    return words, lists, offs
 
 
-def _grid_chunks(n_blocks: int, rows: int, programs: int, min_chunk: int) -> int:
+def _chunk(n_blocks: int, rows: int, programs: int, min_chunk: int) -> int:
     """Queries per program: split each block's `rows` queries so that about `programs` programs run, but no
     chunk smaller than min_chunk (each chunk re-reads its keys and adds its tile once)."""
     chunks = max(1, min(triton.cdiv(programs, max(n_blocks, 1)), triton.cdiv(rows, min_chunk)))
@@ -240,11 +265,14 @@ def _grid_chunks(n_blocks: int, rows: int, programs: int, min_chunk: int) -> int
 
 def comp_mode(cfg: dict, sel, n_entries: int) -> str:
     """"keys" (key-major entry pass) or "rows" (query-major with atomics). "auto": keys when a query's kept
-    entries are a large share of what it sees (K >= fill x C/2: C128's all-visible lists, C4 at S <= 4 K)."""
+    entries are a large share of the entries it sees, K >= keys_min_fill x C/2 (on average a query sees half
+    of the C entries): C128's all-visible lists always; C4 (K = 512, C = S/4) up to S = 4096 / keys_min_fill."""
     mode = cfg.get("comp_mode", "auto")
+    if mode not in ("auto", "keys", "rows"):
+        raise ValueError(f"attention backward: comp_mode must be auto, keys or rows, got {mode!r}")
     if mode != "auto":
         return mode
-    return "keys" if sel.shape[-1] >= cfg.get("keys_min_fill", 0.5) * n_entries / 2 else "rows"
+    return "keys" if sel.shape[-1] >= cfg.get("keys_min_fill", 1.0) * n_entries / 2 else "rows"
 
 
 def _kcfg(cfg: dict) -> dict:
@@ -288,8 +316,8 @@ def attention_backward_wgmma(do, q, kv, comp, sel, n_sel, o, lse, scale: float, 
 
 
 def _key_major(q, do, lse, delta, keys, selection, scale, scale_log2, window, prec, BD, kc):
-    """Launch `_bwd_dkv` over the rows of `keys` [B,N,D]: the window rule (selection None) or a selection.
-    -> the gradient of keys, in keys' dtype"""
+    """Launch `_bwd_dkv` over the rows of `keys` [B,N,D]: the window rule (selection None) or a selection
+    (sel, n_sel). -> the gradient of keys, in keys' dtype"""
     B, S, H, D = q.shape
     N = keys.shape[1]
     bk = kc["BLOCK_K"]
@@ -297,25 +325,27 @@ def _key_major(q, do, lse, delta, keys, selection, scale, scale_log2, window, pr
     nb = triton.cdiv(N, bk)
     if selection is None:
         rows = min(S, bk + window - 1)
-        words = order = count = keys                                                    # never read
-        sw, sl, sc = (0, 0), (0, 0), 0
+        qchunk = _chunk(B * nb, rows, kc.get("programs", 264), kc.get("min_chunk", 32))
+        chunks = triton.cdiv(rows, qchunk)
+        words = lists = offs = keys                                                     # never read
+        strides = (0,) * 6
+        grid = (chunks, B * nb)
     else:
         if bk > WORD_BITS:
             raise ValueError(f"attention backward: the entry pass's BLOCK_K={bk} must be <= {WORD_BITS}")
-        words, order, count = selection_lists(*selection, N, bk)
-        rows = S
+        qchunk = kc.get("chunk", 64)
+        words, lists, offs = selection_lists(*selection, N, bk, qchunk)
+        chunks = offs.shape[-1] - 1
         bs = words.shape[0] > 1
-        sw = (words.stride(0) if bs else 0, words.stride(1))
-        sl, sc = (order.stride(0) if bs else 0, order.stride(1)), (count.stride(0) if bs else 0)
-    qchunk = _grid_chunks(B * nb, rows, kc.get("programs", 264), kc.get("min_chunk", 32))
-    chunks = triton.cdiv(rows, qchunk)
+        strides = (words.stride(0) if bs else 0, words.stride(1), lists.stride(0) if bs else 0, lists.stride(1),
+                   offs.stride(0) if bs else 0, offs.stride(1))
+        grid = (B * nb, chunks)
     atomic = chunks > 1
-    out = (torch.zeros(keys.shape, device=keys.device, dtype=torch.float32) if atomic else torch.empty_like(keys))
-    _bwd_dkv[(B * nb, chunks)](
-        q, do, lse, delta, keys, out, words, order, count,
-        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), *sw, *sl, sc,
-        S, H, D, window, N, nb, scale, scale_log2, WINDOW=selection is None, ATOMIC=atomic, QCHUNK=qchunk,
-        PREC=prec, **dict(_kcfg(kc), BLOCK_K=bk, BLOCK_R=br, BLOCK_D=BD))
+    out = torch.zeros(keys.shape, device=keys.device, dtype=torch.float32) if atomic else torch.empty_like(keys)
+    _bwd_dkv[grid](q, do, lse, delta, keys, out, words, lists, offs,
+                   q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), *strides,
+                   S, H, D, window, N, nb, scale, scale_log2, WINDOW=selection is None, ATOMIC=atomic,
+                   QCHUNK=qchunk, PREC=prec, **dict(_kcfg(kc), BLOCK_K=bk, BLOCK_R=br, BLOCK_D=BD))
     return out.to(keys.dtype)
 
 
