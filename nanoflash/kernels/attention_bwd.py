@@ -1,39 +1,47 @@
-"""The backward of V4 sparse attention in passes that each hold ONE [64, 512] fp32 accumulator, so every dot
-runs on Hopper's wgmma (M = 64 per warpgroup, operands in shared memory) and no pass needs fp32 atomics per
-(query, key) pair. The math is `attention.py`'s (its module docstring): with delta_h = dO_h . o_h and
-p_j = exp2(s_j - lse), ds_j = p_j (dO . k_j - delta),
+"""The backward of V4 sparse attention on Hopper's wgmma: passes that each own ONE [64, 512] fp32 accumulator.
 
-    dq_h  = scale sum_j ds_j k_j                    (the query's window keys and selected entries)
-    dkv_j = sum_(t,h) p_tj dO_th + scale ds_tj q_th  (over the queries t that see key j, all heads h)
+The math is `attention.py`'s (its module docstring). With delta_h = dO_h . o_h, p_j = exp2(s_j - lse) and
+ds_j = p_j (dO_h . k_j - delta_h), for query t, head h and key j (K = V: one shared head of dim 512):
 
-At V4's geometry (64 query heads sharing one K=V head of dim 512) a fused pass cannot keep both dq [64 heads,
-512] and a dkv tile [64 keys, 512] in fp32 registers (2 x 128 KB = the whole register file), and a
-query-major dkv contracts over only one query's 64 heads before its atomic write (2 KB of fp32 per key per
-query). So the work is split by who owns the accumulator:
+    dq_th = scale sum_j ds_thj k_j                       over the query's window keys and selected entries
+    dkv_j = sum_(t,h) p_thj dO_th + scale ds_thj q_th    over the queries t that see key j, every head h
 
-    _bwd_dq     query-major, one program per (query, 64 heads): s = q k^T, dp = dO k^T, dq += ds k over the
-                window rows and the selected entries -- the forward's loop with three dots; writes dq.
-                delta is computed first by `_bwd_delta` (rows of o . dO).
-    _bwd_dkv    KEY-major, one program per (block of BLOCK_K keys, chunk of the queries that see them): the
-                keys stay in shared memory, the (query, head-tile) rows stream through it, and the tile
-                dkv [BLOCK_K, 512] accumulates over every row before ONE write. WINDOW: key block [j0, j0+BK)
-                is seen by queries [j0, j0+BK+W-1) (a bounded range). Entries (COMP): the queries that
-                selected an entry of the block come from a per-block list (`selection_lists`), and a 64-bit
-                word per (query, block) says which entries each selected. One program per block when the
-                queries fit one chunk (a plain store), else an fp32 atomic add per program (one per ~QCHUNK
-                queries, not one per query).
-    _bwd_dcomp_rows  query-major alternative for sparse selections (each query keeps few of the entries a
-                block offers, e.g. top-512 of S/4 at long S): per query, the selected entries in blocks of
-                BLOCK_K, the [BLOCK_K, 512] tile contracted over the query's 64 heads and added with fp32
-                atomics. `comp_mode` picks: "keys", "rows", or "auto" (keys when the selection is dense).
+Why passes. At V4's geometry (64 query heads share one K=V head of dim 512) one program cannot hold both a
+dq [64 heads, 512] and a dkv [64 keys, 512] accumulator in fp32 registers (2 x 128 KiB = the register file),
+and a query-major dkv contracts over only one query's 64 heads before each fp32 atomic write (2 KiB per key
+per query). So each pass owns one accumulator and every dot runs on wgmma (M = 64 rows per warpgroup):
 
-Counting dots per (query, head, key) pair: dq 3 + dkv 4 (the key-major window pass also computes the edge
-triangles of its band, (BK + W - 1) / W of the pairs); the fused backward does 5 but on mma.sync and with
-atomics. Precision as `attention.py`: bf16 operands (p, ds rounded to bf16), fp32 accumulation.
+    _bwd_delta        delta = rows of o . dO (fp32).
+    _bwd_dq           QUERY-major, program = (query, 64 heads): dq [64,512] += ds k over the window rows and
+                      the selected entries, keys streamed in blocks of BLOCK_K (the forward's loop).
+    _bwd_dkv          KEY-major, program = (block of BLOCK_K keys, chunk of the queries that see them): the
+                      keys stay in shared memory, the queries' (q, dO) rows stream through, dkv [BK,512]
+                      accumulates over all of them, then ONE plain store (one chunk) or fp32 atomic add (one
+                      per chunk, ~64 queries x 64 heads, not one per query). Window: key block [j0, j0+BK) is
+                      seen by queries [j0, j0+BK+W-1), a bounded range (its two edge triangles are computed
+                      and masked: (BK+W-1)/W of the pairs). Entries: the queries that selected an entry of the
+                      block come from per-block lists and a 64-bit word per (query, block) says which
+                      (`selection_lists`); chunks are absolute query ranges, so programs launched together
+                      read the same rows.
+    _bwd_dcomp_rows   QUERY-major alternative for the entries, for sparse selections where a block's queries
+                      keep few of its entries (C4 at long S): per query its entries in blocks of BLOCK_K, each
+                      [BK,512] tile added with fp32 atomics. `comp_mode`: "keys", "rows" or "auto".
 
-Tests: tests/test_kernels_attention.py (CPU interpreter, every mode), tests/test_kernels_attention_gpu.py
-(H200, the real geometry), tests/test_kernels_compile_targets.py (cuda:90: wgmma, shared memory).
-Speed: bench/bench_attention.py (old vs new backward in one run).
+Two layout rules from Triton 3.6's code generation (checked on the compiled cuda:90 kernels, see
+tests/test_kernels_compile_targets.py):
+  * a dot whose result feeds another dot ("chained": s -> p -> p^T dO) gets all warps on M; with 8 warps and
+    M = 64 both warpgroups then compute the same 64 rows. So s and dp are ONE dot over an interleaved row
+    tile X = (q_0, dO_0, q_1, dO_1, ...) of 2 x 64 rows (`_rows`, `_split`): M = 128, no duplicate work.
+  * the two dkv dots p^T dO + scale ds^T q are ONE dot Z^T X with Z interleaved like X (`_z`): a second dot
+    accumulating into the first's result would be "chained" too, and the accumulator would change layout.
+
+Dots per (query, head, key) pair: dq pass 3 (s, dp, dq), dkv / entry pass 4 (s, dp, dV, dK): 7 against the
+fused backward's 5, but on wgmma and without per-pair atomics. Precision as `attention.py`: bf16 operands (p
+and ds rounded to bf16), fp32 accumulation, one bf16 rounding of each gradient.
+
+Selected by attention.py's config (kind="wgmma"). Tests: tests/test_kernels_attention.py (interpreter, every
+mode), tests/test_kernels_attention_gpu.py (H200, the real geometry), tests/test_kernels_compile_targets.py
+(cuda:90: wgmma, shared memory, no duplicated warpgroup rows). Speed: `bench/bench_attention.py --bwd`.
 """
 from __future__ import annotations
 
@@ -142,13 +150,13 @@ def _dkv_step(x, k, vis, lse, delta, acc, scale, scale_log2, R: tl.constexpr, BK
 @triton.jit
 def _bwd_dkv(Q, DO, LSE, DELTA, KEYS, DKEYS, WORDS, LIST, OFFS,
              sq_b, sq_s, sq_h, sk_b, sk_s, sw_b, sw_s, sl_b, sl_k, so_b, so_k,
-             S, H, D, W, n_keys, n_blocks, scale, scale_log2,
-             WINDOW: tl.constexpr, ATOMIC: tl.constexpr, QCHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+             S, H, D, W, n_keys, n_blocks, qchunk, scale, scale_log2,
+             WINDOW: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
     """Key-major: a program owns keys [kb*BK, kb*BK + BK) of KEYS[b] and one chunk of the queries that see
     them; it loops over (query, head tile) rows and writes / adds the [BK, D] gradient once.
-    WINDOW: grid (chunk, b * n_blocks + kb), chunk c = queries [j0 + c*QCHUNK, ...) of [j0, j0 + BK + W - 1).
-    Else:   grid (b * n_blocks + kb, chunk), chunk c = the block's selecting queries in [c*QCHUNK, (c+1)*QCHUNK):
+    WINDOW: grid (chunk, b * n_blocks + kb), chunk c = queries [j0 + c*qchunk, ...) of [j0, j0 + BK + W - 1).
+    Else:   grid (b * n_blocks + kb, chunk), chunk c = the block's selecting queries in [c*qchunk, (c+1)*qchunk):
             LIST[b, kb, OFFS[b, kb, c] : OFFS[b, kb, c+1]] (selection_lists).
     Programs launched together read the same queries either way (neighbouring blocks / one query range)."""
     if WINDOW:
@@ -163,8 +171,8 @@ def _bwd_dkv(Q, DO, LSE, DELTA, KEYS, DKEYS, WORDS, LIST, OFFS,
     koff = b * sk_b + keys[:, None] * sk_s + offs_d[None, :]
     k = tl.load(KEYS + koff, mask=mask_k[:, None] & mask_d[None, :], other=0.0)       # [BK,BD]
     if WINDOW:
-        lo = kb * BLOCK_K + chunk * QCHUNK
-        hi = tl.minimum(tl.minimum(lo + QCHUNK, kb * BLOCK_K + BLOCK_K + W - 1), S)
+        lo = kb * BLOCK_K + chunk * qchunk
+        hi = tl.minimum(tl.minimum(lo + qchunk, kb * BLOCK_K + BLOCK_K + W - 1), S)
     else:
         lo = tl.load(OFFS + b * so_b + kb * so_k + chunk)
         hi = tl.load(OFFS + b * so_b + kb * so_k + chunk + 1)
@@ -283,36 +291,39 @@ def _kcfg(cfg: dict) -> dict:
 def attention_backward_wgmma(do, q, kv, comp, sel, n_sel, o, lse, scale: float, window: int, cfg: dict):
     """The passes of the module docstring. -> dq, dkv, dcomp (or None), delta [B,S,H]
     cfg: dq=dict(BLOCK_H, BLOCK_K, num_warps, num_stages), dkv=dict(BLOCK_K, BLOCK_R, num_warps, num_stages,
-    programs, min_chunk), comp=dict(like dkv; comp_mode, keys_min_fill; rows=dict(BLOCK_H, BLOCK_K, ...))."""
+    programs, min_chunk), comp=dict(BLOCK_K, BLOCK_R, num_warps, num_stages, chunk, comp_mode, keys_min_fill,
+    rows=dict(BLOCK_H, BLOCK_K, num_warps, num_stages))."""
+    q, do, o = (t.contiguous() for t in (q, do, o))   # _bwd_delta and _rows index q, dO, o alike
     B, S, H, D = q.shape
-    target = tgt.device_target(q.device)
-    prec = tgt.dot_precision(q.dtype, target)
+    prec = tgt.dot_precision(q.dtype, tgt.device_target(q.device))
     BD = max(MIN_DOT, triton.next_power_of_2(D))
     scale_log2 = scale * 1.4426950408889634
     delta = torch.empty(B, S, H, device=q.device, dtype=torch.float32)
     _bwd_delta[(triton.cdiv(B * S * H, DELTA_ROWS),)](o, do, delta, B * S * H, D, BLOCK_R=DELTA_ROWS, BLOCK_D=BD)
+    dq = _dq_pass(do, q, kv, comp, sel, n_sel, lse, delta, scale, scale_log2, window, prec, BD, cfg["dq"])
+    dkv = _key_major(q, do, lse, delta, kv, None, scale, scale_log2, window, prec, BD, cfg["dkv"])
+    dcomp = None
+    if comp is not None and comp_mode(cfg["comp"], sel, comp.shape[1]) == "keys":
+        dcomp = _key_major(q, do, lse, delta, comp, (sel, n_sel), scale, scale_log2, window, prec, BD, cfg["comp"])
+    elif comp is not None:
+        dcomp = _rows_comp(q, do, lse, delta, comp, sel, n_sel, scale, scale_log2, prec, BD, cfg["comp"]["rows"])
+    return dq, dkv, dcomp, delta
 
-    dq = torch.empty_like(q)
-    dqc = cfg["dq"]
-    bh = max(MIN_DOT, min(dqc["BLOCK_H"], triton.next_power_of_2(H)))
+
+def _dq_pass(do, q, kv, comp, sel, n_sel, lse, delta, scale, scale_log2, window, prec, BD, qc):
+    """Launch `_bwd_dq`. -> dq in q's dtype"""
+    B, S, H, D = q.shape
+    bh = max(MIN_DOT, min(qc["BLOCK_H"], triton.next_power_of_2(H)))
     cs = (comp.stride(0), comp.stride(1)) if comp is not None else (0, 0)
     ss = (sel.stride(0) if sel.shape[0] > 1 else 0, sel.stride(1)) if sel is not None else (0, 0)
     ns = (n_sel.stride(0) if n_sel.shape[0] > 1 else 0,) if n_sel is not None else (0,)
+    dq = torch.empty_like(q)
     _bwd_dq[(B * S, triton.cdiv(H, bh))](
         q, kv, comp if comp is not None else kv, sel if sel is not None else kv, n_sel if n_sel is not None else kv,
         do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), *cs, *ss, *ns,
         S, H, D, window, scale, scale_log2, HAS_COMP=comp is not None, PREC=prec,
-        **dict(_kcfg(dqc), BLOCK_H=bh, BLOCK_D=BD))
-
-    dkv = _key_major(q, do, lse, delta, kv, None, scale, scale_log2, window, prec, BD, cfg["dkv"])
-    dcomp = None
-    if comp is not None:
-        if comp_mode(cfg["comp"], sel, comp.shape[1]) == "keys":
-            dcomp = _key_major(q, do, lse, delta, comp, (sel, n_sel), scale, scale_log2, window, prec, BD,
-                               cfg["comp"])
-        else:
-            dcomp = _rows_comp(q, do, lse, delta, comp, sel, n_sel, scale, scale_log2, prec, BD, cfg["comp"]["rows"])
-    return dq, dkv, dcomp, delta
+        **dict(_kcfg(qc), BLOCK_H=bh, BLOCK_D=BD))
+    return dq
 
 
 def _key_major(q, do, lse, delta, keys, selection, scale, scale_log2, window, prec, BD, kc):
@@ -344,8 +355,8 @@ def _key_major(q, do, lse, delta, keys, selection, scale, scale_log2, window, pr
     out = torch.zeros(keys.shape, device=keys.device, dtype=torch.float32) if atomic else torch.empty_like(keys)
     _bwd_dkv[grid](q, do, lse, delta, keys, out, words, lists, offs,
                    q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), *strides,
-                   S, H, D, window, N, nb, scale, scale_log2, WINDOW=selection is None, ATOMIC=atomic,
-                   QCHUNK=qchunk, PREC=prec, **dict(_kcfg(kc), BLOCK_K=bk, BLOCK_R=br, BLOCK_D=BD))
+                   S, H, D, window, N, nb, qchunk, scale, scale_log2, WINDOW=selection is None, ATOMIC=atomic,
+                   PREC=prec, **dict(_kcfg(kc), BLOCK_K=bk, BLOCK_R=br, BLOCK_D=BD))
     return out.to(keys.dtype)
 
 
