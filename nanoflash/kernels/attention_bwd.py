@@ -99,6 +99,8 @@ def _bwd_dq(Q, KV, COMP, SEL, NSEL, DO, LSE, DELTA, DQ,
             S, H, D, W, scale, scale_log2,
             HAS_COMP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
             PREC: tl.constexpr):
+    """Query-major dq: program (b * S + t, head block) holds X (its q, dO rows) and dq [BH, D], streams the
+    window rows of kv and the selected rows of comp in blocks of BLOCK_K (as `attention._fwd`)."""
     pid = tl.program_id(0).to(tl.int64)
     b, t = pid // S, pid % S
     h0 = tl.program_id(1) * BLOCK_H
