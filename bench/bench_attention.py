@@ -28,6 +28,7 @@ import triton
 from bench_model import matmul_ceiling, model_flops_per_token, timed
 from nanoflash.config import preset
 from nanoflash.kernels import attention as ka
+from nanoflash.kernels.attention_bwd import comp_mode
 from nanoflash.kernels import indexer as ki
 from nanoflash.kernels import index_scores, sparse_attention, topk_lower_index_wins, window_and_selection_mask
 from nanoflash.model import Transformer
@@ -54,7 +55,7 @@ _W = dict(num_warps=8)
 # where 128 KiB (q, dO) row tiles leave no room for a second stage; "pipe": 2-3 stage pipelines, the key-major
 # passes on 32-row tiles (M = 64: both warpgroups compute the same s / dp, 1.5x those dots' work).
 BWD_CANDIDATES = {
-    "m128": ka.WGMMA_BWD_CONFIG,
+    "m128-keys": dict(ka.WGMMA_BWD_CONFIG, comp=dict(ka.WGMMA_BWD_CONFIG["comp"], comp_mode="keys")),
     "m128-rows": dict(ka.WGMMA_BWD_CONFIG, comp=dict(ka.WGMMA_BWD_CONFIG["comp"], comp_mode="rows")),
     "pipe": dict(kind="wgmma", dq=dict(BLOCK_H=64, BLOCK_K=16, num_stages=3, **_W),
                  dkv=dict(BLOCK_K=64, BLOCK_R=32, num_stages=2, programs=264, min_chunk=32, **_W),
@@ -255,6 +256,23 @@ def table(out):
     print(f"ceiling {out['ceiling_tflops']:.0f} TFLOP/s")
 
 
+def pass_ms(cfg, q, kv, comp, sel_c, n_sel, o, lse, do) -> dict:
+    """ms of each pass of the wgmma backward under `cfg` (the entry pass both ways, and its lists)."""
+    from nanoflash.kernels import attention_bwd as kb
+    scale, prec, BD = DH ** -0.5, "tf32", triton.next_power_of_2(DH)
+    delta = kb.attention_backward_wgmma(do, q, kv, comp, sel_c, n_sel, o, lse, scale, W, cfg)[3]
+    sl = scale * 1.4426950408889634
+    t = dict(dq=ms(lambda: kb._dq_pass(do, q, kv, comp, sel_c, n_sel, lse, delta, scale, sl, W, prec, BD, cfg["dq"])),
+             dkv=ms(lambda: kb._key_major(q, do, lse, delta, kv, None, scale, sl, W, prec, BD, cfg["dkv"])))
+    if comp is not None:
+        c = cfg["comp"]
+        t["comp_lists"] = ms(lambda: kb.selection_lists(sel_c, n_sel, comp.shape[1], c["BLOCK_K"], c["chunk"]))
+        t["comp_keys"] = ms(lambda: kb._key_major(q, do, lse, delta, comp, (sel_c, n_sel), scale, sl, W, prec, BD, c))
+        t["comp_rows"] = ms(lambda: kb._rows_comp(q, do, lse, delta, comp, sel_c, n_sel, scale, sl, prec, BD,
+                                                  c["rows"]))
+    return t
+
+
 def grads(q, kv, sink, comp, sel, do):
     """Gradients of (q, kv, sink[, comp]) through the model's call with the current ka.BWD_CONFIG."""
     leaves = [t.detach().requires_grad_() for t in (q, kv, sink) + ((comp,) if comp is not None else ())]
@@ -289,6 +307,10 @@ def compare_backward(seqs, g, out, save):
                     tb = 3.5 * fl / both / 1e9
                     row.update(fwdbwd_ms=both, bwd_ms=bwd, fwdbwd_tflops=tb,
                                fwdbwd_of_ceiling=tb / out["ceiling_tflops"], peak_mib=mem)
+                    if cfg.get("kind") == "wgmma" and comp is not None:
+                        row["comp_mode"] = comp_mode(cfg["comp"], sel_c, comp.shape[1])
+                    if name == "m128-keys":   # where the time goes, pass by pass
+                        row["pass_ms"] = pass_ms(cfg, q, kv, comp, sel_c, n_sel, o, lse, do)
                 except Exception as e:   # out of resources on this GPU: recorded, the next candidate runs
                     row["error"] = repr(e)[:300]
                 rows.append(row)
