@@ -4,6 +4,12 @@ the same run; peak memory; the indexer; the `small` preset's MFU with the refere
 
     python bench/bench_attention.py --out docs/results/attention_h200.json       # on an H200 (~5 min)
     python bench/bench_attention.py --seqs 4096 --no-flex --no-model --no-sweep  # kernels only
+    python bench/bench_attention.py --bwd --out docs/results/attention_bwd_h200.json    # old vs wgmma backward
+
+--bwd (issue 43): for S = 4096, 8192 and each layer kind, the fused backward (ka.BWD_CONFIG) against the wgmma
+backward (attention_bwd.py) in each of BWD_CANDIDATES: fwd+bwd and backward-only ms, fwd+bwd TFLOP/s and
+its ratio to the matmul ceiling measured in the same run, the gradients' largest difference to the fused
+backward's (relative to its largest value), and the fastest candidate per shape. ~2 min on an H200.
 
 Shapes: 64 heads x 512, one shared K=V head, window 128, batch 1. Layer kinds: C4 (window + indexer top-512
 of S/4 entries; the selection is the top-512 of random scores), C128 (window + every visible of S/128 entries),
@@ -22,6 +28,7 @@ import triton
 from bench_model import matmul_ceiling, model_flops_per_token, timed
 from nanoflash.config import preset
 from nanoflash.kernels import attention as ka
+from nanoflash.kernels.attention_bwd import comp_mode
 from nanoflash.kernels import indexer as ki
 from nanoflash.kernels import index_scores, sparse_attention, topk_lower_index_wins, window_and_selection_mask
 from nanoflash.model import Transformer
@@ -40,6 +47,22 @@ BWD_SWEEP = [dict(fused=False, dq=_c(32, 32, 8, 2), dkv=_c(32, 32, 8, 2)),
              dict(fused=False, dq=_c(64, 16, 8, 2), dkv=_c(32, 32, 8, 2)),
              dict(fused=True, dq=_c(32, 32, 8, 2)),
              dict(fused=True, dq=_c(32, 16, 8, 2))]
+
+
+_W = dict(num_warps=8)
+# wgmma backward candidates (attention_bwd.py; shared memory per pass in attention.py's WGMMA_BWD_CONFIG note).
+# "m128": every chained dot has M = 128 rows (no warpgroup computes another's rows), loads unpipelined
+# where 128 KiB (q, dO) row tiles leave no room for a second stage; "pipe": 2-3 stage pipelines, the key-major
+# passes on 32-row tiles (M = 64: both warpgroups compute the same s / dp, 1.5x those dots' work).
+BWD_CANDIDATES = {
+    "m128-keys": dict(ka.WGMMA_BWD_CONFIG, comp=dict(ka.WGMMA_BWD_CONFIG["comp"], comp_mode="keys")),
+    "m128-rows": dict(ka.WGMMA_BWD_CONFIG, comp=dict(ka.WGMMA_BWD_CONFIG["comp"], comp_mode="rows")),
+    "pipe": dict(kind="wgmma", dq=dict(BLOCK_H=64, BLOCK_K=16, num_stages=3, **_W),
+                 dkv=dict(BLOCK_K=64, BLOCK_R=32, num_stages=2, programs=264, min_chunk=32, **_W),
+                 comp=dict(BLOCK_K=64, BLOCK_R=32, num_stages=2, chunk=64, comp_mode="keys",
+                           rows=dict(BLOCK_H=64, BLOCK_K=64, num_stages=1, **_W), **_W)),
+    "dq64": dict(ka.WGMMA_BWD_CONFIG, dq=dict(BLOCK_H=64, BLOCK_K=64, num_stages=1, **_W)),
+}
 
 
 def ms(fn) -> float:
@@ -233,6 +256,88 @@ def table(out):
     print(f"ceiling {out['ceiling_tflops']:.0f} TFLOP/s")
 
 
+def pass_ms(cfg, q, kv, comp, sel_c, n_sel, o, lse, do) -> dict:
+    """ms of each pass of the wgmma backward under `cfg` (the entry pass both ways, and its lists)."""
+    from nanoflash.kernels import attention_bwd as kb
+    scale, prec, BD = DH ** -0.5, "tf32", triton.next_power_of_2(DH)
+    delta = kb.attention_backward_wgmma(do, q, kv, comp, sel_c, n_sel, o, lse, scale, W, cfg)[3]
+    sl = scale * 1.4426950408889634
+    t = dict(dq=ms(lambda: kb._dq_pass(do, q, kv, comp, sel_c, n_sel, lse, delta, scale, sl, W, prec, BD, cfg["dq"])),
+             dkv=ms(lambda: kb._key_major(q, do, lse, delta, kv, None, scale, sl, W, prec, BD, cfg["dkv"])))
+    if comp is not None:
+        c = cfg["comp"]
+        t["comp_lists"] = ms(lambda: kb.selection_lists(sel_c, n_sel, comp.shape[1], c["BLOCK_K"], c["chunk"]))
+        t["comp_keys"] = ms(lambda: kb._key_major(q, do, lse, delta, comp, (sel_c, n_sel), scale, sl, W, prec, BD, c))
+        t["comp_rows"] = ms(lambda: kb._rows_comp(q, do, lse, delta, comp, sel_c, n_sel, scale, sl, prec, BD,
+                                                  c["rows"]))
+    return t
+
+
+def grads(q, kv, sink, comp, sel, do):
+    """Gradients of (q, kv, sink[, comp]) through the model's call with the current ka.BWD_CONFIG."""
+    leaves = [t.detach().requires_grad_() for t in (q, kv, sink) + ((comp,) if comp is not None else ())]
+    args = leaves[:3] + [DH ** -0.5, W] + ([leaves[3], sel] if comp is not None else [])
+    return torch.autograd.grad(sparse_attention(*args, prefix=True), leaves, do)
+
+
+def compare_backward(seqs, g, out, save):
+    """The fused backward vs each wgmma candidate at every (S, kind); see the module docstring."""
+    old, rows = ka.BWD_CONFIG, []
+    out["bwd_candidates"] = {"fused": old, **BWD_CANDIDATES}
+    for S in seqs:
+        for kind in ("c4", "c128", "sliding"):
+            q, kv, sink, comp, sel = make_inputs(S, kind, g)
+            do = torch.randn(q.shape, device=DEV, generator=g).bfloat16()
+            fl = useful_flops(S, sel)
+            sel_c, n_sel = (ka.compact_selection(sel, comp.shape[1]) if comp is not None else (None, None))
+            o, lse = ka.attention_forward(q, kv, comp, sel_c, n_sel, sink, DH ** -0.5, W)
+            ref = None
+            for name, cfg in {"fused": old, **BWD_CANDIDATES}.items():
+                if comp is None and name.endswith("-rows"):
+                    continue   # no entries: the same passes as without the suffix
+                ka.BWD_CONFIG = cfg
+                row = dict(S=S, kind=kind, config=name)
+                try:
+                    got = grads(q, kv, sink, comp, sel, do)
+                    ref = got if ref is None else ref
+                    row["max_rel_diff_vs_fused"] = max(
+                        ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(got, ref))
+                    _, both, mem = run_ours(q, kv, sink, comp, sel, do)
+                    bwd = ms(lambda: ka.attention_backward(do, q, kv, comp, sel_c, n_sel, o, lse, DH ** -0.5, W))
+                    tb = 3.5 * fl / both / 1e9
+                    row.update(fwdbwd_ms=both, bwd_ms=bwd, fwdbwd_tflops=tb,
+                               fwdbwd_of_ceiling=tb / out["ceiling_tflops"], peak_mib=mem)
+                    if cfg.get("kind") == "wgmma" and comp is not None:
+                        row["comp_mode"] = comp_mode(cfg["comp"], sel_c, comp.shape[1])
+                    if name == "m128-keys":   # where the time goes, pass by pass
+                        row["pass_ms"] = pass_ms(cfg, q, kv, comp, sel_c, n_sel, o, lse, do)
+                except Exception as e:   # out of resources on this GPU: recorded, the next candidate runs
+                    row["error"] = repr(e)[:300]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            ka.BWD_CONFIG = old
+            save()
+    out["bwd_rows"] = rows
+    best = {}
+    for r in rows:
+        k = (r["S"], r["kind"])
+        if "fwdbwd_ms" in r and r["config"] != "fused" and (k not in best or r["fwdbwd_ms"] < best[k]["fwdbwd_ms"]):
+            best[k] = r
+    fused = {(r["S"], r["kind"]): r for r in rows if r["config"] == "fused" and "fwdbwd_ms" in r}
+    out["bwd_best"] = [dict(S=S, kind=kind, config=r["config"], fwdbwd_tflops=r["fwdbwd_tflops"],
+                            fwdbwd_of_ceiling=r["fwdbwd_of_ceiling"],
+                            speedup_vs_fused=fused[S, kind]["fwdbwd_ms"] / r["fwdbwd_ms"] if (S, kind) in fused else None)
+                       for (S, kind), r in sorted(best.items())]
+    print(f"\n{'S':>5} {'kind':>7} {'fused f+b TF/s':>14} {'(ceil)':>6} {'best new':>10} {'f+b TF/s':>9} {'(ceil)':>6} "
+          f"{'x':>5}")
+    for b in out["bwd_best"]:
+        f = fused.get((b["S"], b["kind"]), {})
+        print(f"{b['S']:>5} {b['kind']:>7} {f.get('fwdbwd_tflops', 0):>14.1f} {f.get('fwdbwd_of_ceiling', 0):>6.3f} "
+              f"{b['config']:>10} {b['fwdbwd_tflops']:>9.1f} {b['fwdbwd_of_ceiling']:>6.3f} {b['speedup_vs_fused'] or 0:>5.2f}")
+    print(f"ceiling {out['ceiling_tflops']:.0f} TFLOP/s")
+    save()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
@@ -241,6 +346,7 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--flex-budget-s", type=float, default=150.0, help="start no FlexAttention run after this")
     ap.add_argument("--flex-search", action="store_true", help="also try FLEX_SEARCH on the first C4 shape")
+    ap.add_argument("--bwd", action="store_true", help="only the fused vs wgmma backward comparison (issue 43)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch._dynamo.config.cache_size_limit = 64
@@ -253,6 +359,9 @@ def main():
             with open(a.out, "w") as fh:
                 json.dump(out, fh, indent=1)
     print("matmul ceiling", out["ceiling_tflops"], flush=True)
+    if a.bwd:
+        compare_backward(a.seqs, g, out, save)
+        return
     if not a.no_sweep:
         sweep(a.seqs[0], g, out)
         save()

@@ -86,6 +86,18 @@ def flash_launches(target, which: str):
                     ka.attention_forward(q, kv, c, s_, n, sink, scale, W)
                 else:
                     ka.attention_backward(q, q, kv, c, s_, n, q, lse, scale, W)
+        elif which == "attention_bwd_wgmma":   # the wgmma backward, entries key-major and query-major
+            from nanoflash.kernels import attention as ka
+            C = S // 4
+            q, kv, comp = torch.empty(1, S, H, Dh, **bf), torch.empty(1, S, Dh, **bf), torch.empty(1, C, Dh, **bf)
+            sel = torch.empty(1, S, cfg.index_topk, dtype=torch.int32, **meta)
+            n_sel = torch.empty(1, S, dtype=torch.int32, **meta)
+            lse = torch.empty(1, S, H, dtype=torch.float32, **meta)
+            wg = ka.WGMMA_BWD_CONFIG
+            for mode in ("keys", "rows"):
+                ka.attention_backward(q, q, kv, comp, sel, n_sel, q, lse, Dh ** -0.5, W,
+                                      dict(wg, comp=dict(wg["comp"], comp_mode=mode)))
+            ka.attention_backward(q, q, kv, None, None, None, q, lse, Dh ** -0.5, W, wg)
         elif which == "indexer":
             from nanoflash.kernels.indexer import index_scores
             HI, DI = cfg.index_n_heads, cfg.index_head_dim
@@ -138,6 +150,8 @@ def flash_launches(target, which: str):
 
 
 LAUNCHERS = ("attention_fwd", "attention_bwd", "indexer", "mhc_pre", "mhc_post", "moe_swiglu", "quant_fp8")
+# cuda:90 only (not in LAUNCHERS: AMD runs the fused backward, attention.AMD_BWD_CONFIG)
+WGMMA_LAUNCHERS = ("attention_bwd_wgmma",)
 
 
 def _key(kernel, kwargs) -> str:
@@ -183,7 +197,24 @@ def resources(compiled, target) -> dict:
         m = re.search(rf"\b{name}:(\d+)", out)
         return int(m.group(1)) if m else 0
     return dict(regs=field("REG"), spills=field("LOCAL"), sgpr_spills=0, scratch=field("STACK"),
-                shared=max(shared, field("SHARED")), mfma="mma" in compiled.asm["ptx"])
+                shared=max(shared, field("SHARED")), mfma="mma" in compiled.asm["ptx"],
+                wgmma="wgmma.mma_async" in compiled.asm["ptx"], mma_sync="mma.sync" in compiled.asm["ptx"],
+                duplicated=duplicated_rows(compiled.asm["ttgir"]))
+
+
+def duplicated_rows(ttgir: str) -> list:
+    """Hopper dots whose rows are fewer than their warps cover: a wgmma layout with warpsPerCTA [wm, wn] spans
+    16 wm rows, so a dot of M < 16 wm rows has warpgroups computing the same rows (Triton 3.6 puts all warps
+    on M for a dot whose result feeds another dot). -> [(M, wm)] of such dots"""
+    layouts = {m.group(1): int(m.group(2)) for m in
+               re.finditer(r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 3.*?warpsPerCTA = \[(\d+), \d+\]",
+                           ttgir, re.M)}
+    out = []
+    for m in re.finditer(r"ttng\.warp_group_dot .*?-> tensor<(\d+)x\d+xf32, (#mma\d*)>", ttgir):
+        rows, wm = int(m.group(1)), layouts.get(m.group(2), 4)
+        if rows < 16 * wm:
+            out.append((rows, wm))
+    return out
 
 
 def check_launcher(which: str, target_name: str):

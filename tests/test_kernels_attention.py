@@ -26,7 +26,7 @@ FP32_TOL = 1e-5
 BF16_TOL = 3e-2
 # Indexer scores: fp32 dots in another summation order than the float64 einsum.
 SCORE_TOL = 1e-5
-INTERP_TIMEOUT_S = 240  # the whole case list takes ~25 s on the 2-core CI box; 10x headroom
+INTERP_TIMEOUT_S = 240  # the whole case list takes ~35 s on the 2-core CI box; 7x headroom
 
 
 # ------------------------------------------------------------------------------------------ shared helpers
@@ -56,7 +56,7 @@ def random_selection(B, S, C, K, g, p_none=0.3):
 
 
 # ------------------------------------------------------------------------------------------ interpreter cases
-def _attention_case(B, S, H, D, W, C, K, dtype, g, batch_sel=True, fused=None, prefix=False):
+def _attention_case(B, S, H, D, W, C, K, dtype, g, batch_sel=True, fused=None, prefix=False, bwd=None):
     from nanoflash.kernels import attention as ka
     from nanoflash.model import sink_attention
     q = torch.randn(B, S, H, D, generator=g).to(dtype).requires_grad_()
@@ -74,6 +74,8 @@ def _attention_case(B, S, H, D, W, C, K, dtype, g, batch_sel=True, fused=None, p
     if fused is not None:   # small blocks, as the shapes are small
         blocks = dict(BLOCK_H=16, BLOCK_K=16, num_warps=4, num_stages=2)
         ka.BWD_CONFIG = dict(fused=fused, dq=blocks, dkv=blocks)
+    if bwd is not None:
+        ka.BWD_CONFIG = bwd
     out = ka.sparse_attention(q, kv, sink, D ** -0.5, W, comp, sel, prefix=prefix)
     keys = kv if comp is None else torch.cat([kv, comp], 1)
     ref = sink_attention(q.double(), keys.double(), dense_mask(S, W, sel, C), sink.double(), D ** -0.5)
@@ -108,6 +110,37 @@ def case_bf16_split_and_fused_backward(g):
     for fused in (False, True):
         _assert_all(_attention_case(2, 26, 4, 32, 8, 7, 4, torch.bfloat16, g, fused=fused), BF16_TOL,
                     f"bf16 fused={fused}")
+
+
+def _wgmma(comp_mode="auto", programs=1, chunk=64):
+    """A wgmma backward config at test sizes (attention_bwd.py). programs=1: one program per window key
+    block (plain store); more: the block's queries in chunks added atomically. chunk < S: the entry pass in
+    several query chunks (atomics); chunk >= S: one (plain store)."""
+    blocks = dict(num_warps=4, num_stages=1)
+    return dict(kind="wgmma", dq=dict(BLOCK_H=16, BLOCK_K=16, **blocks),
+                dkv=dict(BLOCK_K=16, BLOCK_R=16, programs=programs, min_chunk=4, **blocks),
+                comp=dict(BLOCK_K=16, BLOCK_R=16, chunk=chunk, comp_mode=comp_mode,
+                          rows=dict(BLOCK_H=16, BLOCK_K=16, **blocks), **blocks))
+
+
+def case_wgmma_backward(g):
+    """The wgmma backward in each mode against the float64 reference. Bugs it catches: a window range that
+    misses the last query of a key block's band (j0 + BK + W - 2) or a chunk boundary; s and dp (or p and ds)
+    swapped in the interleaved rows; a selection word read at the wrong bit or block; query chunks that
+    drop or repeat a query; the second head tile (20 heads = 16 + 4 masked) skipped; the query-major entry
+    pass's atomics. fp32 (exact dots here) and bf16 once."""
+    from nanoflash.kernels import attention as ka
+    old = ka.BWD_CONFIG
+    try:
+        _assert_all(_attention_case(2, 30, 20, 32, 8, 9, 5, torch.float32, g, bwd=_wgmma("keys", 1000, 8)),
+                    FP32_TOL, "wgmma: window in atomic chunks, entries key-major in query chunks, 2 head tiles")
+        _assert_all(_attention_case(2, 30, 4, 32, 1, 9, 5, torch.float32, g, batch_sel=False,
+                                    bwd=_wgmma("keys", 1, 64)), FP32_TOL, "wgmma: one program per key block")
+        _assert_all(_attention_case(2, 30, 4, 32, 8, 9, 5, torch.float32, g, prefix=True, bwd=_wgmma("rows")),
+                    FP32_TOL, "wgmma: entries query-major (atomics)")
+        _assert_all(_attention_case(2, 26, 4, 32, 8, 7, 4, torch.bfloat16, g, bwd=_wgmma()), BF16_TOL, "wgmma bf16")
+    finally:
+        ka.BWD_CONFIG = old
 
 
 def case_index_scores(g):
@@ -187,6 +220,46 @@ def test_topk_lower_index_wins_matches_stable_sort(gen):
     top = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     ref = torch.where(score.gather(-1, top) > float("-inf"), top, -1)
     assert torch.equal(sel.long(), ref), "top-k set or order differs from the stable sort"
+
+
+def test_selection_lists_match_loops(gen):
+    """The key-major entry pass's lists (attention_bwd.selection_lists) against Python loops: which queries
+    selected an entry of each block (ascending), the chunk offsets, and each (query, block) word's bits.
+    Bugs: an entry's bit at the wrong position or block, a -1 (or past-n_sel) entry counted, a query listed
+    twice or out of order, a chunk edge that lets the S-padding in (NaN in dcomp before the clamp)."""
+    from nanoflash.kernels.attention_bwd import selection_lists
+    B, S, C, K, block, chunk = 2, 23, 70, 9, 16, 8
+    sel = random_selection(B, S, C, K, gen).int().sort(-1, descending=True).values   # valid entries first
+    n_sel = torch.minimum((sel >= 0).sum(-1, dtype=torch.int32),                      # some cut shorter
+                          torch.randint(0, K + 1, (B, S), generator=gen, dtype=torch.int32))
+    words, lists, offs = selection_lists(sel, n_sel, C, block, chunk)
+    nb = -(-C // block)
+    assert words.shape == (B, S, nb) and lists.shape == (B, nb, S) and offs.shape == (B, nb, -(-S // chunk) + 1)
+    for b in range(B):
+        for kb in range(nb):
+            want = [t for t in range(S) if any(u // block == kb for u in sel[b, t, :n_sel[b, t]].tolist())]
+            n = len(want)
+            assert lists[b, kb, :n].tolist() == want and (lists[b, kb, n:] == S).all(), f"list of block {kb}"
+            assert offs[b, kb].tolist() == [sum(t < min(c * chunk, S) for t in want) for c in range(offs.shape[-1])]
+        for t in range(S):
+            bits = [0] * nb
+            for u in sel[b, t, :n_sel[b, t]].tolist():
+                bits[u // block] |= 1 << (u % block)
+            assert words[b, t].tolist() == bits, f"words of query {t}"
+
+
+def test_comp_mode_auto_is_key_major_for_dense_selections():
+    """auto: key-major for C128's all-visible lists and for C4 at S = 4096 (top-512 of 1024 entries), the
+    query-major atomic pass for C4 at S = 8192 (512 of 2048); a misspelt mode is an error, not a default.
+    Bug caught: the rule inverted (C128's dense lists on per-pair atomics)."""
+    from nanoflash.kernels.attention_bwd import comp_mode
+    auto = {"comp_mode": "auto"}
+    assert comp_mode(auto, torch.zeros(1, 4096, 32), 32) == "keys"
+    assert comp_mode(auto, torch.zeros(1, 4096, 512), 1024) == "keys"
+    assert comp_mode(auto, torch.zeros(1, 8192, 512), 2048) == "rows"
+    assert comp_mode({"comp_mode": "rows"}, torch.zeros(1, 4096, 32), 32) == "rows"
+    with pytest.raises(ValueError, match="comp_mode"):
+        comp_mode({"comp_mode": "key"}, torch.zeros(1, 8, 4), 4)
 
 
 def test_sparse_attention_rejects_bad_input():

@@ -43,3 +43,21 @@ def test_kernels_compile_within_the_targets_registers_and_shared_memory(launcher
                 f"{target} {key}: {r['regs']} VGPRs, {r['spills']} spilled, {r['scratch']} bytes of scratch a lane"
         if launcher in TENSOR_CORE_LAUNCHERS:
             assert r["mfma"], f"{target} {key}: its bf16 dots do not use the tensor cores"
+
+
+@pytest.mark.slow   # ~30 s on 2 cores: six kernels at 64 heads x 512
+def test_wgmma_backward_fits_the_h200_on_wgmma_without_duplicated_rows():
+    """attention_bwd.py's passes with WGMMA_BWD_CONFIG, compiled for cuda:90 at the flash shapes. Bugs caught
+    (each seen in this file's history): a pass over the 227 KiB of shared memory (the dq pass at 64 keys x 2
+    stages: 256 KiB; the entry rows pass with one [64, 512] fp32 tile converted for its atomics: 256 KiB); a
+    dot that leaves wgmma for mma.sync (M < 64, e.g. 32-key tiles); a chained dot of 64 rows on 8 warps,
+    which both warpgroups compute (the first key-major pass: s and dp as two 64-row dots, 11 KB of spills)."""
+    limit = ct.SHARED_LIMIT[("cuda", 90)]
+    results = ct.check_launcher("attention_bwd_wgmma", "cuda:90")
+    assert {k.split("(")[0] for k, _, _ in results} >= {"_bwd_delta", "_bwd_dq", "_bwd_dkv", "_bwd_dcomp_rows"}
+    for key, r, _ in results:
+        print(f"cuda:90 {key}: {r}")
+        assert r["shared"] <= limit, f"{key}: {r['shared']} bytes of shared memory > {limit}"
+        if not key.startswith("_bwd_delta"):
+            assert r["wgmma"] and not r["mma_sync"], f"{key}: not every dot on wgmma"
+            assert not r["duplicated"], f"{key}: dots whose rows two warpgroups compute: {r['duplicated']}"

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from nanoflash.kernels import target as tgt
+from nanoflash.kernels.attention_bwd import attention_backward_wgmma
 
 LOG2E = math.log2(math.e)
 # Launch configurations (BLOCK_H heads x BLOCK_K keys per step, warps, pipeline stages): the fastest of
@@ -51,6 +52,16 @@ LOG2E = math.log2(math.e)
 FWD_CONFIG = dict(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2)
 BWD_CONFIG = dict(fused=True, dq=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),
                   dkv=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2))
+# The wgmma backward (attention_bwd.py: a dq pass, a key-major dkv pass, an entry pass), selected by
+# kind="wgmma"; BWD_CONFIG stays the fused one above until bench/bench_attention.py --bwd has measured it on
+# an H200. Shared memory at 64 heads x 512 (ptxas, sm_90a): dq 64 heads x 32 keys, 2 stages = 208 KiB (the
+# interleaved (q, dO) rows 128 KiB + 2 x 32 KiB keys); dkv / entry keys 64 keys x 64 rows, 1 stage = 224 KiB;
+# entry rows 64 heads x 64 entries, 1 stage = 192 KiB; every pass 8 warps.
+WGMMA_BWD_CONFIG = dict(kind="wgmma", dq=dict(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2),
+                        dkv=dict(BLOCK_K=64, BLOCK_R=64, num_warps=8, num_stages=1, programs=264, min_chunk=32),
+                        comp=dict(BLOCK_K=64, BLOCK_R=64, num_warps=8, num_stages=1, chunk=64, comp_mode="auto",
+                                  keys_min_fill=1.0,
+                                  rows=dict(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=1)))
 # AMD, per gfx arch (unknown archs get gfx942's: the smaller LDS). On CDNA a workgroup of num_warps waves must
 # fit one CU (4 SIMDs): 8 waves cap a lane at 256 VGPRs, 4 waves at 512 (256 VGPRs + 256 AGPRs). The H200 configs
 # at head_dim 512 spill there (gfx950: 456 VGPRs spilled / 1,436 bytes of scratch a lane forward, 530 / 1,864
@@ -216,10 +227,13 @@ def attention_forward(q, kv, comp, sel, n_sel, sink, scale: float, window: int, 
 
 def attention_backward(do, q, kv, comp, sel, n_sel, o, lse, scale: float, window: int, config=None):
     """Launch `_bwd`: once fused (config "dq"), or a dq pass then a dkv pass. The dq pass writes delta.
+    A config with kind="wgmma" runs `attention_bwd.attention_backward_wgmma` instead (key-major dkv).
     -> dq, dkv, dcomp (or None), delta [B,S,H]"""
     B, S, H, D = q.shape
     target = tgt.device_target(q.device)
     cfg = config or launch_configs(target)[1]
+    if cfg.get("kind") == "wgmma":
+        return attention_backward_wgmma(do, q, kv, comp, sel, n_sel, o, lse, scale, window, cfg)
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, device=kv.device, dtype=torch.float32)
     dcomp = torch.zeros(comp.shape, device=kv.device, dtype=torch.float32) if comp is not None else None
