@@ -904,12 +904,26 @@ class Transformer(nn.Module):
         return {}
 
     # ------------------------------------------------------------------ RL / MTP heads
-    def token_logprobs(self, input_ids, targets, temperature: float = 1.0, chunk: int = 1024):
+    def token_logprobs(self, input_ids, targets, temperature: float = 1.0, chunk: int = 1024, mask=None):
         """log softmax(logits / T)[target] per position, in sequence chunks whose logits are recomputed in
-        backward, so full-vocabulary logits never exist for the whole sequence. [B,S] -> [B,S] fp32"""
-        y = self.hidden(self.run_layers(self.embed_streams(input_ids), input_ids))
-        fast = self.cfg.kernels == "triton" and y.is_cuda   # bf16 GEMMs, fp32 logits (kernels.matmul)
-        return chunked_logprobs(y, self.head.weight, targets, temperature, chunk, fast)
+        backward, so full-vocabulary logits never exist for the whole sequence; `mask`: only where it is > 0
+        (`head_logprobs`). [B,S] -> [B,S] fp32"""
+        h = self.run_layers(self.embed_streams(input_ids), input_ids)
+        fast = self.cfg.kernels == "triton" and h.is_cuda   # bf16 GEMMs, fp32 logits (kernels.matmul)
+        return self.head_logprobs(h, targets, temperature, mask, chunk, fast)
+
+    def head_logprobs(self, h, targets, temperature: float = 1.0, mask=None, chunk: int = 1024, fast=False):
+        """log softmax(head(hidden(h)) / T)[targets] per position (`chunked_logprobs`). With `mask` [B,S] only
+        the positions where it is > 0 are scored -- hc_head, norm, the head GEMM and the log-softmax run on those
+        rows alone, the values there the same as without a mask -- and the rest are 0: RL scores the response
+        tokens only, and at 2-4K-token prompts the fp32 head over the prompt is most of the head's work.
+        One host sync (the count of scored positions). h [B,S,M,D], targets [B,S] -> [B,S] fp32"""
+        if mask is None:
+            return chunked_logprobs(self.hidden(h), self.head.weight, targets, temperature, chunk, fast)
+        idx = (mask.flatten() > 0).nonzero()[:, 0]                                         # [n]
+        y = self.hidden(h.flatten(0, 1).index_select(0, idx)[None])                        # [1,n,D]
+        lp = chunked_logprobs(y, self.head.weight, targets.flatten()[idx][None], temperature, chunk, fast)[0]
+        return lp.new_zeros(targets.numel()).index_copy(0, idx, lp).view(targets.shape)   # [B,S]
 
     def mtp_logits(self, h: torch.Tensor, next_ids: torch.Tensor, depth: int = 0) -> torch.Tensor:
         """MTP logits from the main streams h (before hc_head) and the next tokens. -> [B,S,V] fp32"""
@@ -987,13 +1001,14 @@ class _ChunkLogprob(torch.autograd.Function):
 
 
 def chunked_logprobs(y, weight, targets, temperature=1.0, chunk=1024, fast=False):
-    """Per-token log-probs of `targets` under head `weight` by chunks (fast: kernels.matmul). y [B,S,D] -> [B,S] fp32"""
+    """Per-token log-probs of `targets` under head `weight` by chunks (fast: kernels.matmul). y [B,S,D] -> [B,S] fp32
+    (no rows: one empty chunk, so the result still hangs on y's graph: an EP rank's dummy micro-batch)"""
     yf, tf = y.flatten(0, 1), targets.flatten()                                        # [N,D], [N]
+    starts = range(0, max(yf.shape[0], 1), chunk)
     if fast:
         from nanoflash.kernels.matmul import ChunkLogprobBf16
         wb = weight.detach().to(torch.bfloat16)
         return torch.cat([ChunkLogprobBf16.apply(yf[a:a + chunk], weight, wb, tf[a:a + chunk], temperature)
-                          for a in range(0, yf.shape[0], chunk)]).view(targets.shape)
-    out = [_ChunkLogprob.apply(yf[a:a + chunk], weight, tf[a:a + chunk], temperature)
-           for a in range(0, yf.shape[0], chunk)]
+                          for a in starts]).view(targets.shape)
+    out = [_ChunkLogprob.apply(yf[a:a + chunk], weight, tf[a:a + chunk], temperature) for a in starts]
     return torch.cat(out).view(targets.shape)
