@@ -2,6 +2,7 @@
 as MFU, HFU and the ratio to the bf16 matmul ceiling measured in the same run; per-component split; peak memory.
 
     python bench/bench_stack.py --out stack.json            # on an H200 (~2-3 min)
+    python bench/bench_stack.py --jobs none,selective,full,planner --out recompute.json   # recompute only (~2 min)
 
 Geometry (issue 14): the flash config cut to 8 layers -- dim 4096, 64 heads x 512 (one shared K=V head),
 window 128, index_topk 512, layers (0, 0, 4, 128, 4, 128, 4, 128) as the flash schedule starts (2 sliding,
@@ -15,8 +16,16 @@ Model FLOPs (analytic, `bench_model.model_flops_per_token`; forward, per token, 
   + indexer: 2 HI dI x (t+1)//4 on C4 layers (every visible entry, causal)
 Training = 3 x forward. Check: the full flash config at S = 4096 gives 28.52 GFLOP/token (the 43 layers and
 the head, causal indexer, no MTP), the issue's 28.5; MTP adds 1.78 (its block 0.71 + the shared head 1.06).
-HFU adds what the step really runs on top: the recomputed forward of every layer (recompute on) and the
-head's logits recomputed in the chunked log-prob backward (always). Neither is a model FLOP.
+HFU adds what the step really runs on top: the recomputed forward of every layer (recompute=full) or of the
+recomputed sub-blocks' GEMMs (`recompute_flops_per_token`: the mHC mixes for mhc, wq_b for attn_q, wo_a + wo_b
+for attn_out, the routed experts for experts; norms and SwiGLU are elementwise), and the head's logits
+recomputed in the chunked log-prob backward (always). None of it is a model FLOP.
+
+Recompute policies (`ParallelConfig.recompute`, jobs none / selective / full): step time, MFU, HFU, peak memory
+and the activations the layers keep after their forward (memory_allocated after `run_layers` minus before it,
+less its output); the job
+`planner` compares the planner's prediction of those bytes (`planner.stage_act_bytes` with fits measured here on
+one block of this geometry, `measure_layer_bytes` at S/2 and S) with them.
 
 Split: each component timed alone (forward + backward, one layer of each kind on the same inputs) and
 multiplied by its count: attention core (= Attention minus its compressors and indexer), compressor, indexer
@@ -35,8 +44,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_model import DATASHEET_BF16, matmul_ceiling, model_flops_per_token  # noqa: E402
 
-from nanoflash.config import preset  # noqa: E402
+from nanoflash.config import preset, recompute_blocks  # noqa: E402
 from nanoflash.model import Transformer, hc_head  # noqa: E402
+from nanoflash.parallel.planner import measure_layer_bytes, stage_act_bytes  # noqa: E402
 
 LAYERS = (0, 0, 4, 128, 4, 128, 4, 128)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # cpu: the --smoke run only (tiny config)
@@ -83,21 +93,59 @@ def step_fn(model, ids):
     return step
 
 
-def measure_step(model, ids, recompute: bool, ceiling: float, S: int):
+def recompute_flops_per_token(cfg, recompute) -> float:
+    """GEMM FLOPs per token that backward recomputes under a sub-block policy (all layers; "layer" not here)."""
+    blocks, D, M, H = recompute_blocks(recompute), cfg.dim, cfg.hc_mult, cfg.n_heads * cfg.head_dim
+    per_layer = {"mhc": 2 * (2 * (2 + M) * M * M * D + 2 * M * M * D),      # 2 sublayers: mixes + hc_post's mix
+                 "attn_q": 2 * cfg.q_lora_rank * H,
+                 "attn_out": 2 * H * cfg.o_lora_rank + 2 * cfg.o_groups * cfg.o_lora_rank * D,
+                 "experts": 2 * cfg.n_activated_experts * 3 * D * cfg.moe_inter_dim}
+    return cfg.n_layers * sum(per_layer.get(b, 0) for b in blocks)
+
+
+def measure_step(model, ids, recompute: str, ceiling: float, S: int):
     cfg = model.cfg
     model.recompute = recompute
+    step = step_fn(model, ids)
+    step()   # warm-up (kernel compiles) before the memory counts
+    model.zero_grad(set_to_none=True)
     if DEV == "cuda":
         torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        h = model.run_layers(model.embed_streams(ids), ids)
+        torch.cuda.synchronize()   # what the layers' forward leaves for backward (their output excluded)
+        kept = torch.cuda.memory_allocated() - base - h.untyped_storage().nbytes()
+        (-model.head_logprobs(h, torch.roll(ids, -1, 1)).mean()).backward()
+        del h
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    sec = timed(step_fn(model, ids), iters=3, warmup=1)
+    sec = timed(step, iters=3, warmup=0)
     fwd = model_flops_per_token(cfg, S) * S
     layers_fwd = fwd - 2 * cfg.vocab_size * cfg.dim * S                  # the head is not recomputed per layer
     model_f = 3 * fwd
-    hw_f = model_f + (layers_fwd if recompute else 0) + 2 * cfg.vocab_size * cfg.dim * S
+    again = layers_fwd if "layer" in recompute_blocks(recompute) else recompute_flops_per_token(cfg, recompute) * S
+    hw_f = model_f + again + 2 * cfg.vocab_size * cfg.dim * S
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if DEV == "cuda" else 0.0
     return dict(recompute=recompute, step_s=sec, tokens_per_s=S / sec, model_tflop=model_f / 1e12,
                 mfu=model_f / sec / DATASHEET_BF16, hfu=hw_f / sec / DATASHEET_BF16,
-                ratio_to_ceiling=model_f / sec / ceiling, peak_gib=peak)
+                ratio_to_ceiling=model_f / sec / ceiling, peak_gib=peak,
+                acts_after_fwd_gib=kept / 2 ** 30 if DEV == "cuda" else 0.0)
+
+
+def planner_check(model, S: int, res: dict):
+    """The planner's activations kept after the forward (fits of one block of this geometry, measured here at S/2
+    and S, none and selective) next to the measured `acts_after_fwd_gib` of the jobs that ran."""
+    cfg, out = model.cfg, {}
+    fits = {p: measure_layer_bytes(cfg, (S // 2, S), dtype=torch.bfloat16, device=DEV, recompute=p)
+            for p in ("none", "selective")}
+    for job, policy in (("none", "none"), ("selective", "selective"), ("full", "full")):
+        kept, _ = stage_act_bytes(cfg, policy, range(cfg.n_layers), S, fits["none"], fits.get(policy), S, 2)
+        measured = res.get(job, {}).get("acts_after_fwd_gib") if isinstance(res.get(job), dict) else None
+        out[policy] = dict(planner_gib=kept / 2 ** 30, measured_gib=measured)
+    out["fits"] = {p: {str(r): [round(a), round(b, 2)] for r, (a, b) in f.items()} for p, f in fits.items()}
+    return out
 
 
 def measure_auto(model, ids, ceiling, S):
@@ -106,7 +154,7 @@ def measure_auto(model, ids, ceiling, S):
     module, so one attribute switches them all."""
     kernels, model.cfg.kernels = model.cfg.kernels, "auto"
     try:
-        return measure_step(model, ids, False, ceiling, S)
+        return measure_step(model, ids, "none", ceiling, S)
     finally:
         model.cfg.kernels = kernels
 
@@ -172,6 +220,9 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--kernels", default="triton")
     ap.add_argument("--deadline", type=float, default=240.0, help="seconds; skip what would start after it")
+    ap.add_argument("--jobs", default="none,selective,full,split_s,auto_no_recompute",
+                    help="comma list of: none, selective, full (recompute policies), split_s, auto_no_recompute, "
+                         "planner, or any sub-block list of ParallelConfig.recompute joined by + (mhc+attn_q)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny config (CPU ok): checks the script runs")
     a = ap.parse_args()
@@ -192,10 +243,11 @@ def main():
     model = build(cfg)
     res["params"] = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, cfg.vocab_size, (1, a.seq), device=DEV)
-    jobs = [("no_recompute", lambda: measure_step(model, ids, False, ceiling, a.seq)),
-            ("recompute", lambda: measure_step(model, ids, True, ceiling, a.seq)),
-            ("split_s", lambda: components(model, a.seq)),
-            ("auto_no_recompute", lambda: measure_auto(model, ids, ceiling, a.seq))]
+    named = {"split_s": lambda: components(model, a.seq), "auto_no_recompute": lambda: measure_auto(model, ids, ceiling,
+                                                                                                   a.seq),
+             "planner": lambda: planner_check(model, a.seq, res)}
+    jobs = [(name, named.get(name, lambda p=name: measure_step(model, ids, p.replace("+", ","), ceiling, a.seq)))
+            for name in a.jobs.split(",")]   # a policy list inside --jobs: sub-blocks joined by "+" (mhc+attn_q)
     for name, job in jobs:
         if time.time() - t0 > a.deadline:
             res[name] = "skipped: deadline"

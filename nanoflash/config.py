@@ -260,6 +260,41 @@ class GRPOConfig:
                              f"entropy through the chunked head's backward, which is not implemented; leave it 0")
 
 
+# Activation recomputation (`ParallelConfig.recompute`): the sub-blocks of a layer that can run under
+# torch.utils.checkpoint (model.py: `recomputed`), so that only their inputs are kept for backward and their inner
+# activations are recomputed there. Cheap to recompute: mhc, norm, swiglu (elementwise and the small mHC mixes);
+# the others recompute GEMMs. Never recomputed by a sub-block policy: the attention kernel (its outputs and LSE are
+# kept), the indexer, the gate and the dispatch (the routed experts' inputs are kept: no exchange runs twice).
+RECOMPUTE_BLOCKS = {
+    "mhc": "hc_pre (mixes, Sinkhorn, collapse) and hc_post of both sublayers",
+    "norm": "attn_norm and ffn_norm (their fp32 intermediates)",
+    "swiglu": "the experts' SwiGLU (the shared expert; routed experts on the per-expert loop; the fused kernel "
+              "already keeps only its bf16 input)",
+    "attn_q": "wq_b -> per-head RMS -> rope (recomputes the wq_b GEMM; the un-roped q [H*Dh] is not kept)",
+    "attn_out": "inverse rope -> wo_a -> wo_b from the kept attention output (recomputes both GEMMs)",
+    "experts": "the routed experts (GEMMs and SwiGLU) from their kept dispatched inputs",
+}
+RECOMPUTE_PRESETS = {"none": (), "full": ("layer",), "selective": ("mhc", "norm", "swiglu")}
+
+
+def recompute_blocks(value) -> frozenset:
+    """A `ParallelConfig.recompute` value -> the set of recomputed sub-blocks ("layer" = the whole layer):
+    none | full | selective | a comma list of RECOMPUTE_BLOCKS names; a bool means full / none."""
+    if isinstance(value, (bool, frozenset, set, tuple, list)):
+        names = ("layer",) if value is True else () if value is False else tuple(value)
+    else:
+        text = {"true": "full", "false": "none"}.get(str(value).strip().lower(), str(value).strip().lower())
+        names = RECOMPUTE_PRESETS.get(text, tuple({"full": "layer"}.get(n.strip(), n.strip())
+                                                  for n in text.split(",") if n.strip()))
+    bad = [n for n in names if n not in RECOMPUTE_BLOCKS and n != "layer"]
+    if bad or ("layer" in names and len(set(names)) > 1):
+        raise ValueError(f"parallel.recompute={value!r}: " + (f"unknown sub-block(s) {bad}; " if bad else
+                         "full (the whole layer) cannot be combined with sub-blocks; ") +
+                         f"use none | full | selective (= {','.join(RECOMPUTE_PRESETS['selective'])}) | a comma "
+                         f"list of {', '.join(RECOMPUTE_BLOCKS)}")
+    return frozenset(names)
+
+
 @dataclass
 class ParallelConfig:
     """The training engine's layout and memory knobs (read by `nanoflash.parallel`).
@@ -273,7 +308,8 @@ class ParallelConfig:
     dp: int | None = None             # data-parallel replicas; None = world // (pp * ep)
     layer_split: tuple | None = None  # backbone layers per stage, e.g. (10, 11, 11, 11); None = even split
     micro_batch_tokens: int = 8192    # max tokens per micro-batch per GPU (variable-length sequences packed)
-    recompute: bool = False           # per-layer activation recomputation (checkpointing)
+    recompute: str = "none"           # activation recomputation: none | full (every layer) | selective (mhc, norm,
+                                      # swiglu) | a comma list of the sub-blocks of RECOMPUTE_BLOCKS
     offload_optimizer: bool = False   # keep fp32 master weights and Adam moments in host memory
     device: str = "auto"              # where this rank's stage lives: auto (cuda:LOCAL_RANK under nccl, else cpu) | cpu | cuda
     timeout_s: int = 1800             # training collectives (NCCL all-to-all, P2P, all-reduce) raise after this
@@ -291,6 +327,9 @@ class ParallelConfig:
             self.layer_split = tuple(int(n) for n in self.layer_split)
             if len(self.layer_split) != self.pp or min(self.layer_split) < 1:
                 raise ValueError(f"layer_split {self.layer_split} needs pp={self.pp} entries, each >= 1")
+        legacy = {True: "full", False: "none", "true": "full", "false": "none"}   # the former bool field
+        self.recompute = legacy.get(self.recompute, self.recompute)
+        recompute_blocks(self.recompute)   # one error naming a bad value now, not at the first forward
         if self.micro_batch_tokens < 1:
             raise ValueError(f"ParallelConfig.micro_batch_tokens={self.micro_batch_tokens} must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):

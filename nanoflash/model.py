@@ -22,6 +22,12 @@ How this differs from the official inference code (`inference/model.py`):
 * Decoding: `new_cache()` + `forward(ids, start_pos, cache)` feeds the same functions with the kept window,
   compressor remainder and compressed entries; there is no second implementation of the math.
 * No distributed code: expert / pipeline parallelism are applied to a built model by `nanoflash.parallel`.
+* Activation recomputation (`Transformer.recompute`, set from `ParallelConfig.recompute`): "full" runs every
+  layer under torch.utils.checkpoint (only its input kept, the whole layer run again in backward); a sub-block
+  policy (`config.RECOMPUTE_BLOCKS`; "selective" = mhc, norm, swiglu) wraps only those sub-blocks
+  (`recomputed`), so the expensive ones -- the attention kernel, whose outputs and LSE stay saved, and the
+  routed experts, whose dispatched inputs stay saved -- never run twice. Gradients are bit-equal to no
+  recomputation on the CPU (tests/test_recompute.py).
 
 Shape legend: B batch, S sequence, D dim, H heads, Dh head dim, R rope dims, C compressed entries,
 M hc streams, E experts, K top-k, N tokens (B*S), T routed token slots.
@@ -42,7 +48,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nanoflash.names import EXPERT_STACKS, official_parameters, official_views
-from nanoflash.config import ModelConfig
+from nanoflash.config import ModelConfig, recompute_blocks
 from nanoflash.quant import ACT_QAT_BLOCK, fp4_sim, fp8_index_sim, fp8_sim, hadamard, qat_block
 
 KV_QAT_BLOCK = 64      # official act_quant block on kv nope dims
@@ -66,6 +72,28 @@ def index_sim(cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
     if mode == "fp8":
         return fp8_index_sim(x)
     return x
+
+
+def recomputed(on: bool, fn, *args):
+    """fn(*args); when `on`, under torch.utils.checkpoint (non-reentrant): autograd keeps only the inputs, and
+    backward runs fn again for its inner activations. The output is whatever its consumers save."""
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False) if on else fn(*args)  # no RNG here
+
+
+def set_recompute(module: nn.Module, value) -> frozenset:
+    """Give every submodule holding recomputable sub-blocks (a `recompute_blocks` attribute) the set that
+    `value` (a `ParallelConfig.recompute` value) names. -> the set"""
+    blocks = recompute_blocks(value)
+    for m in module.modules():
+        if hasattr(m, "recompute_blocks"):
+            m.recompute_blocks = blocks
+    return blocks
+
+
+def active_recompute(module: nn.Module) -> frozenset:
+    """The sub-blocks `module` recomputes (its `recompute_blocks`) in a training forward that autograd records;
+    none otherwise (evaluation, no_grad scoring, decoding)."""
+    return module.recompute_blocks if module.training and torch.is_grad_enabled() else frozenset()
 
 
 # ---------------------------------------------------------------------------------------------- norms, rope
@@ -369,15 +397,14 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, self.ratio, Dh)
         if self.ratio == 4:
             self.indexer = Indexer(cfg)
+        self.recompute_blocks = frozenset()   # attn_q / attn_out: `Transformer.recompute`
 
     def forward(self, x: torch.Tensor, start_pos: int = 0, cache: Optional[LayerCache] = None) -> torch.Tensor:
-        cfg, (B, S, _) = self.cfg, x.shape
+        cfg, (B, S, _), rc = self.cfg, x.shape, active_recompute(self)
         pos = torch.arange(start_pos, start_pos + S, device=x.device)
         cos, sin = rope_angles(cfg, self.ratio > 0, pos)
         qr = self.q_norm(self.wq_a(x))                                                  # [B,S,q_lora]
-        q = self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim))                   # [B,S,H,Dh]
-        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + cfg.norm_eps)
-        q = apply_rope(q, cos, sin)
+        q = recomputed("attn_q" in rc, self.query_heads, qr, cos, sin)                 # [B,S,H,Dh]
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)                            # [B,S,Dh]
         if cfg.qat:
             kv = fp8_sim_nope(kv, cfg.rope_head_dim)
@@ -387,6 +414,17 @@ class Attention(nn.Module):
         comp, keep = self.compressed_keys(x, qr, start_pos, cache, fast)
         o = self.attend(q, start_pos, window, comp, keep, fast)                         # [B,S,H,Dh]
         cache.window = window[:, -(cfg.window_size - 1):] if cfg.window_size > 1 else window[:, :0]
+        return recomputed("attn_out" in rc, self.project_out, o, cos, sin)
+
+    def query_heads(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q = rope(unweighted RMS per head of wq_b(qr)). [B,S,q_lora] -> [B,S,H,Dh]"""
+        q = self.wq_b(qr).unflatten(-1, (self.cfg.n_heads, self.cfg.head_dim))         # [B,S,H,Dh]
+        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
+        return apply_rope(q, cos, sin)
+
+    def project_out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Inverse rope, then out = wo_b( concat_g( wo_a[g] . o[heads of g] ) ). [B,S,H,Dh] -> [B,S,D]"""
+        cfg = self.cfg
         o = apply_rope(o, cos, sin, inverse=True)
         o = o.flatten(2).unflatten(-1, (cfg.o_groups, -1))                              # [B,S,G,H*Dh/G]
         wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)                 # [G,r_o,H*Dh/G]
@@ -485,13 +523,20 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, rw: Optional[torch.Te
     return F.silu(g) * u if rw is None else F.silu(g) * u * rw
 
 
-def expert_ffn(x, w1, w3, w2, limit: float, rw: Optional[torch.Tensor] = None, qat: bool = False) -> torch.Tensor:
+def swiglu_as(g, u, limit: float, rw: Optional[torch.Tensor], dtype: torch.dtype, w_dtype: torch.dtype):
+    """`swiglu` rounded to the activation dtype, then to the next GEMM's weight dtype (the recompute sub-block
+    "swiglu": its fp32 intermediates are what recomputation drops).  g, u [T,I] -> [T,I]"""
+    return swiglu(g, u, limit, rw).to(dtype).to(w_dtype)
+
+
+def expert_ffn(x, w1, w3, w2, limit: float, rw: Optional[torch.Tensor] = None, qat: bool = False,
+               recompute_act: bool = False) -> torch.Tensor:
     """One SwiGLU expert from its official matrices: w2( swiglu(w1 x, w3 x) * rw ), rw before w2 in fp32; `qat`
-    FP8-simulates both GEMM inputs per 1x128 block, as `Linear(qat_input=True)`.
-    x [T,D], w1/w3 [I,D], w2 [D,I], rw [T,1] or None -> [T,D]"""
+    FP8-simulates both GEMM inputs per 1x128 block, as `Linear(qat_input=True)`; `recompute_act`: the SwiGLU
+    under `recomputed`. x [T,D], w1/w3 [I,D], w2 [D,I], rw [T,1] or None -> [T,D]"""
     h = x.to(w1.dtype)
     h = fp8_sim(h, qat_block(h.shape[-1], ACT_QAT_BLOCK)) if qat else h
-    a = swiglu(F.linear(h, w1), F.linear(h, w3), limit, rw).to(x.dtype).to(w2.dtype)
+    a = recomputed(recompute_act, swiglu_as, F.linear(h, w1), F.linear(h, w3), limit, rw, x.dtype, w2.dtype)
     return F.linear(fp8_sim(a, qat_block(a.shape[-1], ACT_QAT_BLOCK)) if qat else a, w2)
 
 
@@ -508,9 +553,12 @@ class Expert(nn.Module):
         self.w2 = Linear(inter_dim, dim, qat_input=qat)
         self.w3 = Linear(dim, inter_dim, qat_input=qat)
         self.swiglu_limit = swiglu_limit
+        self.recompute_blocks = frozenset()   # swiglu: `Transformer.recompute`
 
     def forward(self, x: torch.Tensor, rw: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.swiglu_limit, rw).to(x.dtype))   # = expert_ffn
+        a = recomputed("swiglu" in active_recompute(self), swiglu_as, self.w1(x), self.w3(x), self.swiglu_limit, rw,
+                       x.dtype, x.dtype)
+        return self.w2(a)   # = expert_ffn
 
 
 class RoutedExperts(nn.Module):
@@ -533,6 +581,7 @@ class RoutedExperts(nn.Module):
         self.cfg, self.ids, D, I = cfg, list(ids), cfg.dim, cfg.moe_inter_dim
         self.w13 = nn.Parameter(torch.empty(len(self.ids), 2 * I, D).uniform_(-D ** -0.5, D ** -0.5))  # as nn.Linear
         self.w2 = nn.Parameter(torch.empty(len(self.ids), D, I).uniform_(-I ** -0.5, I ** -0.5))
+        self.recompute_blocks = frozenset()   # swiglu (the per-expert loop): `Transformer.recompute`
         self._tag()
 
     def _tag(self):   # the layout `official_views` reads off a parameter (the optimizer sees only parameters)
@@ -586,11 +635,11 @@ class RoutedExperts(nn.Module):
         if k == "triton" or (k == "auto" and x.is_cuda and x.dtype == self.w13.dtype == torch.bfloat16):
             from nanoflash.kernels.moe import grouped_experts
             return grouped_experts(x, rw, counts, self.w13, self.w2, self.cfg.swiglu_limit, self.cfg.qat, act=swiglu)
-        I, out, a = self.w2.shape[2], [], 0
+        I, out, a, act = self.w2.shape[2], [], 0, "swiglu" in active_recompute(self)
         for w13, w2, n in zip(self.w13.unbind(0), self.w2.unbind(0), counts.tolist()):   # host sync
             if n:
                 out.append(expert_ffn(x[a:a + n], w13[:I], w13[I:], w2, self.cfg.swiglu_limit, rw[a:a + n],
-                                      self.cfg.qat))
+                                      self.cfg.qat, act))
             a += n
         return torch.cat(out) if out else x[:0]   # x[:0]: a rank with no rows still runs the exchange's backward
 
@@ -633,13 +682,15 @@ class MoE(nn.Module):
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, 0.0, cfg.qat)
         self.dispatcher = LocalDispatcher(list(range(cfg.n_routed_experts)))
         self.last_indices: Optional[torch.Tensor] = None   # [N,K] experts of the last forward (routing replay)
+        self.recompute_blocks = frozenset()   # experts: `Transformer.recompute`
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, replay: Optional[torch.Tensor] = None) -> torch.Tensor:
         xf = x.flatten(0, 1)                                                            # [N,D]
         weights, indices = self.gate(xf, ids.flatten(), replay)
         self.last_indices = indices.detach()
         xs, ws, counts, ctx = self.dispatcher.dispatch(xf, indices, weights)          # [T,D], [T,1], [E_l]
-        y = self.dispatcher.combine(self.experts(xs, ws, counts), ctx)                # [N,D] fp32
+        ys = recomputed("experts" in active_recompute(self), self.experts, xs, ws, counts)   # [T,D]
+        y = self.dispatcher.combine(ys, ctx)                                           # [N,D] fp32
         y = y + self.shared_experts(xf).float()
         return y.to(x.dtype).view_as(x)
 
@@ -717,6 +768,7 @@ class Block(nn.Module):
         self.hc_ffn_base = nn.Parameter(torch.zeros(mix))
         self.hc_attn_scale = nn.Parameter(torch.ones(3))
         self.hc_ffn_scale = nn.Parameter(torch.ones(3))
+        self.recompute_blocks = frozenset()   # mhc / norm: `Transformer.recompute`
 
     def hc_pre(self, h, fn, scale, base, fused: bool = False):
         """Collapse the M streams into one sublayer input; return the post / comb coefficients."""
@@ -733,10 +785,25 @@ class Block(nn.Module):
         post_fn = hc_post
         if fused:
             from nanoflash.kernels.mhc import hc_post_fused as post_fn
-        x, post, comb = self.hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, fused)
-        h = post_fn(self.attn(self.attn_norm(x), start_pos, cache), h, post, comb)
-        x, post, comb = self.hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, fused)
-        return post_fn(self.ffn(self.ffn_norm(x), ids, replay), h, post, comb)
+        mhc = "mhc" in active_recompute(self)
+        x, post, comb = self.sublayer_input(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
+                                            self.attn_norm, fused)
+        h = recomputed(mhc, post_fn, self.attn(x, start_pos, cache), h, post, comb)
+        x, post, comb = self.sublayer_input(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
+                                            self.ffn_norm, fused)
+        return recomputed(mhc, post_fn, self.ffn(x, ids, replay), h, post, comb)
+
+    def sublayer_input(self, h, fn, scale, base, norm: RMSNorm, fused: bool):
+        """norm(hc_pre(h)) and hc_pre's post / comb. Recompute "mhc" and "norm": one region, only h kept;
+        either alone: its own region.  h [B,S,M,D] -> x [B,S,D], post [B,S,M], comb [B,S,M,M]"""
+        rc = active_recompute(self)
+        if {"mhc", "norm"} <= rc:
+            def pre_norm(h):
+                x, post, comb = self.hc_pre(h, fn, scale, base, fused)
+                return norm(x), post, comb
+            return recomputed(True, pre_norm, h)
+        x, post, comb = recomputed("mhc" in rc, self.hc_pre, h, fn, scale, base, fused)
+        return recomputed("norm" in rc, norm, x), post, comb
 
 
 class MTPBlock(Block):
@@ -778,7 +845,6 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.recompute = False     # per-layer activation recomputation (torch.utils.checkpoint)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(i, cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -787,6 +853,19 @@ class Transformer(nn.Module):
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.mtp = nn.ModuleDict({str(i): MTPBlock(cfg.n_layers + i, cfg) for i in range(cfg.n_mtp_layers)})
+        self.recompute = "none"
+
+    # ------------------------------------------------------------------ recomputation
+    @property
+    def recompute(self) -> frozenset:
+        """What a training forward recomputes in backward: {"layer"} (every layer, `run_layers`), sub-blocks of
+        `config.RECOMPUTE_BLOCKS`, or nothing. Set it from a `ParallelConfig.recompute` value (none | full |
+        selective | a comma list; a bool = full / none): every module holding sub-blocks gets the set."""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, value):
+        self._recompute = set_recompute(self, value)
 
     # ------------------------------------------------------------------ stage seams
     def embed_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -803,7 +882,7 @@ class Transformer(nn.Module):
             layer = self.layers[key]
             c = None if cache is None else cache.setdefault(key, LayerCache())
             rx = None if routed is None else routed[:, :, int(key)].flatten(0, 1)     # [B*S,K]
-            if self.recompute and self.training and torch.is_grad_enabled():
+            if "layer" in self.recompute and self.training and torch.is_grad_enabled():
                 h = checkpoint(layer, h, input_ids, start_pos, c, rx, use_reentrant=False)
             else:
                 h = layer(h, input_ids, start_pos, c, rx)
@@ -825,12 +904,26 @@ class Transformer(nn.Module):
         return {}
 
     # ------------------------------------------------------------------ RL / MTP heads
-    def token_logprobs(self, input_ids, targets, temperature: float = 1.0, chunk: int = 1024):
+    def token_logprobs(self, input_ids, targets, temperature: float = 1.0, chunk: int = 1024, mask=None):
         """log softmax(logits / T)[target] per position, in sequence chunks whose logits are recomputed in
-        backward, so full-vocabulary logits never exist for the whole sequence. [B,S] -> [B,S] fp32"""
-        y = self.hidden(self.run_layers(self.embed_streams(input_ids), input_ids))
-        fast = self.cfg.kernels == "triton" and y.is_cuda   # bf16 GEMMs, fp32 logits (kernels.matmul)
-        return chunked_logprobs(y, self.head.weight, targets, temperature, chunk, fast)
+        backward, so full-vocabulary logits never exist for the whole sequence; `mask`: only where it is > 0
+        (`head_logprobs`). [B,S] -> [B,S] fp32"""
+        h = self.run_layers(self.embed_streams(input_ids), input_ids)
+        fast = self.cfg.kernels == "triton" and h.is_cuda   # bf16 GEMMs, fp32 logits (kernels.matmul)
+        return self.head_logprobs(h, targets, temperature, mask, chunk, fast)
+
+    def head_logprobs(self, h, targets, temperature: float = 1.0, mask=None, chunk: int = 1024, fast=False):
+        """log softmax(head(hidden(h)) / T)[targets] per position (`chunked_logprobs`). With `mask` [B,S] only
+        the positions where it is > 0 are scored -- hc_head, norm, the head GEMM and the log-softmax run on those
+        rows alone, the values there the same as without a mask -- and the rest are 0: RL scores the response
+        tokens only, and at 2-4K-token prompts the fp32 head over the prompt is most of the head's work.
+        One host sync (the count of scored positions). h [B,S,M,D], targets [B,S] -> [B,S] fp32"""
+        if mask is None:
+            return chunked_logprobs(self.hidden(h), self.head.weight, targets, temperature, chunk, fast)
+        idx = (mask.flatten() > 0).nonzero()[:, 0]                                         # [n]
+        y = self.hidden(h.flatten(0, 1).index_select(0, idx)[None])                        # [1,n,D]
+        lp = chunked_logprobs(y, self.head.weight, targets.flatten()[idx][None], temperature, chunk, fast)[0]
+        return lp.new_zeros(targets.numel()).index_copy(0, idx, lp).view(targets.shape)   # [B,S]
 
     def mtp_logits(self, h: torch.Tensor, next_ids: torch.Tensor, depth: int = 0) -> torch.Tensor:
         """MTP logits from the main streams h (before hc_head) and the next tokens. -> [B,S,V] fp32"""
@@ -907,24 +1000,15 @@ class _ChunkLogprob(torch.autograd.Function):
         return (dlogits @ w.float()).to(y.dtype), (dlogits.t() @ y.float()).to(w.dtype), None, None
 
 
-def chunked_logprobs(y, weight, targets, temperature=1.0, chunk=1024, fast=False, positions=None):
+def chunked_logprobs(y, weight, targets, temperature=1.0, chunk=1024, fast=False):
     """Per-token log-probs of `targets` under head `weight` by chunks (fast: kernels.matmul). y [B,S,D] -> [B,S] fp32
-
-    positions [B,S] bool (optional): the head runs only there (a GRPO step scores response tokens: at 2-4K-token
-    prompts the fp32 head over every prompt position is ~30% of the trainer's time); elsewhere the result is 0."""
+    (no rows: one empty chunk, so the result still hangs on y's graph: an EP rank's dummy micro-batch)"""
     yf, tf = y.flatten(0, 1), targets.flatten()                                        # [N,D], [N]
-    idx = None if positions is None else positions.flatten().nonzero().squeeze(1)       # [n] (one host sync)
-    if idx is not None:
-        yf, tf = yf.index_select(0, idx), tf.index_select(0, idx)                       # [n,D], [n]
+    starts = range(0, max(yf.shape[0], 1), chunk)
     if fast:
         from nanoflash.kernels.matmul import ChunkLogprobBf16
         wb = weight.detach().to(torch.bfloat16)
-        out = [ChunkLogprobBf16.apply(yf[a:a + chunk], weight, wb, tf[a:a + chunk], temperature)
-               for a in range(0, max(yf.shape[0], 1), chunk)]   # >= 1 chunk: no position keeps the graph
-    else:
-        out = [_ChunkLogprob.apply(yf[a:a + chunk], weight, tf[a:a + chunk], temperature)
-               for a in range(0, max(yf.shape[0], 1), chunk)]
-    lp = torch.cat(out)
-    if idx is not None:   # scattered back (differentiable in `lp`): [n] -> [N]
-        lp = lp.new_zeros(targets.numel()).index_copy(0, idx, lp)
-    return lp.view(targets.shape)
+        return torch.cat([ChunkLogprobBf16.apply(yf[a:a + chunk], weight, wb, tf[a:a + chunk], temperature)
+                          for a in starts]).view(targets.shape)
+    out = [_ChunkLogprob.apply(yf[a:a + chunk], weight, tf[a:a + chunk], temperature) for a in starts]
+    return torch.cat(out).view(targets.shape)

@@ -1,6 +1,7 @@
 """Memory planner: a dry run of a PP x EP x DP layout on the meta device, per GPU, per rank's host share, per node.
 
     python -m nanoflash.parallel.planner --preset flash --pp 4 --ep 4 --recompute --offload
+    python -m nanoflash.parallel.planner --preset small --pp 1 --ep 1 --recompute selective
 
 Per rank (pp_rank, ep_rank; DP replicas are equal) it counts, from the parameter names of a model built on
 `meta` and the same ownership rules as `build_stage` / `apply_expert_parallel`, every term below. GPU:
@@ -11,10 +12,14 @@ Per rank (pp_rank, ep_rank; DP replicas are equal) it counts, from the parameter
     optimizer   fp32 master + Adam m, v = 12 bytes per trainable param (8 if the param is fp32); host w/ offload
     activations per in-flight micro-batch of T = micro_batch_tokens tokens in sequences of `seq_len` (default:
                 one sequence, the worst case); 1F1B keeps pp - pp_rank micro-batches alive on stage pp_rank.
-                recompute: the stored layer inputs h [T,M,D] per layer, plus one layer's full activations
-                (the layer being recomputed); no recompute: every layer's full activations
+                recompute=full: the stored layer inputs h [T,M,D] per layer, plus one layer's full activations
+                (the layer being recomputed); none: every layer's full activations; sub-blocks (selective,
+                or a list): every layer's activations measured under that policy (what its checkpoints keep
+                plus what the other ops save), plus the most one layer's recomputed sub-blocks rebuild
+                (its full minus its policy activations: a bound, they are rebuilt one at a time)
     imbalance   EP > 1: the busiest EP rank receives `imbalance` x its share of routed rows; the extra rows'
-                expert activations (x, w1 x, w3 x, swiglu: K (D + 3 I) per token) in every full layer
+                expert activations (x, w1 x, w3 x, swiglu: K (D + 3 I) per token) in every full layer (recompute
+                "experts": K D per token, their kept inputs, plus one layer rebuilt)
     a2a         EP > 1: one MoE exchange in flight: send [T K, D] + receive imbalance x [T K, D], with weights
     backward    the stream gradients in and out of the layer in backward (2 x [T,M,D]); on the last stage
                 the chunked head's fp32 logits and their gradient (2 x [1024, V])
@@ -37,9 +42,11 @@ the kept groups in the smallest integer type of the expert count, the packed glo
 being decoded) and HOST_PROCESS_BYTES of Python / torch / CUDA runtime. Per node: the ranks of the grid order
 (grid = arange(world).view(pp, dp, ep)) that share `gpus_per_host`.
 
-A layer's full activations are *measured*, not guessed: `measure_layer_bytes` runs one Block of the config
+A layer's activations are *measured*, not guessed: `measure_layer_bytes` runs one Block of the config
 (with only n_activated + 2 routed experts, which does not change the per-token activations beyond the gate
-scores) under `saved_tensors_hooks` at two lengths and fits bytes(S) = a S + b pairs(S), where pairs(S)
+scores), under a recompute policy, at two lengths, counts the bytes of every storage its ops allocated that is
+still alive after the forward (`Allocations`: saved tensors, checkpoint inputs, module state; the block's input
+when it is kept, never its output, which is the next layer's input) and fits bytes(S) = a S + b pairs(S), where pairs(S)
 counts the (query, key) pairs of nanoflash's dense masked attention (window slice per query chunk plus all
 S / ratio compressed keys): that term dominates at 8K tokens and is where nanoflash pays for not having the
 official sparse-gather kernel. `MEASURED_FLASH` holds the fit for `flash` (bf16, see `--measure`), so the
@@ -56,11 +63,14 @@ import dataclasses
 import textwrap
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from nanoflash.grpo import expert_id_dtype
 from nanoflash.names import official_parameters, storage_kind
-from nanoflash.config import ParallelConfig, preset
-from nanoflash.model import Block, Transformer, init_param_
+from nanoflash.config import ParallelConfig, preset, recompute_blocks
+from nanoflash.model import Block, Transformer, init_param_, set_recompute
 from nanoflash.parallel.expert import EXPERT_KEY, expert_range
 from nanoflash.parallel.optim import ALIGN, HOST_CHUNK_ELEMS, is_frozen
 from nanoflash.parallel.pipeline import LAST_STAGE_MODULES, LAST_STAGE_PARAMS, split_layers
@@ -223,19 +233,39 @@ def _count_params(model, cfg, par, train_mtp: bool) -> dict:
     return rows
 
 
-def _activations(cfg, par, setup: Setup, fit: dict, s: int, layers, dtype) -> dict:
+def stage_act_bytes(cfg, recompute, layers, T: int, fit: dict, recompute_fit: dict | None = None,
+                    seq_len: int | None = None, elem: int = 2) -> tuple[float, float]:
+    """(bytes one micro-batch keeps after the forward of `layers`, the most backward rebuilds at once) under a
+    `ParallelConfig.recompute` value. `fit`: the layers' full activations (no recompute); `recompute_fit`: the
+    fit measured under the sub-block policy (`measure_layer_bytes(..., recompute=)`), needed for one."""
+    blocks = recompute_blocks(recompute)
+    full = [layer_act_bytes(cfg, cfg.compress_ratios[i], T, fit, seq_len) for i in layers]
+    if "layer" in blocks:   # checkpointed layers keep their input h [T,M,D]; backward rebuilds one layer
+        return len(layers) * T * cfg.hc_mult * cfg.dim * elem, max(full)
+    if not blocks:
+        return sum(full), 0.0
+    if recompute_fit is None:
+        raise ValueError(f"planner: recompute={recompute!r} needs the activation fit measured under it "
+                         f"(measure_layer_bytes(cfg, recompute={recompute!r}))")
+    kept = [layer_act_bytes(cfg, cfg.compress_ratios[i], T, recompute_fit, seq_len) for i in layers]
+    return sum(kept), max(max(f - k for f, k in zip(full, kept)), 0.0)
+
+
+def _activations(cfg, par, setup: Setup, fit: dict, s: int, layers, dtype, recompute_fit=None) -> dict:
     """GPU activation terms of stage s: stored / recomputed layers, routing imbalance, a2a, backward."""
     T, M, D, K, elem = par.micro_batch_tokens, cfg.hc_mult, cfg.dim, cfg.n_activated_experts, dtype.itemsize
     in_flight = par.pp - s  # 1F1B, assuming at least pp micro-batches per step
-    per_layer = [layer_act_bytes(cfg, cfg.compress_ratios[i], T, fit, setup.seq_len) for i in layers]
-    full_layers = 1 if par.recompute else in_flight * len(layers)
-    if par.recompute:
-        acts = in_flight * len(layers) * T * M * D * elem + max(per_layer)
+    kept, rebuilt = stage_act_bytes(cfg, par.recompute, layers, T, fit, recompute_fit, setup.seq_len, elem)
+    blocks, routed = recompute_blocks(par.recompute), K * (D + 3 * cfg.moe_inter_dim) * elem   # per token
+    if "layer" in blocks:
+        extra_rows = routed                                            # the one layer being recomputed
+    elif "experts" in blocks:
+        extra_rows = in_flight * len(layers) * K * D * elem + routed   # kept inputs + one layer's experts rebuilt
     else:
-        acts = in_flight * sum(per_layer)
+        extra_rows = in_flight * len(layers) * routed
     ep_extra = par.ep > 1
-    out = {"activations": acts,
-           "imbalance": (setup.imbalance - 1) * full_layers * T * K * (D + 3 * cfg.moe_inter_dim) * elem * ep_extra,
+    out = {"activations": in_flight * kept + rebuilt,
+           "imbalance": (setup.imbalance - 1) * T * extra_rows * ep_extra,
            "a2a": (1 + setup.imbalance) * T * K * (D * elem + 4) * ep_extra,
            "backward": 2 * T * M * D * elem + (2 * min(T, HEAD_CHUNK) * cfg.vocab_size * 4 if s == par.pp - 1 else 0)}
     return out
@@ -272,9 +302,10 @@ def _engine(cfg, setup: Setup, full_params: int, push_bytes: float) -> tuple[flo
 
 
 def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: bool = False,
-         model=None, setup: Setup | None = None) -> list[dict]:
+         model=None, setup: Setup | None = None, recompute_fit: dict | None = None) -> list[dict]:
     """One row per (pp_rank, ep_rank): every GPU term (`gpu_terms`, summed in `gpu_bytes`) and host term
-    (`host_terms`, `host_bytes`) in bytes. `model`: a built full meta model of `cfg` to reuse (cast to `dtype`)."""
+    (`host_terms`, `host_bytes`) in bytes. `model`: a built full meta model of `cfg` to reuse (cast to `dtype`).
+    `fit`: the activation fit without recompute; `recompute_fit`: under par.recompute's sub-block policy."""
     setup = setup or Setup()
     if model is None:
         with torch.device("meta"):
@@ -293,7 +324,7 @@ def plan(cfg, par: ParallelConfig, fit: dict, dtype=torch.bfloat16, train_mtp: b
         casts = 0 if g_elem == 4 else 4 * (min(chunk, r["largest"]) if par.offload_optimizer else chunk + r["largest"])
         gpu = {"weights": r["param_bytes"], "grads": grads,
                "optimizer": 0 if par.offload_optimizer else r["optim_bytes"],
-               **_activations(cfg, par, setup, fit, s, layers[s], dtype),
+               **_activations(cfg, par, setup, fit, s, layers[s], dtype, recompute_fit),
                "clip": r["largest"] * 4 * (1 if g_elem == 4 else 2), "opt_step": casts,
                "nccl": NCCL_COMM_BYTES * _communicators(par, e == 0, setup.push) * (world > 1)
                * (not par.colocate_ranks),   # colocated ranks run gloo: no NCCL communicator
@@ -344,8 +375,44 @@ def node_host_bytes(rows: list, par: ParallelConfig, gpus_per_host: int) -> list
     return [nodes[k] for k in sorted(nodes)]
 
 
-def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="cpu") -> dict[int, tuple]:
-    """Fit bytes(S) = a S + b pairs(S) of the tensors autograd saves in one Block, per compress ratio."""
+class Allocations(TorchDispatchMode):
+    """Every storage the ops allocate while the mode is on (an output sharing an input's storage, a view or an
+    in-place result, allocates none), held weakly with its size. `kept(*outputs)` sums the ones still alive but
+    the outputs': what the autograd graph (saved tensors, checkpoint inputs) and module state hold after a
+    forward -- on any device, the CPU's stand-in for `torch.cuda.memory_allocated`."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in given:
+                s = t.untyped_storage()
+                self.storages[s._cdata] = (StorageWeakRef(s), s.nbytes())  # a weak ref pins the address
+        return out
+
+    def kept(self, *outputs) -> int:
+        skip = {t.untyped_storage()._cdata for t in outputs}
+        return sum(n for k, (ref, n) in self.storages.items() if k not in skip and not ref.expired())
+
+
+def block_kept_bytes(block, h_in: torch.Tensor, ids: torch.Tensor) -> int:
+    """Bytes one Block keeps for backward after its forward on `h_in` [B,S,M,D] (a leaf that requires grad):
+    its input counted only if kept (it is made a fresh non-leaf inside), its output never."""
+    with Allocations() as mem:
+        h = h_in * 1                 # the graph holds the leaf h_in, not this copy, unless the block keeps it
+        out = block(h, ids)
+        del h
+    return mem.kept(out)
+
+
+def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="cpu", recompute="none"
+                        ) -> dict[int, tuple]:
+    """Fit bytes(S) = a S + b pairs(S) of what one Block keeps for backward (`block_kept_bytes`) under the
+    `recompute` sub-block policy (a `ParallelConfig.recompute` value), per compress ratio."""
     small = dataclasses.replace(cfg, n_routed_experts=cfg.n_activated_experts + 2, n_hash_layers=0)
     fit = {}
     for ratio in sorted(set(cfg.compress_ratios)):
@@ -357,22 +424,15 @@ def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="
             for name, p in block.named_parameters():
                 init_param_(name, p, g)
         block.to(dtype)
-        weights = {p.untyped_storage().data_ptr() for p in block.parameters()}  # saved too, but not activations
+        set_recompute(block, recompute)
+        with torch.no_grad():  # first calls fill caches (rope frequencies) that must not count as activations
+            block(torch.zeros(1, 8, cfg.hc_mult, cfg.dim, device=device, dtype=dtype),
+                  torch.zeros(1, 8, dtype=torch.long, device=device))
         measured = []
         for S in seq_lens:
             g.manual_seed(S)
             h = torch.randn(1, S, cfg.hc_mult, cfg.dim, device=device, generator=g).to(dtype).requires_grad_()  # [B,S,M,D]
-            seen = {}
-
-            def pack(t):  # the tensor is kept until the sum: a freed storage's address cannot be reused and
-                ptr = t.untyped_storage().data_ptr()  # overwrite its entry (that made the count vary run to run)
-                if ptr not in weights:
-                    seen[ptr] = (t.untyped_storage().nbytes(), t)
-                return t
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                block(h, torch.zeros(1, S, dtype=torch.long, device=device))
-            measured.append(sum(n for n, _ in seen.values()))
-            seen.clear()
+            measured.append(block_kept_bytes(block, h, torch.zeros(1, S, dtype=torch.long, device=device)))
         (s1, s2), (m1, m2) = seq_lens, measured  # solve m = a S + b pairs(S) at both lengths
         p1, p2 = attention_pairs(cfg, ratio, s1), attention_pairs(cfg, ratio, s2)
         b = (m2 * s1 - m1 * s2) / (p2 * s1 - p1 * s2)
@@ -384,7 +444,7 @@ def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="
 GPU_COLS = (("weights", "weights", "the stage's parameters in the training dtype"),
             ("grads", "grads", "their gradients"),
             ("optimizer", "optim", "fp32 master + Adam m, v (0: offloaded to the host)"),
-            ("activations", "acts", "saved for backward by the in-flight micro-batches (1F1B; recompute: layer inputs)"),
+            ("activations", "acts", "kept for backward by the in-flight micro-batches (1F1B; recompute=full: layer inputs)"),
             ("imbalance", "imbal", "the busiest EP rank's extra routed rows"),
             ("a2a", "a2a", "one MoE all-to-all in flight"),
             ("backward", "bwd", "stream gradients of backward, the head's fp32 logits on the last stage"),
@@ -444,7 +504,8 @@ def main(argv=None) -> str:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: one of T)")
-    ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--recompute", nargs="?", const="full", default="none",
+                    help="none | full (the bare flag) | selective | a comma list of config.RECOMPUTE_BLOCKS")
     ap.add_argument("--offload", action="store_true")
     ap.add_argument("--grad-dtype", choices=("param", "fp32"), default="param")
     ap.add_argument("--push", choices=sorted(PUSH_HOST_FACTOR), default="nccl")
@@ -465,11 +526,14 @@ def main(argv=None) -> str:
 
 def report(cfg, name: str, par: ParallelConfig, setup: Setup, measure: bool = False) -> str:
     """The planner's tables for a model config `cfg` (preset `name`) under `par` and `setup`: flash from
-    MEASURED_FLASH, any other preset (or `measure`) from an activation fit measured here on the CPU."""
+    MEASURED_FLASH, any other preset (or `measure`) from an activation fit measured here on the CPU; a sub-block
+    recompute policy always from a fit measured here under it."""
     fit = MEASURED_FLASH if (name == "flash" and MEASURED_FLASH and not measure) else measure_layer_bytes(cfg)
+    blocks = recompute_blocks(par.recompute)
+    rfit = measure_layer_bytes(cfg, recompute=par.recompute) if blocks and "layer" not in blocks else None
     if measure:
         print("activation fit bytes(S) = a*S + b*pairs(S) per ratio:", {k: (round(x), round(y, 2)) for k, (x, y) in fit.items()})
-    return _report(plan(cfg, par, fit, setup=setup), name, par, setup)
+    return _report(plan(cfg, par, fit, setup=setup, recompute_fit=rfit), name, par, setup)
 
 
 if __name__ == "__main__":

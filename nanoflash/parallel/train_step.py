@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanoflash.model import chunked_logprobs
 from nanoflash.parallel.comm import all_reduce_
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.parallel.expert import apply_expert_parallel, expert_param_names
@@ -36,14 +35,11 @@ from nanoflash.parallel.pipeline import build_stage, forward_backward
 CLIP_EPS = 1e-6  # added to the norm in the clip factor (as torch.nn.utils.clip_grad_norm_)
 
 
-def stage_logprobs(model: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   positions: torch.Tensor | None = None):
+def stage_logprobs(model: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, mask=None):
     """log softmax(logits / T)[targets] from the last stage's streams (the pipeline form of
-    `Transformer.token_logprobs`, chunked so full-vocabulary logits never exist). h [B,S,M,D] -> [B,S] fp32
-
-    positions [B,S] (optional): only there is the head computed (0 elsewhere), as `chunked_logprobs`."""
-    return chunked_logprobs(model.hidden(h), model.head.weight, targets, temperature,
-                            positions=None if positions is None else positions > 0)
+    `Transformer.token_logprobs`, chunked so full-vocabulary logits never exist); `mask` [B,S]: the head runs
+    only where it is > 0, the other positions are 0 (`Transformer.head_logprobs`). h [B,S,M,D] -> [B,S] fp32"""
+    return model.head_logprobs(h, targets, temperature, mask)
 
 
 def token_nll_loss(model: nn.Module, h: torch.Tensor, mb: dict) -> torch.Tensor:
@@ -51,8 +47,8 @@ def token_nll_loss(model: nn.Module, h: torch.Tensor, mb: dict) -> torch.Tensor:
 
     Shapes: h [B,S,M,D], mb["targets"] [B,S] int64, mb["loss_mask"] [B,S] (optional) -> scalar
     """
-    logp = stage_logprobs(model, h, mb["targets"])  # [B,S] fp32
     mask = mb.get("loss_mask")
+    logp = stage_logprobs(model, h, mb["targets"], mask=mask)  # [B,S] fp32, 0 off the mask
     return -(logp if mask is None else logp * mask.float()).sum()
 
 

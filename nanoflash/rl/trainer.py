@@ -19,7 +19,8 @@ D = DP x EP, held only by first pipeline stages; later stages receive everything
 
     1. samples -> token-budget micro-batches (`parallel.microbatch.pack_microbatches`, B x S_max <= budget)
        whose count is equalised over the data group (`equalize_count`: every MoE layer is an EP collective)
-    2. `logprobs`: old_logp = log_softmax(f_theta(x) / T)[target], `parallel.pipeline.forward_only` at any PP.
+    2. `logprobs`: old_logp = log_softmax(f_theta(x) / T)[target], `parallel.pipeline.forward_only` at any PP,
+       at the scored positions only (the mask: the head and its log-softmax never run over the prompt).
        In matched-precision mode (fp32 trainer, fp32 engine) every sample is scored alone without padding,
        the exact call the embedded engine makes, so train_rollout_logprob_abs_diff is exactly 0
     3. `train`: GRPO loss (`grpo.policy_loss`, summed per micro-batch, denom 1) through the engine's
@@ -256,11 +257,12 @@ class Trainer:
 
     @torch.no_grad()
     def logprobs(self, shard) -> torch.Tensor | None:
-        """The trainer's log-probs of the shard's scored positions (`scored_positions`; no grad), through the
-        pipeline. -> [b,S] fp32 on the CPU on first stages (0 elsewhere), None on the other stages."""
+        """The trainer's log-probs of the shard's scored positions (`mask`; no grad), through the pipeline.
+        -> [b,S] fp32 on the CPU on first stages (0 off the mask), None elsewhere."""
         mbs, groups = self.micro_batches(shard, self._fields(), per_sample=self.matched)
-        T, at = self.temperature, self.scored_positions
-        lps = forward_only(self.model, self.dims, mbs, lambda m, h, mb: stage_logprobs(m, h, mb["targets"], T, at(mb)))
+        T = self.temperature
+        lps = forward_only(self.model, self.dims, mbs,
+                           lambda m, h, mb: stage_logprobs(m, h, mb["targets"], T, mb["mask"]))
         if mbs is None:
             return None
         old = torch.zeros_like(shard.rollout_logprobs)
@@ -270,12 +272,6 @@ class Trainer:
                 old[i, :lens[i]] = lp[j, :lens[i]].float()
         return old
 
-    def scored_positions(self, mb: dict):
-        """Where the head runs: the loss mask's positions (the response tokens), the only ones the loss, the
-        gap and the hooks read. Matched precision keeps every position, so each sequence's head GEMMs have the
-        rollout engine's shapes and its log-probs stay equal bit for bit."""
-        return None if self.matched else mb["mask"]
-
     def train(self, shard) -> dict:
         """One optimizer step of the GRPO loss on the shard (`shard.old_logprobs` filled). -> global metrics."""
         gc, first = self.gc, self.dims.is_first_stage
@@ -284,7 +280,7 @@ class Trainer:
         T, lc = self.temperature, grpo.LossConfig.of(gc)
 
         def loss_fn(m, h, mb):
-            lp = stage_logprobs(m, h, mb["targets"], T, self.scored_positions(mb))
+            lp = stage_logprobs(m, h, mb["targets"], T, mb["mask"])   # the head at the response tokens only
             loss, met = grpo.policy_loss(lp, mb["old_logprobs"], mb["advantages"], mb["mask"], lc,
                                          rollout_logp=mb["rollout_logprobs"], denom=1.0)
             return loss, {k: met[k] for k in LOSS_KEYS if k in met}

@@ -32,7 +32,8 @@ def score(model, prompt: list, ids: list, temperature: float) -> torch.Tensor:
     """The model's log-probs of `ids` after `prompt`. -> [len(ids)] fp32 on the CPU."""
     dev = next(model.parameters()).device
     full = torch.tensor(list(prompt) + list(ids), device=dev)                    # [P+R]
-    lp = model.token_logprobs(full[None, :-1], full[None, 1:], temperature=temperature)  # [1,P+R-1]
+    scored = torch.arange(len(full) - 1, device=dev) >= len(prompt) - 1           # the head at ids' positions only
+    lp = model.token_logprobs(full[None, :-1], full[None, 1:], temperature=temperature, mask=scored[None])
     return lp[0, len(prompt) - 1:].float().cpu()
 
 
