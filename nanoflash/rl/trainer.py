@@ -20,9 +20,10 @@ D = DP x EP, held only by first pipeline stages; later stages receive everything
     1. samples -> token-budget micro-batches (`parallel.microbatch.pack_microbatches`, B x S_max <= budget)
        whose count is equalised over the data group (`equalize_count`: every MoE layer is an EP collective)
     2. `logprobs`: old_logp = log_softmax(f_theta(x) / T)[target], `parallel.pipeline.forward_only` at any PP,
-       at the scored positions only (the mask: the head and its log-softmax never run over the prompt).
-       In matched-precision mode (fp32 trainer, fp32 engine) every sample is scored alone without padding,
-       the exact call the embedded engine makes, so train_rollout_logprob_abs_diff is exactly 0
+       the head at the scored positions only (the mask: no head and log-softmax over the prompt).
+       In matched-precision mode (fp32 trainer, fp32 engine) every sample is scored alone without padding and
+       the head over every position, the exact call the embedded engine makes, so
+       train_rollout_logprob_abs_diff is exactly 0
     3. `train`: GRPO loss (`grpo.policy_loss`, summed per micro-batch, denom 1) through the engine's
        `train_step` with loss_scale = 1 / Z, Z the global normaliser (samples for seq-mean-token-mean,
        response tokens for token-mean, summed over the data group): 1F1B -> gradient all-reduce -> clip -> AdamW.
@@ -258,11 +259,12 @@ class Trainer:
     @torch.no_grad()
     def logprobs(self, shard) -> torch.Tensor | None:
         """The trainer's log-probs of the shard's scored positions (`mask`; no grad), through the pipeline.
-        -> [b,S] fp32 on the CPU on first stages (0 off the mask), None elsewhere."""
+        -> [b,S] fp32 on the CPU on first stages (0 off the mask), None elsewhere. Matched precision scores
+        every position, the embedded engine's exact call (the head's GEMMs over other rows may differ in ulps)."""
         mbs, groups = self.micro_batches(shard, self._fields(), per_sample=self.matched)
-        T = self.temperature
-        lps = forward_only(self.model, self.dims, mbs,
-                           lambda m, h, mb: stage_logprobs(m, h, mb["targets"], T, mb["mask"]))
+        T, matched = self.temperature, self.matched
+        lps = forward_only(self.model, self.dims, mbs, lambda m, h, mb: stage_logprobs(
+            m, h, mb["targets"], T, None if matched else mb["mask"]))
         if mbs is None:
             return None
         old = torch.zeros_like(shard.rollout_logprobs)
@@ -270,7 +272,7 @@ class Trainer:
         for lp, g in zip(lps, groups):
             for j, i in enumerate(g):
                 old[i, :lens[i]] = lp[j, :lens[i]].float()
-        return old
+        return torch.where(shard.mask > 0, old, 0.0)
 
     def train(self, shard) -> dict:
         """One optimizer step of the GRPO loss on the shard (`shard.old_logprobs` filled). -> global metrics."""
