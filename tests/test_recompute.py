@@ -14,6 +14,7 @@ from nanoflash.config import RECOMPUTE_BLOCKS, ParallelConfig, preset, recompute
 from nanoflash.model import Block, Transformer, init_param_, set_recompute
 from nanoflash.parallel.planner import Allocations, block_kept_bytes, measure_layer_bytes, plan, stage_act_bytes
 
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny forwards: latency-bound (conftest.one_thread)
 POLICIES = ["full", "selective", *RECOMPUTE_BLOCKS, ",".join(RECOMPUTE_BLOCKS)]
 # The planner sums per-layer fits bytes(S) = a S + b pairs(S) measured on one Block at S = 32, 64 and
 # extrapolated to the stack's 96 tokens: observed within 0.2% (none, selective) and 1.5% (full: the analytic

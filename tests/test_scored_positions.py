@@ -4,6 +4,7 @@ the head's GEMMs really run on the scored rows alone, and a micro-batch with not
 
 Run: pytest tests/test_scored_positions.py -q
 """
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -14,6 +15,7 @@ from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.rl.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny forwards: latency-bound (conftest.one_thread)
 # Fewer rows can take another BLAS kernel (another summation order over D and V) in the head GEMM, hc_head's
 # mixes and the logsumexp: fp32 ulps at the scale of the values. Observed <= 2 ulps of max |log p| (~5.5 on tiny,
 # one ulp 4.8e-7) and bit-equal on most shapes; gradients the same at the scale of each gradient.

@@ -295,15 +295,15 @@ class Trainer:
     def require_finite(self, when: str) -> None:
         """Stop the run, on every rank, if any weight of any rank is NaN/inf or larger in magnitude than
         `train.max_abs_weight` (an exploded update: finite, but no model any more); nothing such is ever
-        pushed or saved. One |w| max per tensor (NaN propagates through it), all-reduced once."""
+        pushed or saved. One |w| max per tensor (NaN propagates through it), read in one host sync, all-reduced once."""
         limit, bad, big = self.cfg.train.max_abs_weight, [], []
-        for n, t in self.state_iter():
-            if t.is_floating_point() and t.numel():
-                a = float(t.detach().abs().amax())
-                if not math.isfinite(a):
-                    bad.append(n)
-                elif a > limit:
-                    big.append(f"{n} |w| {a:.3g}")
+        held = [(n, t) for n, t in self.state_iter() if t.is_floating_point() and t.numel()]
+        amax = torch.stack([t.detach().abs().amax().float() for _, t in held]).tolist() if held else []  # 1 sync
+        for (n, _), a in zip(held, amax):
+            if not math.isfinite(a):
+                bad.append(n)
+            elif a > limit:
+                big.append(f"{n} |w| {a:.3g}")
         n = torch.tensor([len(bad), len(big)], device=self.dims.device)
         if self.dims.world_size > 1:
             dist.all_reduce(n)
