@@ -18,7 +18,8 @@ ARGS = ["--preset", "tiny", "--device", "cpu", "--dtype", "fp32", "--prompt-len"
 
 def test_bench_grpo_step_runs_on_cpu(capsys):
     """A bench that no longer runs (a renamed trainer method, a field the batch lost) or adds up wrong (step
-    != its parts, the head's FLOPs counted at every position, the scored tokens not the responses)."""
+    != its parts, the scored tokens not the responses); a trainer pass that scores every position again (the
+    head's host sync missing from it)."""
     res = bench_grpo_step.main(ARGS)
     assert res["sequences"] == 4 and 4 * 2 <= res["scored_tokens"] <= 4 * 8
     assert res["micro_batches"] > 1 and res["padded_tokens"] >= res["tokens"]
