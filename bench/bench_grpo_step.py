@@ -236,11 +236,12 @@ def profile_step(trainer, batch, dev) -> dict:
         for g, s, e in big:
             k = label(at[(s + e) / 2])
             by_op[k] = by_op.get(k, 0.0) + g / 1e3
+        top = sorted(((k, round(v, 3)) for k, v in by_op.items()), key=lambda kv: -kv[1])[:GAPS_LISTED]
         out.update(gpu_busy_ms=busy / 1e3, outside_kernels_ms=(t1 - t0 - busy) / 1e3,
                    outside_kernels_frac=(t1 - t0 - busy) / (t1 - t0), gaps_over_1ms=sum(g[0] > 1e3 for g in gaps),
-                   gaps_over_50us_ms=sum(g[0] for g in big) / 1e3,
-                   largest_gaps=[{"ms": round(g / 1e3, 3), "at": label(at[(s + e) / 2])} for g, s, e in big[:GAPS_LISTED]],
-                   gap_ms_by_op=dict(sorted(((k, round(v, 3)) for k, v in by_op.items()), key=lambda kv: -kv[1])[:GAPS_LISTED]))
+                   gaps_over_50us_ms=sum(g[0] for g in big) / 1e3, gap_ms_by_op=dict(top),
+                   largest_gaps=[{"ms": round(g / 1e3, 3), "at": label(at[(s + e) / 2])}
+                                 for g, s, e in big[:GAPS_LISTED]])
     names = {}
     for _, _, n, _ in cpu:
         names[n] = names.get(n, 0) + 1
@@ -302,8 +303,8 @@ def main(argv=None) -> dict:
     t["step_s"] = t["old_logprobs_s"] + t["train_s"]
     F = fl["fwd"]
     res["time_s"] = t
-    res["mfu"] = {"step": 4 * F / t["step_s"] / DATASHEET_BF16, "old_logprobs": F / t["old_logprobs_s"] / DATASHEET_BF16,
-                  "fwd_bwd": 3 * F / t["fwd_bwd_s"] / DATASHEET_BF16}
+    passes = (("step", 4), ("old_logprobs", 1), ("fwd_bwd", 3))   # forwards' worth of FLOPs in each
+    res["mfu"] = {k: n * F / t[f"{k}_s"] / DATASHEET_BF16 for k, n in passes}
     res["ratio_to_ceiling"] = {k: v * DATASHEET_BF16 / ceiling for k, v in res["mfu"].items()}
     res["mfu_6nd_fwd_bwd"] = 6 * fl["n_active"] * fl["tokens"] / t["fwd_bwd_s"] / DATASHEET_BF16
     res["tokens_per_s"] = fl["tokens"] / t["step_s"]

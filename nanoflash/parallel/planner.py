@@ -446,7 +446,8 @@ def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="
 GPU_COLS = (("weights", "weights", "the stage's parameters in the training dtype"),
             ("grads", "grads", "their gradients"),
             ("optimizer", "optim", "fp32 master + Adam m, v (0: offloaded to the host)"),
-            ("activations", "acts", "kept for backward by the in-flight micro-batches (1F1B; recompute=full: layer inputs)"),
+            ("activations", "acts", "kept for backward by the in-flight micro-batches (1F1B; recompute=full: "
+                                    "layer inputs)"),
             ("imbalance", "imbal", "the busiest EP rank's extra routed rows"),
             ("a2a", "a2a", "one MoE all-to-all in flight"),
             ("backward", "bwd", "stream gradients of backward, the head's fp32 logits on the last stage"),
