@@ -116,7 +116,8 @@ def measure_step(model, ids, recompute: str, ceiling: float, S: int):
         h = model.run_layers(model.embed_streams(ids), ids)
         torch.cuda.synchronize()   # what the layers' forward leaves for backward (their output excluded)
         kept = torch.cuda.memory_allocated() - base - h.untyped_storage().nbytes()
-        (-model.head_logprobs(h, torch.roll(ids, -1, 1)).mean()).backward()
+        fast = cfg.kernels == "triton"   # the head token_logprobs runs (bf16 GEMMs, fp32 logits)
+        (-model.head_logprobs(h, torch.roll(ids, -1, 1), fast=fast).mean()).backward()
         del h
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()

@@ -309,7 +309,8 @@ class ParallelConfig:
     layer_split: tuple | None = None  # backbone layers per stage, e.g. (10, 11, 11, 11); None = even split
     micro_batch_tokens: int = 8192    # max tokens per micro-batch per GPU (variable-length sequences packed)
     recompute: str = "none"           # activation recomputation: none | full (every layer) | selective (mhc, norm,
-                                      # swiglu) | a comma list of the sub-blocks of RECOMPUTE_BLOCKS
+                                      # swiglu) | a comma list of mhc, norm, swiglu, attn_q, attn_out, experts
+                                      # (config.RECOMPUTE_BLOCKS says what each keeps and recomputes)
     offload_optimizer: bool = False   # keep fp32 master weights and Adam moments in host memory
     device: str = "auto"              # where this rank's stage lives: auto (cuda:LOCAL_RANK under nccl, else cpu) | cpu | cuda
     timeout_s: int = 1800             # training collectives (NCCL all-to-all, P2P, all-reduce) raise after this

@@ -4,6 +4,7 @@ the head's GEMMs really run on the scored rows alone, and a micro-batch with not
 
 Run: pytest tests/test_scored_positions.py -q
 """
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -14,6 +15,7 @@ from nanoflash.model import Transformer
 from nanoflash.parallel.dims import ParallelDims
 from nanoflash.rl.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny forwards: latency-bound (conftest.one_thread)
 # Fewer rows can take another BLAS kernel (another summation order over D and V) in the head GEMM, hc_head's
 # mixes and the logsumexp: fp32 ulps at the scale of the values. Observed <= 2 ulps of max |log p| (~5.5 on tiny,
 # one ulp 4.8e-7) and bit-equal on most shapes; gradients the same at the scale of each gradient.
@@ -73,11 +75,15 @@ def test_a_micro_batch_with_nothing_to_score_still_backprops(gen):
     assert m.layers["0"].attn.wq_a.weight.grad is not None
 
 
-def test_trainer_old_logprobs_at_the_scored_positions(gen):
-    """`Trainer.logprobs` (the old log-probs: forward-only pipeline over token-budget micro-batches) against
-    the plain model's log-probs over every position of the padded batch: the same on the mask, 0 off it."""
-    cfg = parse_args(["--recipe", "smoke", "--parallel.micro_batch_tokens", "48"])
+@pytest.mark.parametrize("weights", ["fp8", "fp32"])   # fp32 with the fp32 trainer: matched precision
+def test_trainer_old_logprobs_at_the_scored_positions(gen, weights):
+    """`Trainer.logprobs` (the old log-probs: forward-only pipeline over token-budget micro-batches; matched
+    precision: each sample alone, the head over every position as the engine scores) against the plain
+    model's log-probs over every position of the padded batch: the same on the mask, 0 off it."""
+    cfg = parse_args(["--recipe", "smoke", "--parallel.micro_batch_tokens", "48", "--rollout.weights", weights,
+                      "--train.dtype", "fp32"])
     actor = Trainer(cfg, preset("tiny", **cfg.model), ParallelDims())
+    assert actor.matched == (weights == "fp32")
     eps = []
     for i, (P, R) in enumerate([(9, 6), (20, 3), (5, 12), (14, 1)]):
         ids = torch.randint(1, actor.model.cfg.vocab_size, (P + R,), generator=gen).tolist()

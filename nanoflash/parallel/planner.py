@@ -70,7 +70,7 @@ from torch.utils._pytree import tree_leaves
 from nanoflash.grpo import expert_id_dtype
 from nanoflash.names import official_parameters, storage_kind
 from nanoflash.config import ParallelConfig, preset, recompute_blocks
-from nanoflash.model import Block, Transformer, init_param_, set_recompute
+from nanoflash.model import FP32_KEYS, Block, Transformer, init_param_, set_recompute
 from nanoflash.parallel.expert import EXPERT_KEY, expert_range
 from nanoflash.parallel.optim import ALIGN, HOST_CHUNK_ELEMS, is_frozen
 from nanoflash.parallel.pipeline import LAST_STAGE_MODULES, LAST_STAGE_PARAMS, split_layers
@@ -423,7 +423,9 @@ def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="
         with torch.no_grad():  # one S is the same in every call (routing decides the MoE's saved bytes)
             for name, p in block.named_parameters():
                 init_param_(name, p, g)
-        block.to(dtype)
+        for name, p in block.named_parameters():   # as `Transformer.cast_`: fp32 where the official model keeps it
+            if not any(k in name for k in FP32_KEYS):
+                p.data = p.data.to(dtype)
         set_recompute(block, recompute)
         with torch.no_grad():  # first calls fill caches (rope frequencies) that must not count as activations
             block(torch.zeros(1, 8, cfg.hc_mult, cfg.dim, device=device, dtype=dtype),
@@ -444,7 +446,8 @@ def measure_layer_bytes(cfg, seq_lens=(128, 256), dtype=torch.bfloat16, device="
 GPU_COLS = (("weights", "weights", "the stage's parameters in the training dtype"),
             ("grads", "grads", "their gradients"),
             ("optimizer", "optim", "fp32 master + Adam m, v (0: offloaded to the host)"),
-            ("activations", "acts", "kept for backward by the in-flight micro-batches (1F1B; recompute=full: layer inputs)"),
+            ("activations", "acts", "kept for backward by the in-flight micro-batches (1F1B; recompute=full: "
+                                    "layer inputs)"),
             ("imbalance", "imbal", "the busiest EP rank's extra routed rows"),
             ("a2a", "a2a", "one MoE all-to-all in flight"),
             ("backward", "bwd", "stream gradients of backward, the head's fp32 logits on the last stage"),

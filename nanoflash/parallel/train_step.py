@@ -155,7 +155,8 @@ def sum_over_data(values: dict, dims: ParallelDims) -> dict:
         dist.broadcast_object_list(box, src=dims.pp_ranks[-1], group=dims.pp_group, device=dims.object_device)
         values = box[0]
     names = sorted(values)
-    t = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=dims.device)
+    vals = [torch.as_tensor(values[k]).detach().double().reshape(()) for k in names]   # device scalars: no sync yet
+    t = torch.stack([v.to(vals[0].device) for v in vals]).to(dims.device)             # one copy, not one per metric
     if dims.data_group is not None:
         dist.all_reduce(t, group=dims.data_group)
     return dict(zip(names, t.tolist()))

@@ -20,9 +20,10 @@ D = DP x EP, held only by first pipeline stages; later stages receive everything
     1. samples -> token-budget micro-batches (`parallel.microbatch.pack_microbatches`, B x S_max <= budget)
        whose count is equalised over the data group (`equalize_count`: every MoE layer is an EP collective)
     2. `logprobs`: old_logp = log_softmax(f_theta(x) / T)[target], `parallel.pipeline.forward_only` at any PP,
-       at the scored positions only (the mask: the head and its log-softmax never run over the prompt).
-       In matched-precision mode (fp32 trainer, fp32 engine) every sample is scored alone without padding,
-       the exact call the embedded engine makes, so train_rollout_logprob_abs_diff is exactly 0
+       the head at the scored positions only (the mask: no head and log-softmax over the prompt).
+       In matched-precision mode (fp32 trainer, fp32 engine) every sample is scored alone without padding and
+       the head over every position, the exact call the embedded engine makes, so
+       train_rollout_logprob_abs_diff is exactly 0
     3. `train`: GRPO loss (`grpo.policy_loss`, summed per micro-batch, denom 1) through the engine's
        `train_step` with loss_scale = 1 / Z, Z the global normaliser (samples for seq-mean-token-mean,
        response tokens for token-mean, summed over the data group): 1F1B -> gradient all-reduce -> clip -> AdamW.
@@ -258,11 +259,12 @@ class Trainer:
     @torch.no_grad()
     def logprobs(self, shard) -> torch.Tensor | None:
         """The trainer's log-probs of the shard's scored positions (`mask`; no grad), through the pipeline.
-        -> [b,S] fp32 on the CPU on first stages (0 off the mask), None elsewhere."""
+        -> [b,S] fp32 on the CPU on first stages (0 off the mask), None elsewhere. Matched precision scores
+        every position, the embedded engine's exact call (the head's GEMMs over other rows may differ in ulps)."""
         mbs, groups = self.micro_batches(shard, self._fields(), per_sample=self.matched)
-        T = self.temperature
-        lps = forward_only(self.model, self.dims, mbs,
-                           lambda m, h, mb: stage_logprobs(m, h, mb["targets"], T, mb["mask"]))
+        T, matched = self.temperature, self.matched
+        lps = forward_only(self.model, self.dims, mbs, lambda m, h, mb: stage_logprobs(
+            m, h, mb["targets"], T, None if matched else mb["mask"]))
         if mbs is None:
             return None
         old = torch.zeros_like(shard.rollout_logprobs)
@@ -270,7 +272,7 @@ class Trainer:
         for lp, g in zip(lps, groups):
             for j, i in enumerate(g):
                 old[i, :lens[i]] = lp[j, :lens[i]].float()
-        return old
+        return torch.where(shard.mask > 0, old, 0.0)
 
     def train(self, shard) -> dict:
         """One optimizer step of the GRPO loss on the shard (`shard.old_logprobs` filled). -> global metrics."""
@@ -293,15 +295,15 @@ class Trainer:
     def require_finite(self, when: str) -> None:
         """Stop the run, on every rank, if any weight of any rank is NaN/inf or larger in magnitude than
         `train.max_abs_weight` (an exploded update: finite, but no model any more); nothing such is ever
-        pushed or saved. One |w| max per tensor (NaN propagates through it), all-reduced once."""
+        pushed or saved. One |w| max per tensor (NaN propagates through it), read in one host sync, all-reduced once."""
         limit, bad, big = self.cfg.train.max_abs_weight, [], []
-        for n, t in self.state_iter():
-            if t.is_floating_point() and t.numel():
-                a = float(t.detach().abs().amax())
-                if not math.isfinite(a):
-                    bad.append(n)
-                elif a > limit:
-                    big.append(f"{n} |w| {a:.3g}")
+        held = [(n, t) for n, t in self.state_iter() if t.is_floating_point() and t.numel()]
+        amax = torch.stack([t.detach().abs().amax().float() for _, t in held]).tolist() if held else []  # 1 sync
+        for (n, _), a in zip(held, amax):
+            if not math.isfinite(a):
+                bad.append(n)
+            elif a > limit:
+                big.append(f"{n} |w| {a:.3g}")
         n = torch.tensor([len(bad), len(big)], device=self.dims.device)
         if self.dims.world_size > 1:
             dist.all_reduce(n)

@@ -438,10 +438,7 @@ class RolloutEngine:
 
     @torch.no_grad()
     def score(self, full: torch.Tensor, prompt_len: int, temperature: float) -> list:
-        """The trainer's log-probs of full[prompt_len:], batch of one, the head at those positions only -- as the
-        trainer scores a sample's response (`Transformer.head_logprobs`). full [L] -> list of L - prompt_len"""
-        scored = torch.arange(len(full) - 1, device=full.device) >= prompt_len - 1                # [L-1]
+        """The trainer's log-probs of full[prompt_len:], batch of one. full [L] -> list of L - prompt_len"""
         with self.lock:
-            lp = self.model.token_logprobs(full[None, :-1], full[None, 1:], temperature=temperature or 1.0,
-                                           mask=scored[None])
+            lp = self.model.token_logprobs(full[None, :-1], full[None, 1:], temperature=temperature or 1.0)
         return lp[0, prompt_len - 1:].tolist()
