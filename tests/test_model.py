@@ -84,6 +84,40 @@ def test_decode_with_sparse_indexer_selection(gen):
     assert (torch.cat(parts, 1) - full).abs().max().item() <= DECODE_TOL * full.abs().max().item()
 
 
+@pytest.mark.usefixtures("one_thread")   # tiny forwards: two threads on the loaded 2-core box spin (0.7 s vs 9-55 s)
+def test_decode_rows_at_their_own_positions_equal_the_full_forward(gen):
+    """The continuous-batching path (server/engine.py): sequences prefilled alone at different lengths, joined
+    (`cat_caches`), decoded together with per-row start_pos, one leaving (`cache_rows`) and a new one joining
+    mid-way; every row's logits equal its own full forward. Across the window wrap (W=8), C4 / ratio-8 window
+    ends at different steps per row, and a sparse indexer (top-2 of up to 7 entries). Bugs caught: one row's
+    position used for all (rope, ape, visibility), a shorter row's window padding not masked, an entry written
+    for a row whose window did not end or into another row's slot, the C4 prev window not kept per row, the
+    wrong rows kept when one leaves."""
+    m = tiny_model(index_topk=2).eval()
+    V, T = m.cfg.vocab_size, 30
+    lens = [5, 13, 3, 21]                     # prefill lengths: rows stand at different positions mod 4 and 8
+    seqs = [torch.randint(0, V, (1, T), generator=gen) for _ in range(5)]
+    with torch.no_grad():
+        fulls = [m(s)[0] for s in seqs]                                                # [T,V] each
+        caches = []
+        for s, L in zip(seqs, lens):
+            caches.append(m.new_cache())
+            m(s[:, :L], 0, caches[-1])
+        cache, rows, pos, err = m.cat_caches(caches), [0, 1, 2, 3], torch.tensor(lens), 0.0
+        for step in range(T - max(lens)):
+            ids = torch.cat([seqs[r][:, p:p + 1] for r, p in zip(rows, pos.tolist())])  # [B,1]
+            out = m(ids, pos, cache)[:, -1]                                            # [B,V]
+            err = max(err, max((out[i] - fulls[r][p]).abs().max().item() for i, (r, p) in enumerate(zip(rows, pos.tolist()))))
+            pos = pos + 1
+            if step == 3:                         # row 2 leaves, sequence 4 joins after a prefill of 7
+                keep = torch.tensor([0, 1, 3])
+                cache, rows, pos = m.cache_rows(cache, keep), [0, 1, 3], pos[keep]
+                joined = m.new_cache()
+                m(seqs[4][:, :7], 0, joined)
+                cache, rows, pos = m.cat_caches([cache, joined]), rows + [4], torch.cat([pos, torch.tensor([7])])
+    assert err <= DECODE_TOL * max(f.abs().max().item() for f in fulls), f"max |diff| {err:.2e}"
+
+
 def test_token_logprobs_matches_log_softmax_forward_and_backward(gen):
     m = tiny_model()
     ids = torch.randint(0, m.cfg.vocab_size, (2, 13), generator=gen)
