@@ -118,6 +118,27 @@ def test_decode_rows_at_their_own_positions_equal_the_full_forward(gen):
     assert err <= DECODE_TOL * max(f.abs().max().item() for f in fulls), f"max |diff| {err:.2e}"
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_tokens_after_a_sequence_change_none_of_its_logits(gen):
+    """Right-padding is safe for this model (the engine's batched scoring and decode="full" pad rows of
+    different lengths): every block is causal -- the sliding window, the compressed entries (an entry is visible
+    only once its window has ended, the C4 overlap included), the indexer's top-k over those, MoE and mHC per
+    token. Rows cut at lengths across C4 / ratio-8 window ends, then padded with random tokens to 29, keep
+    their logits. Bug caught: an entry visible one step early (u <= (t+1)//m), a compressor pooling a window
+    that has not ended, a window mask letting a later key in."""
+    m = tiny_model(index_topk=2).eval()
+    V, L = m.cfg.vocab_size, 29
+    ids = torch.randint(0, V, (5, L), generator=gen)
+    cuts = [3, 8, 11, 16, 23]                 # 4k-1, 8k, 4k+3 (an entry ends there), 16, 23
+    padded = torch.stack([torch.cat([ids[i, :c], torch.randint(0, V, (L - c,), generator=gen)])
+                          for i, c in enumerate(cuts)])
+    with torch.no_grad():
+        got = m(padded)
+        want = [m(ids[i:i + 1, :c])[0] for i, c in enumerate(cuts)]
+    err = max((got[i, :c] - w).abs().max().item() for i, (c, w) in enumerate(zip(cuts, want)))
+    assert err <= DECODE_TOL * max(w.abs().max().item() for w in want), f"max |diff| {err:.2e}"
+
+
 def test_token_logprobs_matches_log_softmax_forward_and_backward(gen):
     m = tiny_model()
     ids = torch.randint(0, m.cfg.vocab_size, (2, 13), generator=gen)
