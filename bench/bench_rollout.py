@@ -29,7 +29,7 @@ batching: the `gpu` recipe's rollout (nanoflash/recipes/gpu.txt: `small` with th
         recipe's seeds) on ONE engine, switched between `batching="serial"` + exact scoring (the engine before
         continuous batching: one request per forward, every sample scored alone; docs/benchmarks.md B11 measured
         it at 56-60 tokens/s inside train.py) and continuous batching with batched, then exact, scoring; tokens/s
-        per mode (median of the timed rounds, after one warm-up round), decode forwards and rows per forward, and
+        per mode (median of the timed rounds, after one warm-up round per engine), decode forwards and rows per forward, and
         the agreement with serial on the same seeds: the share of identical samples and the largest |dlogp| on
         those. `--old-engine FILE` adds an engine module from another commit (e.g. `git show 8c3148f:nanoflash/
         server/engine.py > bench/old_engine.py`) as one more mode.
@@ -280,11 +280,13 @@ def bench_batching(preset_name, dev, rounds=3, serial_rounds=2, old_engine=None)
     out, gens = {"part": "batching", "preset": preset_name, "device": dev, "cache_decode": eng.use_cache,
                  "workload": f"{len(prompts)} requests x n={sp['n']} x {sp['max_new_tokens']} new tokens, "
                              f"{workers} in flight", "modes": {}}, {}
+    one_round(clients["new"])               # warm-up (CUDA context, cuBLAS handles; no JIT on the fp32 engine)
+    if old_engine:
+        one_round(clients["old"])
     for name, which, batching, score in modes:
         if which == "new":
             eng.batching, eng.score_mode = batching, score
         n_rounds = serial_rounds if batching != "continuous" else rounds
-        one_round(clients[which])           # warm-up (first CUDA kernels, cuBLAS handles)
         times, toks = [], 0
         del forwards[:]
         for _ in range(n_rounds):

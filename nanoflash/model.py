@@ -113,8 +113,16 @@ def token_positions(start_pos, S: int, device) -> torch.Tensor:
     Shapes: -> [S] (int start) or [B,S] (per-row starts) int64 on `device`
     """
     if torch.is_tensor(start_pos):
-        return (start_pos[:, None] + torch.arange(S)).to(device)
+        return host_to(start_pos, device)[:, None] + torch.arange(S, device=device)
     return torch.arange(start_pos, start_pos + S, device=device)
+
+
+def host_to(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device` without a host sync: a copy from pageable memory waits for every kernel
+    queued before it (a decode step would stall on each), one from pinned memory is queued like a kernel."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def rope_angles(cfg: ModelConfig, compressed: bool, positions: torch.Tensor):
@@ -261,7 +269,7 @@ class Compressor(nn.Module):
         if bool(ends.any()):
             c = self.finish(self.pool(kv, score, prev_kv, prev_score), (start_pos + 1) // m - 1, x.dtype)
             if self.overlap:                     # the window that ended is the next one's "Ca"
-                e = ends.to(x.device)[:, None, None]
+                e = host_to(ends, x.device)[:, None, None]
                 prev_kv, prev_score = torch.where(e, kv, prev_kv), torch.where(e, score, prev_score)
         return c, CompressorState(kv[:, 1:], score[:, 1:], 0, prev_kv, prev_score)
 
@@ -365,7 +373,7 @@ def add_entries(before: Optional[torch.Tensor], new: torch.Tensor, start_pos, ra
         return before
     slots = (start_pos[ends] + 1) // ratio - 1
     out = F.pad(before, (0, 0, 0, max(int(slots.max()) + 1 - before.shape[1], 0)))   # [B,C',d]
-    rows, slots = ends.to(new.device), slots.to(new.device)
+    rows, slots = host_to(ends, new.device), host_to(slots, new.device)
     return out.index_put((rows, slots), new[rows, 0])
 
 
