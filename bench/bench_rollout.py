@@ -6,6 +6,7 @@
     python bench/bench_rollout.py --part push             # two GPUs: trainer cuda:0 -> embedded server cuda:1
     python bench/bench_rollout.py --part decode           # one GPU; transformers baseline if installed
     python bench/bench_rollout.py --part batching         # one GPU: the `gpu` recipe's rollout, serial vs continuous
+    python bench/bench_rollout.py --part launches         # any device: where a decode forward's launches go
     python bench/bench_rollout.py --part all --preset tiny --device cpu    # smoke test
 
 quant:  the stream's quantizer `quant.quantize_fp8_block_into` (Triton on CUDA; Miles' fmt="fp32" convention) and
@@ -33,6 +34,9 @@ batching: the `gpu` recipe's rollout (nanoflash/recipes/gpu.txt: `small` with th
         the agreement with serial on the same seeds: the share of identical samples and the largest |dlogp| on
         those. `--old-engine FILE` adds an engine module from another commit (e.g. `git show 8c3148f:nanoflash/
         server/engine.py > bench/old_engine.py`) as one more mode.
+launches: ops of one decode forward of the recipe's engine model (64 rows at their own positions) and of one
+        batched scoring forward, by the module that issued them (torch profiler, CPU side: what a launch-bound GPU
+        pays per op), kernels apart from views, and the wall time of each on `--device`.
 Prints one JSON object per part; `--out FILE` also writes them.
 """
 import argparse
@@ -316,6 +320,77 @@ def bench_batching(preset_name, dev, rounds=3, serial_rounds=2, old_engine=None)
     return out
 
 
+VIEW_OPS = {"aten::" + n for n in ("slice", "unsqueeze", "view", "flatten", "unflatten", "expand", "select", "reshape",
+                                   "to", "t", "transpose", "permute", "squeeze", "alias", "_unsafe_view", "as_strided",
+                                   "detach", "lift_fresh", "unbind", "split", "chunk", "narrow", "contiguous",
+                                   "empty", "result_type", "is_nonzero", "item", "_local_scalar_dense")}
+LAUNCH_SCOPES = ("hc_split_sinkhorn", "hc_pre_reference", "hc_post", "hc_head", "RoutedExperts", "Gate", "Expert",
+                 "MoE", "Compressor", "Indexer", "Attention", "RMSNorm")
+
+
+def op_profile(fn) -> dict:
+    """Top-level aten ops of fn() by the innermost model scope that issued them (the wrapped functions and
+    module classes of LAUNCH_SCOPES), kernels and views apart."""
+    import nanoflash.model as M
+    from torch.profiler import ProfilerActivity, profile, record_function
+    saved = {}
+
+    def scoped(name, f):
+        def g(*a, **k):
+            with record_function("scope::" + name):
+                return f(*a, **k)
+        return g
+    for name in LAUNCH_SCOPES:   # patched for the profile only, restored after
+        obj = getattr(M, name)
+        owner, attr = (obj, "forward") if isinstance(obj, type) else (M, name)
+        saved[(owner, attr)] = getattr(owner, attr)
+        setattr(owner, attr, scoped(name, saved[(owner, attr)]))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    finally:
+        for (owner, attr), f in saved.items():
+            setattr(owner, attr, f)
+    kernels, views = {}, 0
+    for e in prof.events():
+        if not e.name.startswith("aten::") or (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
+            continue
+        if e.name in VIEW_OPS:
+            views += 1
+            continue
+        par = e.cpu_parent
+        while par is not None and not par.name.startswith("scope::"):
+            par = par.cpu_parent
+        key = par.name[len("scope::"):] if par is not None else "other"
+        kernels[key] = kernels.get(key, 0) + 1
+    return {"kernel_ops": sum(kernels.values()), "view_ops": views,
+            "kernel_ops_by_scope": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+
+
+@torch.no_grad()
+def bench_launches(preset_name, dev, rows=64, groups=(8, 9, 10, 11)):
+    mcfg, _, _, _, _ = recipe_rollout(preset_name, dev)
+    gen = torch.Generator(dev).manual_seed(0) if dev.startswith("cuda") else None
+    with torch.device(dev):
+        model = Transformer(mcfg).init_weights(0, generator=gen).eval()
+    g = torch.Generator().manual_seed(0)
+    caches, per = [], rows // len(groups)
+    for L in groups:             # rows that joined at different steps: per-row positions
+        caches.append(model.new_cache())
+        model(torch.randint(0, mcfg.vocab_size, (per, L), generator=g).to(dev), 0, caches[-1])
+    cache, pos = model.cat_caches(caches), torch.tensor(groups).repeat_interleave(per)
+    ids = torch.randint(0, mcfg.vocab_size, (len(pos), 1), generator=g).to(dev)
+    full = torch.randint(0, mcfg.vocab_size, (rows, 24), generator=g).to(dev)
+    copies = [model.cat_caches([cache]) for _ in range(8)]    # a decode step extends its cache: one copy a call
+    out = {"part": "launches", "preset": preset_name, "device": dev}
+    for name, fn in (("decode_forward", lambda: model(ids, pos, copies.pop())),
+                     ("scoring_forward", lambda: model.token_logprobs(full[:, :-1], full[:, 1:]))):
+        fn()
+        out[name] = op_profile(fn)
+        out[name]["wall_s"] = timed(fn, dev, reps=3)
+    return out
+
+
 def hf_generate_tok_s(cfg, dev, n, prompt, new_tokens):
     try:
         import transformers
@@ -349,14 +424,16 @@ def hf_generate_tok_s(cfg, dev, n, prompt, new_tokens):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="all", choices=["quant", "stream", "plan", "push", "decode", "batching", "all"])
+    ap.add_argument("--part", default="all", choices=["quant", "stream", "plan", "push", "decode", "batching",
+                                                      "launches", "all"])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--bucket-bytes", type=int, default=1 << 30)
     ap.add_argument("--out", default=None)
     ap.add_argument("--old-engine", default=None, help="batching: an engine.py of another commit, one more mode")
     args = ap.parse_args()
-    results, parts = [], {"all": ("quant", "stream", "plan", "push", "decode", "batching")}.get(args.part, (args.part,))
+    results, parts = [], {"all": ("quant", "stream", "plan", "push", "decode", "batching", "launches")}.get(
+        args.part, (args.part,))
     for part in parts:
         try:
             if part == "quant":
@@ -374,6 +451,8 @@ def main():
                 results.append(bench_decode(args.preset, args.device))
             elif part == "batching":
                 results.append(bench_batching(args.preset, args.device, old_engine=args.old_engine))
+            elif part == "launches":
+                results.append(bench_launches(args.preset, args.device))
         except Exception as e:  # one broken part must not cost the others' numbers
             results.append({"part": part, "error": f"{type(e).__name__}: {e}"})
         if results:

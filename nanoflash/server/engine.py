@@ -23,9 +23,10 @@ Continuous batching. The requests in flight share ONE model forward per step. A 
        cache (`model.cache_rows`, on the next step) and their samples are scored.
 
 A stopped row keeps decoding (its tokens are cut) until its request ends, so a request draws for n rows every
-step, exactly as alone. The GPU cost of a step is launch-bound at these sizes (thousands of small kernels per
-forward, docs/benchmarks.md B11), so a step over 64 rows costs about what one over 8 did: the rollout of 8
-requests x 8 samples x 16 tokens took 8 x 16 forwards + 64 scoring forwards before, and ~16 + 1 now.
+step, exactly as alone. On the GPU a forward at these sizes costs its kernel launches (thousands per forward,
+most of them in mHC's Sinkhorn iterations and the fp32 expert loop: `bench/bench_rollout.py --part launches`),
+not its arithmetic, so a step over 64 rows costs about what one over 8 did: the `gpu` recipe's rollout of
+8 requests x 8 samples x 16 tokens ran 8 x 16 forwards + 64 scoring forwards before, and ~16 + 1 now.
 `batching="serial"` keeps the engine before this (one request at a time, its n rows as one batch): the bench's
 baseline (`bench/bench_rollout.py --part batching`) and the reference of `tests/test_rollout_batching.py`.
 
@@ -37,7 +38,7 @@ Scoring (`score=`): "exact" scores each sample alone, the call the trainer makes
 trainer and engine score per sample, `rl/trainer.py`), so the log-probs equal the trainer's bit for bit;
 "batched" scores every sample finished in a step in ONE right-padded forward per temperature. Padding after a
 sample changes none of its positions (every block is causal: the window and the compressed entries end at the
-query, the indexer sees only ended windows, MoE and mHC act per token; `tests/test_rollout_batching.py`), but
+query, the indexer sees only ended windows, MoE and mHC act per token; tests/test_model.py checks it), but
 the GEMM shapes differ, so the bits may: on the CPU fp32 the padded log-probs were <= 1e-6 from a batch of
 one. "auto": exact on the CPU and with fp32 weights, batched otherwise (the FP8 and bf16 engines differ from a
 bf16 trainer by ~0.08 anyway, docs/benchmarks.md B11). A lone sample is always scored alone.
