@@ -391,7 +391,8 @@ class RolloutEngine:
             ids = torch.tensor([[o[-1]] for r in held for o in r.out], device=self.device)     # [B,1]
             pos = torch.tensor([r.length - 1 for r in held for _ in range(r.n)])               # [B] host
             self._by_request(self.model(ids, pos, state["cache"])[:, -1], held, logits)
-        caches, new = [state["cache"]] if held else [], [r for r in reqs if r not in held]
+        kept = {id(r) for r in held}
+        caches, new = [state["cache"]] if held else [], [r for r in reqs if id(r) not in kept]
         for length in sorted({r.length for r in new}):
             group = [r for r in new if r.length == length]
             caches.append(self.model.new_cache())
@@ -405,12 +406,13 @@ class RolloutEngine:
 
     def _keep_rows(self, state: dict, reqs: list) -> list:
         """Drop from the cache the rows of requests that left; -> the requests it still holds, in row order."""
-        held = [r for r in state["reqs"] if r in reqs]
+        now = {id(r) for r in reqs}
+        held = [r for r in state["reqs"] if id(r) in now]
         if len(held) < len(state["reqs"]):
             offs = [0]
             for r in state["reqs"]:
                 offs.append(offs[-1] + r.n)
-            rows = [offs[k] + i for k, r in enumerate(state["reqs"]) if r in reqs for i in range(r.n)]
+            rows = [offs[k] + i for k, r in enumerate(state["reqs"]) if id(r) in now for i in range(r.n)]
             state["cache"] = self.model.cache_rows(state["cache"], torch.tensor(rows, device=self.device))
         return held
 
@@ -532,15 +534,14 @@ class RolloutEngine:
             self._leave(r)
             r.reason = "abort"
             self.finished.append(r)
-        join = self.waiting if self.batching == "continuous" else [] if self.batch else self.waiting[:1]
-        self.waiting = [r for r in self.waiting if r not in join]
+        k = len(self.waiting) if self.batching == "continuous" else 0 if self.batch else 1   # serial: one alone
+        join, self.waiting = self.waiting[:k], self.waiting[k:]
         self.finished += [r for r in join if r.sp["max_new_tokens"] == 0]
         self.batch += [r for r in join if r.sp["max_new_tokens"] > 0]
         if self.batch:
             self._draw(self._next_logits(self.batch, self.state))
-            done = [r for r in self.batch if r.decoded()]
-            self.batch = [r for r in self.batch if r not in done]
-            self.finished += done
+            self.finished += [r for r in self.batch if r.decoded()]
+            self.batch = [r for r in self.batch if not r.decoded()]
         if not self.batch:
             self.state = {}   # nothing decodes: the cache goes
         if not self.paused and self.finished:
@@ -597,13 +598,13 @@ class RolloutEngine:
         for k, (r, i) in enumerate(items):   # unscored (no tokens): the routing of the prompt alone
             if r.routed and routes[k] is None:
                 routes[k] = self.routed_experts(torch.tensor(fulls[k], device=self.device), scored=False)
-        version = self.weight_version   # of the weights that scored it
+        version, answers = self.weight_version, {}   # the version of the weights that scored them
         for k, (r, i) in enumerate(items):
-            if i == 0:
-                r.result = []
-            r.result.append(self._answer(r.rid, r.t0, r.prompt, r.sp, r.output(i), lps[k], r.finish_reason(i),
-                                         version, routes[k]))
-        self.finished = [r for r in self.finished if r not in reqs]
+            answers.setdefault(id(r), []).append(self._answer(r.rid, r.t0, r.prompt, r.sp, r.output(i), lps[k],
+                                                              r.finish_reason(i), version, routes[k]))
+        for r in reqs:
+            r.result = answers[id(r)]
+        self.finished = self.finished[len(reqs):]
 
     def _score_padded(self, fulls: list, reqs: list, T: float, into: list, at: list) -> None:
         """Log-probs (and R3 records where asked) of several samples in one forward, right-padded: every block
