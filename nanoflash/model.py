@@ -20,7 +20,9 @@ How this differs from the official inference code (`inference/model.py`):
   `cfg.kernels` (`use_kernels`) hands training forwards on CUDA to `nanoflash.kernels` (Triton), which
   gathers the same keys and computes the indexer's top-k without the [S,heads,C] tensor.
 * Decoding: `new_cache()` + `forward(ids, start_pos, cache)` feeds the same functions with the kept window,
-  compressor remainder and compressed entries; there is no second implementation of the math.
+  compressor remainder and compressed entries; there is no second implementation of the math. Rows at
+  different lengths decode in one call with per-row start_pos (a cache joined by `cat_caches`): the same
+  functions, with per-row positions and masks (the rollout engine's continuous batching).
 * No distributed code: expert / pipeline parallelism are applied to a built model by `nanoflash.parallel`.
 
 Shape legend: B batch, S sequence, D dim, H heads, Dh head dim, R rope dims, C compressed entries,
