@@ -29,11 +29,11 @@ batching: the `gpu` recipe's rollout (nanoflash/recipes/gpu.txt: `small` with th
         the embedded FP8 engine, 8 prompts x 8 samples x 16 new tokens, 8 requests in flight through HTTP, the
         recipe's seeds) on ONE engine, switched between `batching="serial"` + exact scoring (the engine before
         continuous batching: one request per forward, every sample scored alone; docs/benchmarks.md B11 measured
-        it at 56-60 tokens/s inside train.py) and continuous batching with batched, then exact, scoring; tokens/s
-        per mode (median of the timed rounds, after one warm-up round per engine), decode forwards and rows per forward, and
-        the agreement with serial on the same seeds: the share of identical samples and the largest |dlogp| on
-        those. `--old-engine FILE` adds an engine module from another commit (e.g. `git show 8c3148f:nanoflash/
-        server/engine.py > bench/old_engine.py`) as one more mode.
+        it at 59-65 tokens/s inside train.py) and continuous batching with batched, then exact, scoring; tokens/s
+        per mode (median of the timed rounds, after one warm-up round per engine), decode forwards and rows per
+        forward, and the agreement with serial on the same seeds: the share of identical samples and the largest
+        |dlogp| on those. `--old-engine FILE` adds an engine module from another commit (e.g. `git show
+        8c3148f:nanoflash/server/engine.py > bench/old_engine.py`) as one more mode.
 launches: ops of one decode forward of the recipe's engine model (64 rows at their own positions) and of one
         batched scoring forward, by the module that issued them (torch profiler, CPU side: what a launch-bound GPU
         pays per op), kernels apart from views, and the wall time of each on `--device`.
@@ -280,7 +280,8 @@ def bench_batching(preset_name, dev, rounds=3, serial_rounds=2, old_engine=None)
             return [f.result() for f in futs]
 
     modes = [("continuous_batched", "new", "continuous", "batched"), ("serial_exact", "new", "serial", "exact"),
-             ("continuous_exact", "new", "continuous", "exact")] + ([("old_engine", "old", None, None)] if old_engine else [])
+             ("continuous_exact", "new", "continuous", "exact")]
+    modes += [("old_engine", "old", None, None)] if old_engine else []
     out, gens = {"part": "batching", "preset": preset_name, "device": dev, "cache_decode": eng.use_cache,
                  "workload": f"{len(prompts)} requests x n={sp['n']} x {sp['max_new_tokens']} new tokens, "
                              f"{workers} in flight", "modes": {}}, {}
