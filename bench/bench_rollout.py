@@ -5,6 +5,8 @@
     python bench/bench_rollout.py --part plan             # no GPU: V4-Flash bytes per source at PP4 x EP4
     python bench/bench_rollout.py --part push             # two GPUs: trainer cuda:0 -> embedded server cuda:1
     python bench/bench_rollout.py --part decode           # one GPU; transformers baseline if installed
+    python bench/bench_rollout.py --part batching         # one GPU: the `gpu` recipe's rollout, serial vs continuous
+    python bench/bench_rollout.py --part launches         # any device: where a decode forward's launches go
     python bench/bench_rollout.py --part all --preset tiny --device cpu    # smoke test
 
 quant:  the stream's quantizer `quant.quantize_fp8_block_into` (Triton on CUDA; Miles' fmt="fp32" convention) and
@@ -23,6 +25,18 @@ push:   the `small` model's FP8 stream (`iter_sglang_buckets`, 1 GiB buckets) fr
 decode: the embedded engine (cache decode, bf16) generates 64 tokens for batch 1 and 32 (n samples of one
         prompt); tokens/s with and without the closing log-prob scoring pass, against transformers'
         `DeepseekV4ForCausalLM.generate` with the same geometry (random weights; speed does not depend on them).
+batching: the `gpu` recipe's rollout (nanoflash/recipes/gpu.txt: `small` with the arithmetic task's 18-id vocabulary,
+        the embedded FP8 engine, 8 prompts x 8 samples x 16 new tokens, 8 requests in flight through HTTP, the
+        recipe's seeds) on ONE engine, switched between `batching="serial"` + exact scoring (the engine before
+        continuous batching: one request per forward, every sample scored alone; docs/benchmarks.md B11 measured
+        it at 59-65 tokens/s inside train.py) and continuous batching with batched, then exact, scoring; tokens/s
+        per mode (median of the timed rounds, after one warm-up round per engine), decode forwards and rows per
+        forward, and the agreement with serial on the same seeds: the share of identical samples and the largest
+        |dlogp| on those. `--old-engine FILE` adds an engine module from another commit (e.g. `git show
+        8c3148f:nanoflash/server/engine.py > bench/old_engine.py`) as one more mode.
+launches: ops of one decode forward of the recipe's engine model (64 rows at their own positions) and of one
+        batched scoring forward, by the module that issued them (torch profiler, CPU side: what a launch-bound GPU
+        pays per op), kernels apart from views, and the wall time of each on `--device`.
 Prints one JSON object per part; `--out FILE` also writes them.
 """
 import argparse
@@ -202,11 +216,12 @@ def bench_decode(preset_name, dev, new_tokens=64):
         eng.generate(prompt, dict(sp, max_new_tokens=2))
         sync(dev)
         t = time.perf_counter()
-        eng.score = lambda full, p, T: [0.0] * (len(full) - p)  # decode only
-        eng.generate(prompt, sp)
+        eng.score, mode, eng.score_mode = (lambda full, p, T: [0.0] * (len(full) - p)), eng.score_mode, "exact"
+        eng.generate(prompt, sp)   # decode only (scoring stubbed)
         sync(dev)
         t_dec = time.perf_counter() - t
         del eng.score
+        eng.score_mode = mode
         t = time.perf_counter()
         eng.generate(prompt, sp)
         sync(dev)
@@ -214,6 +229,166 @@ def bench_decode(preset_name, dev, new_tokens=64):
         out[f"b{n}_decode_tok_s"] = n * new_tokens / t_dec
         out[f"b{n}_with_scoring_tok_s"] = n * new_tokens / t_all
         out[f"b{n}_hf_tok_s"] = hf_generate_tok_s(model.cfg, dev, n, prompt, new_tokens)
+    return out
+
+
+def recipe_rollout(preset_name, dev):
+    """The `gpu` recipe's model config, task, the first round's prompts and seeds, and its sampling params."""
+    from nanoflash.cli import parse_args
+    from nanoflash.rl import collector
+    from nanoflash.rl.rounds import request_seed
+    cfg = parse_args(["--recipe", "gpu"])
+    mcfg = preset(preset_name, **cfg.model)
+    task = collector.make_task(cfg.train, cfg.eval, mcfg.vocab_size)
+    G, rc = cfg.grpo.n_prompts, cfg.rollout
+    prompts = [task.encode(p) for p in task.train[:G]]
+    seeds = [request_seed(cfg.train.seed, pos) for pos in range(G)]
+    sp = {"n": cfg.grpo.group_size, "temperature": rc.temperature, "top_p": rc.top_p,
+          "max_new_tokens": rc.max_new_tokens, "stop_token_ids": list(task.stop_ids)}
+    return mcfg, prompts, seeds, sp, max(1, rc.max_workers)
+
+
+def bench_batching(preset_name, dev, rounds=3, serial_rounds=2, old_engine=None):
+    import importlib.util
+    from concurrent.futures import ThreadPoolExecutor
+    from nanoflash.server.engine import RolloutEngine
+    from nanoflash.server.http import serve
+    from nanoflash.sglang.client import SGLangClient
+    mcfg, prompts, seeds, sp, workers = recipe_rollout(preset_name, dev)
+    gen = torch.Generator(dev).manual_seed(0) if dev.startswith("cuda") else None   # a fast init on the GPU
+    with torch.device(dev):
+        model = Transformer(mcfg).init_weights(0, generator=gen)
+    engines = {"new": RolloutEngine(model, weights="fp8")}
+    if old_engine:   # another commit's engine module, on the same model and weights
+        spec = importlib.util.spec_from_file_location("old_engine", old_engine)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        engines["old"] = mod.RolloutEngine(model, weights="fp8")
+    servers = {k: serve(e) for k, e in engines.items()}
+    clients = {k: SGLangClient(url, retry_s=5.0) for k, (_, url) in servers.items()}
+    eng, forwards = engines["new"], []
+    real_next = eng._next_logits
+
+    def counted(reqs, state):
+        forwards.append(sum(r.n for r in reqs))
+        return real_next(reqs, state)
+    eng._next_logits = counted
+
+    def one_round(client):
+        with ThreadPoolExecutor(workers) as pool:
+            futs = [pool.submit(client.generate, p, {**sp, "sampling_seed": s}) for p, s in zip(prompts, seeds)]
+            return [f.result() for f in futs]
+
+    modes = [("continuous_batched", "new", "continuous", "batched"), ("serial_exact", "new", "serial", "exact"),
+             ("continuous_exact", "new", "continuous", "exact")]
+    modes += [("old_engine", "old", None, None)] if old_engine else []
+    out, gens = {"part": "batching", "preset": preset_name, "device": dev, "cache_decode": eng.use_cache,
+                 "workload": f"{len(prompts)} requests x n={sp['n']} x {sp['max_new_tokens']} new tokens, "
+                             f"{workers} in flight", "modes": {}}, {}
+    one_round(clients["new"])               # warm-up (CUDA context, cuBLAS handles; no JIT on the fp32 engine)
+    if old_engine:
+        one_round(clients["old"])
+    for name, which, batching, score in modes:
+        if which == "new":
+            eng.batching, eng.score_mode = batching, score
+        n_rounds = serial_rounds if batching != "continuous" else rounds
+        times, toks = [], 0
+        del forwards[:]
+        for _ in range(n_rounds):
+            sync(dev)
+            t = time.perf_counter()
+            gens[name] = one_round(clients[which])
+            sync(dev)
+            times.append(time.perf_counter() - t)
+            toks = sum(len(g.output_ids) for group in gens[name] for g in group)
+        t_med = sorted(times)[len(times) // 2]
+        out["modes"][name] = {"round_s": times, "tokens_per_round": toks, "tokens_per_s": toks / t_med,
+                              "decode_forwards_per_round": len(forwards) / n_rounds if which == "new" else None,
+                              "rows_per_forward": sum(forwards) / max(1, len(forwards)) if which == "new" else None}
+        print(json.dumps({name: out["modes"][name]}), flush=True)
+    base = gens["serial_exact"]
+    for name in gens:
+        pairs = [(a, b) for ga, gb in zip(base, gens[name]) for a, b in zip(ga, gb)]
+        same = [(a, b) for a, b in pairs if a.output_ids == b.output_ids]
+        dl = [abs(x - y) for a, b in same for x, y in zip(a.logprobs, b.logprobs)]
+        out["modes"][name].update(same_samples_as_serial=f"{len(same)}/{len(pairs)}",
+                                  max_abs_dlogp_vs_serial=max(dl, default=0.0))
+    t_serial = out["modes"]["serial_exact"]["tokens_per_s"]
+    out["speedup_vs_serial"] = {k: v["tokens_per_s"] / t_serial for k, v in out["modes"].items()}
+    out["vs_b11_56_tok_s"] = {k: v["tokens_per_s"] / 56.0 for k, v in out["modes"].items()}
+    for httpd, _ in servers.values():
+        httpd.shutdown()
+    return out
+
+
+VIEW_OPS = {"aten::" + n for n in ("slice", "unsqueeze", "view", "flatten", "unflatten", "expand", "select", "reshape",
+                                   "to", "t", "transpose", "permute", "squeeze", "alias", "_unsafe_view", "as_strided",
+                                   "detach", "lift_fresh", "unbind", "split", "chunk", "narrow", "contiguous",
+                                   "empty", "result_type", "is_nonzero", "item", "_local_scalar_dense")}
+LAUNCH_SCOPES = ("hc_split_sinkhorn", "hc_pre_reference", "hc_post", "hc_head", "RoutedExperts", "Gate", "Expert",
+                 "MoE", "Compressor", "Indexer", "Attention", "RMSNorm")
+
+
+def op_profile(fn) -> dict:
+    """Top-level aten ops of fn() by the innermost model scope that issued them (the wrapped functions and
+    module classes of LAUNCH_SCOPES), kernels and views apart."""
+    import nanoflash.model as M
+    from torch.profiler import ProfilerActivity, profile, record_function
+    saved = {}
+
+    def scoped(name, f):
+        def g(*a, **k):
+            with record_function("scope::" + name):
+                return f(*a, **k)
+        return g
+    for name in LAUNCH_SCOPES:   # patched for the profile only, restored after
+        obj = getattr(M, name)
+        owner, attr = (obj, "forward") if isinstance(obj, type) else (M, name)
+        saved[(owner, attr)] = getattr(owner, attr)
+        setattr(owner, attr, scoped(name, saved[(owner, attr)]))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    finally:
+        for (owner, attr), f in saved.items():
+            setattr(owner, attr, f)
+    kernels, views = {}, 0
+    for e in prof.events():
+        if not e.name.startswith("aten::") or (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
+            continue
+        if e.name in VIEW_OPS:
+            views += 1
+            continue
+        par = e.cpu_parent
+        while par is not None and not par.name.startswith("scope::"):
+            par = par.cpu_parent
+        key = par.name[len("scope::"):] if par is not None else "other"
+        kernels[key] = kernels.get(key, 0) + 1
+    return {"kernel_ops": sum(kernels.values()), "view_ops": views,
+            "kernel_ops_by_scope": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+
+
+@torch.no_grad()
+def bench_launches(preset_name, dev, rows=64, groups=(8, 9, 10, 11)):
+    mcfg, _, _, _, _ = recipe_rollout(preset_name, dev)
+    gen = torch.Generator(dev).manual_seed(0) if dev.startswith("cuda") else None
+    with torch.device(dev):
+        model = Transformer(mcfg).init_weights(0, generator=gen).eval()
+    g = torch.Generator().manual_seed(0)
+    caches, per = [], rows // len(groups)
+    for L in groups:             # rows that joined at different steps: per-row positions
+        caches.append(model.new_cache())
+        model(torch.randint(0, mcfg.vocab_size, (per, L), generator=g).to(dev), 0, caches[-1])
+    cache, pos = model.cat_caches(caches), torch.tensor(groups).repeat_interleave(per)
+    ids = torch.randint(0, mcfg.vocab_size, (len(pos), 1), generator=g).to(dev)
+    full = torch.randint(0, mcfg.vocab_size, (rows, 24), generator=g).to(dev)
+    copies = [model.cat_caches([cache]) for _ in range(8)]    # a decode step extends its cache: one copy a call
+    out = {"part": "launches", "preset": preset_name, "device": dev}
+    for name, fn in (("decode_forward", lambda: model(ids, pos, copies.pop())),
+                     ("scoring_forward", lambda: model.token_logprobs(full[:, :-1], full[:, 1:]))):
+        fn()
+        out[name] = op_profile(fn)
+        out[name]["wall_s"] = timed(fn, dev, reps=3)
     return out
 
 
@@ -250,13 +425,16 @@ def hf_generate_tok_s(cfg, dev, n, prompt, new_tokens):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="all", choices=["quant", "stream", "plan", "push", "decode", "all"])
+    ap.add_argument("--part", default="all", choices=["quant", "stream", "plan", "push", "decode", "batching",
+                                                      "launches", "all"])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--bucket-bytes", type=int, default=1 << 30)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--old-engine", default=None, help="batching: an engine.py of another commit, one more mode")
     args = ap.parse_args()
-    results, parts = [], {"all": ("quant", "stream", "plan", "push", "decode")}.get(args.part, (args.part,))
+    results, parts = [], {"all": ("quant", "stream", "plan", "push", "decode", "batching", "launches")}.get(
+        args.part, (args.part,))
     for part in parts:
         try:
             if part == "quant":
@@ -272,6 +450,10 @@ def main():
                 results.append(bench_push(args.preset, args.bucket_bytes))
             elif part == "decode":
                 results.append(bench_decode(args.preset, args.device))
+            elif part == "batching":
+                results.append(bench_batching(args.preset, args.device, old_engine=args.old_engine))
+            elif part == "launches":
+                results.append(bench_launches(args.preset, args.device))
         except Exception as e:  # one broken part must not cost the others' numbers
             results.append({"part": part, "error": f"{type(e).__name__}: {e}"})
         if results:

@@ -20,7 +20,9 @@ How this differs from the official inference code (`inference/model.py`):
   `cfg.kernels` (`use_kernels`) hands training forwards on CUDA to `nanoflash.kernels` (Triton), which
   gathers the same keys and computes the indexer's top-k without the [S,heads,C] tensor.
 * Decoding: `new_cache()` + `forward(ids, start_pos, cache)` feeds the same functions with the kept window,
-  compressor remainder and compressed entries; there is no second implementation of the math.
+  compressor remainder and compressed entries; there is no second implementation of the math. Rows at
+  different lengths decode in one call with per-row start_pos (a cache joined by `cat_caches`): the same
+  functions, with per-row positions and masks (the rollout engine's continuous batching).
 * No distributed code: expert / pipeline parallelism are applied to a built model by `nanoflash.parallel`.
 * Activation recomputation (`Transformer.recompute`, set from `ParallelConfig.recompute`): "full" runs every
   layer under torch.utils.checkpoint (only its input kept, the whole layer run again in backward); a sub-block
@@ -134,18 +136,37 @@ def rope_inv_freq(rope_dim: int, base: float, factor: float, original_seq_len: i
     return inv
 
 
+def token_positions(start_pos, S: int, device) -> torch.Tensor:
+    """Absolute positions of a call's S tokens: from one start for every row (an int), or from each row's own
+    start (an int64 tensor [B] on the host: the rows of a decode batch, at different lengths).
+
+    Shapes: -> [S] (int start) or [B,S] (per-row starts) int64 on `device`
+    """
+    if torch.is_tensor(start_pos):
+        return host_to(start_pos, device)[:, None] + torch.arange(S, device=device)
+    return torch.arange(start_pos, start_pos + S, device=device)
+
+
+def host_to(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device` without a host sync: a copy from pageable memory waits for every kernel
+    queued before it (a decode step would stall on each), one from pinned memory is queued like a kernel."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def rope_angles(cfg: ModelConfig, compressed: bool, positions: torch.Tensor):
     """cos, sin of the layer's rotary angles at integer `positions`: theta=rope_theta without YaRN on
     sliding-only layers, compress_rope_theta with YaRN on compressed layers.
 
-    Shapes: positions [S] -> cos, sin [S, R/2] fp32
+    Shapes: positions [S] or [B,S] -> cos, sin [S, R/2] or [B,S,R/2] fp32
     """
     if compressed:
         inv = rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor, cfg.original_seq_len,
                             cfg.beta_fast, cfg.beta_slow)
     else:
         inv = rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, 1.0, 0, 0, 0)
-    ang = positions.to(torch.float32)[:, None] * inv.to(positions.device)[None, :]   # [S,R/2]
+    ang = positions.to(torch.float32)[..., None] * inv.to(positions.device)          # [(B,)S,R/2]
     return ang.cos(), ang.sin()
 
 
@@ -153,12 +174,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     """Rotate interleaved pairs (x[2i], x[2i+1]) of the LAST R dims by the angle of their position
     (GPT-J style, official `apply_rotary_emb`); `inverse` rotates back. Other dims pass through.
 
-    Shapes: x [B,S,(H,)Dh], cos/sin [S,R/2] -> same as x
+    Shapes: x [B,S,(H,)Dh], cos/sin [(B,)S,R/2] -> same as x
     """
     r = 2 * cos.shape[-1]
     nope, rot = x[..., :-r], x[..., -r:].float()
     if x.dim() == 4:
-        cos, sin = cos[:, None], sin[:, None]                     # [S,1,R/2]
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)          # [(B,)S,1,R/2]
     x1, x2 = rot[..., 0::2], rot[..., 1::2]                       # [...,R/2]
     sin = -sin if inverse else sin
     out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)   # [...,R]
@@ -187,7 +208,12 @@ class Linear(nn.Linear):
 @dataclass
 class CompressorState:
     """Decode-time remainder of a Compressor: projected tokens of the incomplete window (from position
-    `start`, a multiple of m) and, for the overlapping C4 compressor, the last complete window."""
+    `start`, a multiple of m) and, for the overlapping C4 compressor, the last complete window.
+
+    Per-row form (`Compressor.rowwise`, a decode batch whose rows stand at different positions): kv / score
+    hold each row's last m-1 tokens, right-aligned (row b's incomplete window is its last p_b mod m; the
+    columns before are older tokens or zeros, never pooled), prev_* are always set (zeros / -inf before a
+    row's first complete window, as `pool` assumes), and `start` is unused."""
     kv: torch.Tensor                      # [B,r,coff*d] fp32, r < m
     score: torch.Tensor                   # [B,r,coff*d] fp32, ape already added
     start: int = 0
@@ -204,6 +230,7 @@ class Compressor(nn.Module):
     C4 (m = 4) overlaps: the first half of the 2d features of window w-1 ("Ca") and the second half of window
     w ("Cb") are pooled together (8 slots). Other ratios pool the m slots of their window.
     Only complete windows are emitted; an entry w is visible to query t iff w < (t+1)//m.
+    Decoding rows at their own positions (per-row start_pos, one token each): `step_rows`.
 
     Shapes: x [B,S,D] -> entries [B,S//m,d] (+ the remainder state for decoding)
     """
@@ -218,10 +245,10 @@ class Compressor(nn.Module):
         self.wgate = Linear(cfg.dim, coff * head_dim)
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
 
-    def project(self, x: torch.Tensor, start_pos: int):
+    def project(self, x: torch.Tensor, start_pos):
         """Per-token kv and gate scores in fp32, the absolute-position bias `ape[t mod m]` added to the score."""
         kv = fp32_linear(x, self.wkv.weight, self.cfg)                              # [B,S,coff*d]
-        pos = torch.arange(start_pos, start_pos + x.shape[1], device=x.device) % self.ratio
+        pos = token_positions(start_pos, x.shape[1], x.device) % self.ratio          # [S] or [B,S]
         score = fp32_linear(x, self.wgate.weight, self.cfg) + self.ape.float()[pos]  # [B,S,coff*d]
         return kv, score
 
@@ -241,7 +268,9 @@ class Compressor(nn.Module):
             score = torch.cat([ca_score, score[..., d:]], dim=2)                      # [B,n,2m,d]
         return (kv * score.softmax(dim=2)).sum(dim=2)                                 # [B,n,d]
 
-    def forward(self, x: torch.Tensor, start_pos: int, state: Optional[CompressorState] = None):
+    def forward(self, x: torch.Tensor, start_pos, state: Optional[CompressorState] = None):
+        if torch.is_tensor(start_pos):
+            return self.step_rows(x, start_pos, state)
         kv, score = self.project(x, start_pos)
         start = start_pos
         prev_kv = prev_score = None
@@ -257,10 +286,39 @@ class Compressor(nn.Module):
         new_state = CompressorState(kv[:, cut:], score[:, cut:], start + cut, prev_kv, prev_score)
         return self.finish(c, start // self.ratio, x.dtype), new_state
 
-    def finish(self, c: torch.Tensor, w0: int, dtype: torch.dtype) -> torch.Tensor:
-        """norm, rope at position w*m, then the QAT simulation (FP8 nope dims, or Hadamard + FP4)."""
+    def step_rows(self, x: torch.Tensor, start_pos: torch.Tensor, state: CompressorState):
+        """One token per row at the row's own position p (start_pos [B], host). Every row's last m tokens (its
+        state's m-1, then this one) are pooled when any row's window ends here; the entry is real for the rows
+        with (p + 1) % m == 0 and is entry (p+1)//m - 1 (`add_entries` keeps only those). -> entries [B,1,d]
+        (or [B,0,d]: no window ends), the state in per-row form"""
+        m, state = self.ratio, self.rowwise(state)
+        kv, score = self.project(x, start_pos)                                      # [B,1,coff*d]
+        kv, score = torch.cat([state.kv, kv], 1), torch.cat([state.score, score], 1)   # [B,m,coff*d]
+        ends = (start_pos + 1) % m == 0                                              # [B] host
+        prev_kv, prev_score, c = state.prev_kv, state.prev_score, kv.new_zeros(kv.shape[0], 0, self.head_dim)
+        if bool(ends.any()):
+            c = self.finish(self.pool(kv, score, prev_kv, prev_score), (start_pos + 1) // m - 1, x.dtype)
+            if self.overlap:                     # the window that ended is the next one's "Ca"
+                e = host_to(ends, x.device)[:, None, None]
+                prev_kv, prev_score = torch.where(e, kv, prev_kv), torch.where(e, score, prev_score)
+        return c, CompressorState(kv[:, 1:], score[:, 1:], 0, prev_kv, prev_score)
+
+    def rowwise(self, state: CompressorState) -> CompressorState:
+        """`state` in the per-row form (see CompressorState); unchanged if it is already."""
+        m, B, (kv, score) = self.ratio, state.kv.shape[0], (state.kv, state.score)
+        if kv.shape[1] < m - 1:                              # left-pad the remainder to m-1 columns
+            kv, score = (F.pad(t, (0, 0, m - 1 - t.shape[1], 0)) for t in (kv, score))
+        prev_kv, prev_score = state.prev_kv, state.prev_score
+        if self.overlap and prev_kv is None:
+            prev_kv = kv.new_zeros(B, m, 2 * self.head_dim)
+            prev_score = kv.new_full((B, m, 2 * self.head_dim), float("-inf"))
+        return CompressorState(kv, score, 0, prev_kv, prev_score)
+
+    def finish(self, c: torch.Tensor, w0, dtype: torch.dtype) -> torch.Tensor:
+        """norm, rope at position w*m (entries w0, w0+1, ...; w0 an int or per row [B] on the host), then the QAT
+        simulation (FP8 nope dims, or Hadamard + FP4)."""
         c = self.norm(c.to(dtype))
-        pos = (w0 + torch.arange(c.shape[1], device=c.device)) * self.ratio
+        pos = token_positions(w0, c.shape[1], c.device) * self.ratio
         c = apply_rope(c, *rope_angles(self.cfg, True, pos))
         if self.rotate:                # the indexer's keys: FP4 QAT, SGLang's FP8 or exact (`index_sim`)
             c = index_sim(self.cfg, c)
@@ -289,10 +347,10 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.dim, cfg.index_n_heads)
         self.compressor = Compressor(cfg, 4, cfg.index_head_dim, rotate=True)
 
-    def query(self, qr: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def query(self, qr: torch.Tensor, start_pos) -> torch.Tensor:
         """qI: wq_b(qr) per head, rope at the query positions, then `index_sim`. [B,S,q_lora] -> [B,S,HI,dI]"""
         cfg = self.cfg
-        pos = torch.arange(start_pos, start_pos + qr.shape[1], device=qr.device)
+        pos = token_positions(start_pos, qr.shape[1], qr.device)
         q = self.wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))    # [B,S,HI,dI]
         return index_sim(cfg, apply_rope(q, *rope_angles(cfg, True, pos)))
 
@@ -300,10 +358,10 @@ class Indexer(nn.Module):
         """w = weights_proj(x) / sqrt(dI * HI), fp32. [B,S,D] -> [B,S,HI]"""
         return self.weights_proj(x).float() * (self.cfg.index_head_dim ** -0.5 * self.cfg.index_n_heads ** -0.5)
 
-    def forward(self, x, qr, start_pos: int, keys_before: Optional[torch.Tensor], state=None, fast=False):
+    def forward(self, x, qr, start_pos, keys_before: Optional[torch.Tensor], state=None, fast=False):
         q = self.query(qr, start_pos)                                                 # [B,S,HI,dI]
         new_keys, state = self.compressor(x, start_pos, state)
-        keys = new_keys if keys_before is None else torch.cat([keys_before, new_keys], 1)  # [B,C,dI]
+        keys = add_entries(keys_before, new_keys, start_pos, 4)                       # [B,C,dI]
         w = self.head_weights(x)                                                      # [B,S,HI]
         if fast:   # nanoflash.kernels: fused scores, torch.topk on [B,S,C], the same tie-break
             from nanoflash.kernels import indexer_topk
@@ -317,21 +375,45 @@ class Indexer(nn.Module):
         return keep, keys, state
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, start_pos: int) -> torch.Tensor:
+def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, start_pos) -> torch.Tensor:
     """score[b,t,u] = sum_h relu(qI[b,t,h] . KI[b,u]) * w[b,t,h] in fp32, -inf where entry u is not yet visible
     to query t (u >= (start_pos + t + 1) // 4). q [B,S,HI,dI], keys [B,C,dI], w [B,S,HI] -> [B,S,C] fp32"""
-    pos = torch.arange(start_pos, start_pos + q.shape[1], device=q.device)
+    pos = token_positions(start_pos, q.shape[1], q.device)
     score = torch.einsum("bshd,bcd->bshc", q.float(), keys.float()).relu()             # [B,S,HI,C]
     score = (score * w.float()[..., None]).sum(2)                                      # [B,S,C]
-    visible = torch.arange(keys.shape[1], device=q.device)[None, :] < (pos[:, None] + 1) // 4   # [S,C]
-    return score.masked_fill(~visible, float("-inf"))
+    return score.masked_fill(~visible_entries(keys.shape[1], pos, 4), float("-inf"))
+
+
+def visible_entries(C: int, pos: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Entry u of a ratio-m compressor is visible to the query at position t iff u < (t+1)//m (its window has
+    ended). pos [S] or [B,S] -> [1,S,C] or [B,S,C] bool"""
+    v = torch.arange(C, device=pos.device) < (pos[..., None] + 1) // ratio
+    return v if v.dim() == 3 else v[None]
+
+
+def add_entries(before: Optional[torch.Tensor], new: torch.Tensor, start_pos, ratio: int) -> torch.Tensor:
+    """A compressor's entries so far plus this call's `new`: appended when every row has one start (each row
+    ended the same windows), else written per row -- row b's entry (p_b+1)//m - 1 where its window ended at
+    p_b (start_pos [B] on the host), the other rows' `new` dropped. Slots past a row's own count are zeros
+    from rows that have more, invisible to its queries (`visible_entries`). -> [B,C,d]"""
+    if before is None or not torch.is_tensor(start_pos):
+        return new if before is None else torch.cat([before, new], 1)
+    ends = ((start_pos + 1) % ratio == 0).nonzero()[:, 0]                             # host
+    if new.shape[1] == 0 or len(ends) == 0:
+        return before
+    slots = (start_pos[ends] + 1) // ratio - 1
+    out = F.pad(before, (0, 0, 0, max(int(slots.max()) + 1 - before.shape[1], 0)))   # [B,C',d]
+    rows, slots = host_to(ends, new.device), host_to(slots, new.device)
+    return out.index_put((rows, slots), new[rows, 0])
 
 
 # ---------------------------------------------------------------------------------------------- attention
 @dataclass
 class LayerCache:
     """What one attention layer keeps between decode calls: the last W-1 window keys, the compressed
-    entries so far, and the compressors' remainders (all fp32/activation dtype)."""
+    entries so far, and the compressors' remainders (all fp32/activation dtype). In a decode batch of rows at
+    different positions (`Transformer.cat_caches`) the window is right-aligned (a shorter row left-padded
+    with zeros, which `attend` masks as positions < 0) and the entries are per-row slots (`add_entries`)."""
     window: Optional[torch.Tensor] = None        # [B,<W,Dh]
     comp: Optional[torch.Tensor] = None          # [B,C,Dh]
     comp_state: Optional[CompressorState] = None
@@ -399,9 +481,9 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg)
         self.recompute_blocks = frozenset()   # attn_q / attn_out: `Transformer.recompute`
 
-    def forward(self, x: torch.Tensor, start_pos: int = 0, cache: Optional[LayerCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos=0, cache: Optional[LayerCache] = None) -> torch.Tensor:
         cfg, (B, S, _), rc = self.cfg, x.shape, active_recompute(self)
-        pos = torch.arange(start_pos, start_pos + S, device=x.device)
+        pos = token_positions(start_pos, S, x.device)                                  # [S] or [B,S]
         cos, sin = rope_angles(cfg, self.ratio > 0, pos)
         qr = self.q_norm(self.wq_a(x))                                                  # [B,S,q_lora]
         q = recomputed("attn_q" in rc, self.query_heads, qr, cos, sin)                 # [B,S,H,Dh]
@@ -437,36 +519,36 @@ class Attention(nn.Module):
         if not self.ratio:
             return None, None
         new, cache.comp_state = self.compressor(x, start_pos, cache.comp_state)
-        comp = new if cache.comp is None else torch.cat([cache.comp, new], 1)           # [B,C,Dh]
-        cache.comp = comp
+        comp = cache.comp = add_entries(cache.comp, new, start_pos, self.ratio)       # [B,C,Dh]
         if self.ratio == 4:
             keep, cache.index_keys, cache.index_state = self.indexer(
                 x, qr, start_pos, cache.index_keys, cache.index_state, fast)
         else:
-            pos = torch.arange(start_pos, start_pos + x.shape[1], device=x.device)
-            keep = (torch.arange(comp.shape[1], device=x.device)[None] < (pos[:, None] + 1) // self.ratio)[None]
+            keep = visible_entries(comp.shape[1], token_positions(start_pos, x.shape[1], x.device), self.ratio)
             if fast:
                 keep = torch.where(keep, torch.arange(comp.shape[1], device=x.device), -1)   # [1,S,C]
         return comp, keep
 
-    def attend(self, q, start_pos: int, window, comp, keep, fast=False):
+    def attend(self, q, start_pos, window, comp, keep, fast=False):
         """Chunk the queries; each chunk sees its window slice and the compressed entries it keeps.
-        fast (no decode cache, so window = this call's kv): the kernel gathers the same keys instead."""
+        fast (no decode cache, so window = this call's kv): the kernel gathers the same keys instead.
+        The window ends at each row's last query (right-aligned); a key at a position < 0 is a shorter row's
+        padding in a decode batch (per-row start_pos) and is masked."""
         if fast:   # the kernel takes one dtype (q's) for q, kv and the entries
             from nanoflash.kernels import sparse_attention
             comp = comp.to(q.dtype) if comp is not None else None
             return sparse_attention(q, window.to(q.dtype), self.attn_sink, self.cfg.head_dim ** -0.5,
                                     self.cfg.window_size, comp, keep, prefix=True)
-        W, S, out = self.cfg.window_size, q.shape[1], []
-        first = start_pos + S - window.shape[1]                       # position of window[:, 0]
+        W, S, Lw, out = self.cfg.window_size, q.shape[1], window.shape[1], []
+        pos = token_positions(start_pos, S, q.device)                 # [S] or [B,S]
+        first = pos[..., -1:] - (Lw - 1)                              # position of window[:, 0]: [1] or [B,1]
         for a in range(0, S, self.cfg.attn_chunk):
             b = min(a + self.cfg.attn_chunk, S)
-            lo = max(start_pos + a - W + 1 - first, 0)
-            hi = start_pos + b - first
-            kpos = torch.arange(first + lo, first + hi, device=q.device)              # [L]
-            qpos = torch.arange(start_pos + a, start_pos + b, device=q.device)        # [s]
-            dist = qpos[:, None] - kpos[None, :]                                      # [s,L]
-            mask = ((dist >= 0) & (dist < W))[None]                                   # [1,s,L]
+            lo, hi = max(a - W + 1 + Lw - S, 0), b + Lw - S           # the window columns this chunk can see
+            kpos = first + torch.arange(lo, hi, device=q.device)                      # [(B,)L]
+            dist = pos[..., a:b, None] - kpos[..., None, :]                           # [(B,)s,L]
+            mask = (dist >= 0) & (dist < W) & (kpos[..., None, :] >= 0)
+            mask = mask if mask.dim() == 3 else mask[None]                            # [1|B,s,L]
             keys = window[:, lo:hi]
             if comp is not None:
                 keys = torch.cat([keys, comp], 1)
@@ -896,12 +978,47 @@ class Transformer(nn.Module):
         """[B,S,M,D] -> [B,S,V] fp32"""
         return fp32_linear(self.hidden(h), self.head.weight, self.cfg)
 
-    def forward(self, input_ids, start_pos: int = 0, cache: Optional[dict] = None) -> torch.Tensor:
+    def forward(self, input_ids, start_pos=0, cache: Optional[dict] = None) -> torch.Tensor:
+        """start_pos: the position of input_ids[:, 0] (an int), or each row's own (an int64 tensor [B] on the
+        host) for one decode step over rows at different lengths (a cache from `cat_caches`)."""
+        if torch.is_tensor(start_pos) and (cache is None or input_ids.shape[1] != 1
+                                           or tuple(start_pos.shape) != (input_ids.shape[0],)
+                                           or start_pos.device.type != "cpu"):
+            raise ValueError(f"per-row start_pos (shape {tuple(start_pos.shape)}, {start_pos.device}) needs a decode "
+                             f"cache and one token per row, on the host; got input_ids {tuple(input_ids.shape)}")
         return self.logits(self.run_layers(self.embed_streams(input_ids), input_ids, start_pos, cache))
 
     def new_cache(self) -> dict:
         """An empty decode cache; pass it to `forward` for a prefill, then for one-token steps."""
         return {}
+
+    def cat_caches(self, caches: list) -> dict:
+        """The rows of several decode caches as one, in order (requests joining a decode batch): windows
+        left-padded to one width, entries right-padded with zero slots, compressor remainders in per-row form.
+        Decode it with per-row start_pos (each row's length)."""
+        out = {}
+        for key in caches[0]:
+            attn, parts = self.layers[key].attn, [c[key] for c in caches]
+            out[key] = LayerCache(window=_cat_padded([p.window for p in parts], left=True))
+            if attn.ratio:
+                out[key].comp = _cat_padded([p.comp for p in parts], left=False)
+                out[key].comp_state = _cat_states([attn.compressor.rowwise(p.comp_state) for p in parts])
+            if attn.ratio == 4:
+                out[key].index_keys = _cat_padded([p.index_keys for p in parts], left=False)
+                out[key].index_state = _cat_states([attn.indexer.compressor.rowwise(p.index_state) for p in parts])
+        return out
+
+    @staticmethod
+    def cache_rows(cache: dict, rows: torch.Tensor) -> dict:
+        """Rows `rows` [n] (int64, on the cache's device) of a decode cache (requests leaving a batch)."""
+        def pick(t):
+            return None if t is None else t.index_select(0, rows)
+
+        def pick_state(s):
+            return None if s is None else CompressorState(pick(s.kv), pick(s.score), s.start, pick(s.prev_kv),
+                                                          pick(s.prev_score))
+        return {k: LayerCache(pick(c.window), pick(c.comp), pick_state(c.comp_state), pick(c.index_keys),
+                              pick_state(c.index_state)) for k, c in cache.items()}
 
     # ------------------------------------------------------------------ RL / MTP heads
     def token_logprobs(self, input_ids, targets, temperature: float = 1.0, chunk: int = 1024, mask=None):
@@ -953,6 +1070,20 @@ class Transformer(nn.Module):
             if not any(k in name for k in FP32_KEYS):
                 p.data = p.data.to(dtype)
         return self
+
+
+def _cat_padded(ts: list, left: bool) -> torch.Tensor:
+    """Concatenate [B_i, L_i, d] along rows, zero-padding each to the longest L (on the left or right)."""
+    L = max(t.shape[1] for t in ts)
+    return torch.cat([F.pad(t, (0, 0, L - t.shape[1], 0) if left else (0, 0, 0, L - t.shape[1])) for t in ts])
+
+
+def _cat_states(states: list) -> CompressorState:
+    """Per-row compressor states (`Compressor.rowwise`) of several caches as one."""
+    def cat(name):
+        ts = [getattr(s, name) for s in states]
+        return None if ts[0] is None else torch.cat(ts)
+    return CompressorState(cat("kv"), cat("score"), 0, cat("prev_kv"), cat("prev_score"))
 
 
 def init_param_(name: str, p: torch.Tensor, generator: torch.Generator, std: float = 0.02):

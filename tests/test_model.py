@@ -84,6 +84,62 @@ def test_decode_with_sparse_indexer_selection(gen):
     assert (torch.cat(parts, 1) - full).abs().max().item() <= DECODE_TOL * full.abs().max().item()
 
 
+@pytest.mark.usefixtures("one_thread")   # tiny forwards: two threads on the loaded 2-core box spin (0.7 s vs 9-55 s)
+def test_decode_rows_at_their_own_positions_equal_the_full_forward(gen):
+    """The continuous-batching path (server/engine.py): sequences prefilled alone at different lengths, joined
+    (`cat_caches`), decoded together with per-row start_pos, one leaving (`cache_rows`) and a new one joining
+    mid-way; every row's logits equal its own full forward. Across the window wrap (W=8), C4 / ratio-8 window
+    ends at different steps per row, and a sparse indexer (top-2 of up to 7 entries). Bugs caught: one row's
+    position used for all (rope, ape, visibility), a shorter row's window padding not masked, an entry written
+    for a row whose window did not end or into another row's slot, the C4 prev window not kept per row, the
+    wrong rows kept when one leaves."""
+    m = tiny_model(index_topk=2).eval()
+    V, T = m.cfg.vocab_size, 30
+    lens = [5, 13, 3, 21]                     # prefill lengths: rows stand at different positions mod 4 and 8
+    seqs = [torch.randint(0, V, (1, T), generator=gen) for _ in range(5)]
+    with torch.no_grad():
+        fulls = [m(s)[0] for s in seqs]                                                # [T,V] each
+        caches = []
+        for s, L in zip(seqs, lens):
+            caches.append(m.new_cache())
+            m(s[:, :L], 0, caches[-1])
+        cache, rows, pos, err = m.cat_caches(caches), [0, 1, 2, 3], torch.tensor(lens), 0.0
+        for step in range(T - max(lens)):
+            ids = torch.cat([seqs[r][:, p:p + 1] for r, p in zip(rows, pos.tolist())])  # [B,1]
+            out = m(ids, pos, cache)[:, -1]                                            # [B,V]
+            for i, (r, p) in enumerate(zip(rows, pos.tolist())):
+                err = max(err, (out[i] - fulls[r][p]).abs().max().item())
+            pos = pos + 1
+            if step == 3:                         # row 2 leaves, sequence 4 joins after a prefill of 7
+                keep = torch.tensor([0, 1, 3])
+                cache, rows, pos = m.cache_rows(cache, keep), [0, 1, 3], pos[keep]
+                joined = m.new_cache()
+                m(seqs[4][:, :7], 0, joined)
+                cache, rows, pos = m.cat_caches([cache, joined]), rows + [4], torch.cat([pos, torch.tensor([7])])
+    assert err <= DECODE_TOL * max(f.abs().max().item() for f in fulls), f"max |diff| {err:.2e}"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_tokens_after_a_sequence_change_none_of_its_logits(gen):
+    """Right-padding is safe for this model (the engine's batched scoring and decode="full" pad rows of
+    different lengths): every block is causal -- the sliding window, the compressed entries (an entry is visible
+    only once its window has ended, the C4 overlap included), the indexer's top-k over those, MoE and mHC per
+    token. Rows cut at lengths across C4 / ratio-8 window ends, then padded with random tokens to 29, keep
+    their logits. Bug caught: an entry visible one step early (u <= (t+1)//m), a compressor pooling a window
+    that has not ended, a window mask letting a later key in."""
+    m = tiny_model(index_topk=2).eval()
+    V, L = m.cfg.vocab_size, 29
+    ids = torch.randint(0, V, (5, L), generator=gen)
+    cuts = [3, 8, 11, 16, 23]                 # 4k-1, 8k, 4k+3 (an entry ends there), 16, 23
+    padded = torch.stack([torch.cat([ids[i, :c], torch.randint(0, V, (L - c,), generator=gen)])
+                          for i, c in enumerate(cuts)])
+    with torch.no_grad():
+        got = m(padded)
+        want = [m(ids[i:i + 1, :c])[0] for i, c in enumerate(cuts)]
+    err = max((got[i, :c] - w).abs().max().item() for i, (c, w) in enumerate(zip(cuts, want)))
+    assert err <= DECODE_TOL * max(w.abs().max().item() for w in want), f"max |diff| {err:.2e}"
+
+
 def test_token_logprobs_matches_log_softmax_forward_and_backward(gen):
     m = tiny_model()
     ids = torch.randint(0, m.cfg.vocab_size, (2, 13), generator=gen)

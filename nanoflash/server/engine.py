@@ -1,24 +1,58 @@
 """The embedded rollout engine: nanoflash's own inference behind the SGLang-protocol server (`server.py`).
 
-Generation, per request (one prompt, n samples decoded together as a batch of n):
+Generation, per request (one prompt, n samples: n rows that decode together):
 
     prefill the prompt, then repeat: logits_t -> sample -> append, until a stop id or max_new_tokens
     sample:  p = softmax(logits / T), keep the top-k, keep the smallest set with cumulative p >= top_p,
-             renormalise, draw (T = 0: argmax)
+             renormalise, draw (T = 0: argmax) -- from the request's own generator (its sampling_seed)
     score:   logprob_t = log_softmax(logits / T)[token_t]  -- recomputed at the end by the trainer's own
-             `model.token_logprobs` on each finished sequence (batch of one), so the log-probs equal the
-             trainer's bit for bit ("true on-policy"; T = 0 is scored at T = 1). Cost: one extra forward of
-             the whole sequence per sample, on top of decoding.
+             `model.token_logprobs` on each finished sequence ("true on-policy"; T = 0 is scored at T = 1)
+
+Continuous batching. The requests in flight share ONE model forward per step. A step (`_step`, under `lock`):
+
+    1. requests aborted since the last step leave (with the tokens they have, scored);
+    2. the admitted requests waiting at this step boundary join the batch;
+    3. `_next_logits`: one decode forward over every row that has a cache, each row at its own position
+       (`model(ids [B,1], start_pos=[B] lengths - 1, cache)`: rows of different prompt lengths or joined at
+       different steps decode together), then one prefill per distinct length for the rows that joined, whose
+       caches are appended to the batch's (`model.cat_caches`);
+    4. each request draws its rows' tokens from its own generator -- the same draws as alone, on logits that
+       differ from a batch of one only in the last bits (other GEMM shapes), so a fixed seed gives the same
+       samples unless a draw lands within ~1e-6 of a boundary;
+    5. requests whose every row stopped, or that reached max_new_tokens, leave: their rows are dropped from the
+       cache (`model.cache_rows`, on the next step) and their samples are scored.
+
+A stopped row keeps decoding (its tokens are cut) until its request ends, so a request draws for n rows every
+step, exactly as alone. On the GPU a forward at these sizes costs its kernel launches (thousands per forward,
+most of them in mHC's Sinkhorn iterations and the fp32 expert loop: `bench/bench_rollout.py --part launches`),
+not its arithmetic, so a step over 64 rows costs about what one over 8 did: the `gpu` recipe's rollout of
+8 requests x 8 samples x 16 tokens ran 8 x 16 forwards + 64 scoring forwards before, and ~16 + 1 now.
+`batching="serial"` keeps the engine before this (one request at a time, its n rows as one batch): the bench's
+baseline (`bench/bench_rollout.py --part batching`) and the reference of `tests/test_rollout_batching.py`.
+
+Who runs the steps: the thread of one request in flight (the driver) runs steps for all of them, the others
+wait on `resume` and are woken after each step; when the driver's request ends another waiting thread takes
+over. Between steps the lock is free, so a weight push, a pause or a new request gets in at a step boundary.
+
+Scoring (`score=`): "exact" scores each sample alone, the call the trainer makes in matched precision (fp32
+trainer and engine score per sample, `rl/trainer.py`), so the log-probs equal the trainer's bit for bit;
+"batched" scores every sample finished in a step in ONE right-padded forward per temperature. Padding after a
+sample changes none of its positions (every block is causal: the window and the compressed entries end at the
+query, the indexer sees only ended windows, MoE and mHC act per token; tests/test_model.py checks it), but
+the GEMM shapes differ, so the bits may: on the CPU fp32 the padded log-probs were <= 1e-6 from a batch of
+one. "auto": exact on the CPU and with fp32 weights, batched otherwise (the FP8 and bf16 engines differ from a
+bf16 trainer by ~0.08 anyway, docs/benchmarks.md B11). A lone sample is always scored alone.
 
 Routing replay (R3): with `return_routed_experts` the result carries, in SGLang's format (base64 int32
 [prompt + output - 1, n_layers, top-k]), the experts every MoE layer chose in that same scoring forward --
 exactly the routing a trainer forward on the same tokens and weights computes.
 
-Decoding uses the model's incremental cache (`model.new_cache()`, `model(ids, start_pos, cache)`) when a
-start-up self-check finds it agrees with the full forward, else re-runs the full forward every step
+Decoding uses the model's incremental cache when a start-up self-check (two rows at different positions, one
+step, against the full forward) agrees, else re-runs the full forward of every row each step, right-padded
 (`decode="auto"|"cache"|"full"`). Requests wait at step boundaries while generation is paused
-(`in_place`/`retract`; `abort` ends them); a weight update bumps `epoch`, and a cached request re-prefills
-(SGLang's "retract": recompute from scratch rather than keep stale KV).
+(`in_place`/`retract`; `abort` ends them: with no tokens, as nothing is scored during a pause); a weight update
+bumps `epoch`, and every cached request re-prefills (SGLang's "retract": recompute from scratch rather than
+keep stale KV).
 
 Weights: the engine keeps what was pushed in SGLang's loader layout (`layout.LoaderState`) and derives the
 model's parameters from it in `post_process()` -- unfuse pairs, un-permute `ape`, dequantize FP8 blocks,
@@ -29,7 +63,7 @@ after every update call (stock protocol) or at `end_weight_update` / `post_proce
 model still runs the old derived weights, which the checksum of the derived state (`derived_checksum`, on
 `/weights_checker` when asked) shows.
 
-Tests: `pytest tests/test_rollout_server.py -q`.
+Tests: `pytest tests/test_rollout_server.py tests/test_rollout_batching.py -q`.
 """
 from __future__ import annotations
 
@@ -40,6 +74,8 @@ import math
 import threading
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -63,10 +99,16 @@ DEFAULT_MAX_RUNNING = 256
 # pause_generation(mode="abort") returns once nothing runs (SGLang waits the same way); a request ends at its
 # next decode step, so this only bounds a stuck forward.
 PAUSE_DRAIN_S = 60.0
+# A new batch (nothing decoding) starts this long after its first request arrived: requests sent together (a
+# rollout round's) reach the server over a few ms, and each one that misses the first step costs a prefill forward
+# of its own (~80 ms of launches on the `gpu` recipe) and, finishing a step apart, a scoring forward of its own.
+JOIN_QUIET_S, JOIN_GATHER_S = 0.003, 0.02   # measured on the 2-core CPU: 8 requests of a round over 2-7 ms
 SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed",
                  "min_new_tokens", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens",
                  "ignore_eos", "stop"}
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32}
+BATCHING = ("continuous", "serial")      # RolloutEngine(batching=): every running request per forward, or one
+SCORING = ("auto", "exact", "batched")   # RolloutEngine(score=): see the module docstring
 
 
 class BadRequest(ValueError):
@@ -115,12 +157,19 @@ def _is_real(v) -> bool:
     return type(v) in (int, float) and math.isfinite(v)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen: torch.Generator):
-    """Draw one token per row. logits [B,V] fp32 -> ids [B]. Non-finite logits are an error naming the cause
-    (broken served weights, e.g. a diverged update), never a silent draw."""
+def check_finite(logits: torch.Tensor) -> None:
+    """Non-finite logits are an error naming the cause (broken served weights), never a silent draw."""
     if not bool(torch.isfinite(logits).all()):
         raise FloatingPointError("non-finite logits: the served weights are broken (NaN/inf or overflowing, "
                                  "e.g. a diverged update)")
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen: torch.Generator,
+           check: bool = True):
+    """Draw one token per row. logits [B,V] fp32 -> ids [B]. `check`: `check_finite` first (a caller that
+    checked a larger batch at once passes False)."""
+    if check:
+        check_finite(logits)
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)                 # [B,V]
@@ -145,14 +194,19 @@ def check_values(name: str, t: torch.Tensor, n_experts: int) -> None:
 
 
 class RolloutEngine:
-    """nanoflash inference + SGLang-layout weight store. Thread-safe: one forward at a time (`lock`)."""
+    """nanoflash inference + SGLang-layout weight store. Thread-safe: one forward at a time (`lock`).
+    `batching`: "continuous" (every running request in each step's forward) or "serial" (one request at a time,
+    the engine before continuous batching); `score`: "exact", "batched" or "auto" (module docstring)."""
 
     def __init__(self, model, weights: str = "fp32", decode: str = "auto", seed: int = 0,
-                 max_running: int = DEFAULT_MAX_RUNNING):
+                 max_running: int = DEFAULT_MAX_RUNNING, batching: str = "continuous", score: str = "auto"):
         if weights not in WEIGHT_DTYPES:
             raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {weights!r}")
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if batching not in BATCHING or score not in SCORING:
+            raise ValueError(f"batching must be one of {BATCHING} and score one of {SCORING}, got {batching!r}, "
+                             f"{score!r}")
         self.max_running, self.running, self.slots = max_running, 0, threading.Condition()
         self.model, self.cfg, self.weights = model.eval(), model.cfg, weights
         self.device = next(model.parameters()).device
@@ -163,6 +217,12 @@ class RolloutEngine:
         self.inflight: collections.Counter = collections.Counter()   # rid -> requests running under it
         self.abort_all_before = 0.0
         self.seed_gen = torch.Generator().manual_seed(seed)
+        self.batching = batching
+        self.waiting: list = []      # admitted requests; they join the batch at the next step
+        self.batch: list = []        # decoding: their rows, in this order, are the rows of state["cache"]
+        self.finished: list = []     # decoded, not yet scored (a step that ended in a pause)
+        self.state: dict = {}        # `_next_logits`' decode cache of the batch; reset when the batch empties
+        self.driver = None           # the request whose thread runs the steps now
         self.store = LoaderState()
         fp8 = weights == "fp8"
         for bucket in iter_sglang_buckets(model, fp8=fp8, bucket_bytes=1 << 62):
@@ -170,6 +230,9 @@ class RolloutEngine:
         self.store.freeze()
         self.post_process()
         self.use_cache = decode == "cache" or (decode == "auto" and self._cache_agrees())
+        # the trainer's matched-precision log-probs (fp32 both sides) score each sample alone: so does "exact"
+        exact = self.device.type == "cpu" or weights == "fp32"
+        self.score_mode = score if score != "auto" else ("exact" if exact else "batched")
 
     # ------------------------------------------------------------------ weights
     def load(self, named_tensors) -> list:
@@ -295,42 +358,78 @@ class RolloutEngine:
             self.slots.notify_all()
 
     # ------------------------------------------------------------------ generation
+    @torch.no_grad()
     def _cache_agrees(self) -> bool:
-        ids = torch.arange(1, 10, device=self.device)[None] % self.cfg.vocab_size   # [1,9]
+        """Start-up self-check of the decode path the scheduler runs: two prompts of different lengths
+        prefilled alone, joined (`cat_caches`), one step each at its own position, against the full forward."""
+        ids = torch.arange(1, 11, device=self.device)[None] % self.cfg.vocab_size       # [1,10]
+        rows = (ids[:, :9], ids[:, 3:8])                                                 # lengths 9 and 5
         try:
-            with torch.no_grad(), self.lock:
-                full = self.model(ids)[0, -1]
-                cache = self.model.new_cache()
-                self.model(ids[:, :-1], 0, cache)
-                step = self.model(ids[:, -1:], ids.shape[1] - 1, cache)[0, -1]
+            with self.lock:
+                full = torch.stack([self.model(r)[0, -1] for r in rows])                 # [2,V]
+                caches = [self.model.new_cache() for _ in rows]
+                for r, c in zip(rows, caches):
+                    self.model(r[:, :-1], 0, c)
+                pos = torch.tensor([r.shape[1] - 1 for r in rows])
+                step = self.model(torch.cat([r[:, -1:] for r in rows]), pos, self.model.cat_caches(caches))[:, -1]
         except Exception:  # an incomplete cache implementation: fall back to full forwards
             return False
         tol = CACHE_CHECK_ATOL.get(self.model.embed.weight.dtype, 5e-2)
         return bool((full - step).abs().max() <= tol)
 
-    def _next_logits(self, seqs: torch.Tensor, state: dict) -> torch.Tensor:
-        """Logits of the next token for every row. seqs [n,L] -> [n,V] fp32"""
+    def _next_logits(self, reqs: list, state: dict) -> torch.Tensor:
+        """Logits of the next token of every row of `reqs` (each request's n rows, in order): ONE decode forward
+        over the rows `state` holds a cache for, each at its own position, then one prefill per prompt length
+        for the requests that join (or re-join: after a weight update every request re-prefills, SGLang's
+        retract). -> [rows, V] fp32"""
         if not self.use_cache:
-            return self.model(seqs)[:, -1]
-        if state.get("epoch") != self.epoch or "cache" not in state:   # first step or weights changed
-            state.update(cache=self.model.new_cache(), epoch=self.epoch)
-            return self.model(seqs, 0, state["cache"])[:, -1]
-        return self.model(seqs[:, -1:], seqs.shape[1] - 1, state["cache"])[:, -1]
+            return self._full_logits(reqs)
+        if state.get("epoch") != self.epoch:
+            state.update(epoch=self.epoch, cache=None, reqs=[])
+        held, logits = self._keep_rows(state, reqs), {}
+        if held:
+            ids = torch.tensor([[o[-1]] for r in held for o in r.out], device=self.device)     # [B,1]
+            pos = torch.tensor([r.length - 1 for r in held for _ in range(r.n)])               # [B] host
+            self._by_request(self.model(ids, pos, state["cache"])[:, -1], held, logits)
+        kept = {id(r) for r in held}
+        caches, new = [state["cache"]] if held else [], [r for r in reqs if id(r) not in kept]
+        for length in sorted({r.length for r in new}):
+            group = [r for r in new if r.length == length]
+            caches.append(self.model.new_cache())
+            ids = torch.tensor([r.prompt + o for r in group for o in r.out], device=self.device)  # [n,L]
+            self._by_request(self.model(ids, 0, caches[-1])[:, -1], group, logits)
+            held = held + group
+        if new:
+            state["cache"] = self.model.cat_caches(caches)
+        state["reqs"] = held
+        return torch.cat([logits[id(r)] for r in reqs])
 
-    def _wait(self, rid: str, t0: float) -> bool:
-        """Block while paused; False if this request was aborted."""
-        while self.paused and t0 >= self.abort_all_before and rid not in self.aborted:
-            self.resume.wait(timeout=0.5)
-        return t0 >= self.abort_all_before and rid not in self.aborted
+    def _keep_rows(self, state: dict, reqs: list) -> list:
+        """Drop from the cache the rows of requests that left; -> the requests it still holds, in row order."""
+        now = {id(r) for r in reqs}
+        held = [r for r in state["reqs"] if id(r) in now]
+        if len(held) < len(state["reqs"]):
+            offs = [0]
+            for r in state["reqs"]:
+                offs.append(offs[-1] + r.n)
+            rows = [offs[k] + i for k, r in enumerate(state["reqs"]) if id(r) in now for i in range(r.n)]
+            state["cache"] = self.model.cache_rows(state["cache"], torch.tensor(rows, device=self.device))
+        return held
 
-    def _wait_to_score(self, rid: str, t0: float) -> bool:
-        """Scoring waits out a pause like a decode step (a push may be half applied); False if the request is
-        aborted while it waits. An abort outside a pause does not stop scoring (the partial sample is scored)."""
-        while self.paused:
-            if t0 < self.abort_all_before or rid in self.aborted:
-                return False
-            self.resume.wait(timeout=0.5)
-        return True
+    @staticmethod
+    def _by_request(logits: torch.Tensor, reqs: list, out: dict) -> None:
+        a = 0
+        for r in reqs:
+            out[id(r)], a = logits[a:a + r.n], a + r.n
+
+    def _full_logits(self, reqs: list) -> torch.Tensor:
+        """decode="full": one forward of every row's whole sequence, right-padded (causal: the padding after a
+        row changes none of its logits), the logits at each row's last token. -> [rows, V]"""
+        seqs = [r.prompt + o for r in reqs for o in r.out]
+        L = max(len(x) for x in seqs)
+        ids = torch.tensor([x + [0] * (L - len(x)) for x in seqs], device=self.device)     # [B,L]
+        last = torch.tensor([len(x) - 1 for x in seqs], device=self.device)
+        return self.model(ids)[torch.arange(len(seqs), device=self.device), last]
 
     @torch.no_grad()
     def health_check(self) -> None:
@@ -361,11 +460,12 @@ class RolloutEngine:
         n = sp["n"]
         try:
             if not self._admit(rid, t0, n):   # aborted in the queue: SGLang answers "abort" with no tokens
-                empty = torch.tensor([], dtype=torch.long, device=self.device)
-                return [self._finish(input_ids, empty, None, "abort", sp, rid, t0, False, queued=True)
-                        for _ in range(n)]
+                with self.lock:
+                    version = self.weight_version
+                fr = {"type": "abort", "message": "Abort in waiting queue"}
+                return [self._answer(rid, t0, input_ids, sp, [], [], fr, version) for _ in range(n)]
             try:
-                return self._generate(input_ids, sp, rid, t0, routed)
+                return self._run(self._request(input_ids, sp, rid, t0, routed))
             finally:
                 self._release(n)
         finally:
@@ -375,41 +475,152 @@ class RolloutEngine:
                     del self.inflight[rid]
                     self.aborted.discard(rid)
 
-    def _generate(self, input_ids: list, sp: dict, rid: str, t0: float, routed: bool) -> list:
-        n, stops = sp["n"], set(sp["stop_token_ids"])
+    def _request(self, prompt: list, sp: dict, rid: str, t0: float, routed: bool) -> "Request":
         with self.lock:
             seed = sp["seed"] if sp["seed"] is not None else int(torch.randint(0, 2**62, (1,), generator=self.seed_gen))
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        seqs = torch.tensor([input_ids] * n, dtype=torch.long, device=self.device)   # [n,P]
-        done, reason, state = [None] * n, "length", {}
-        for _ in range(sp["max_new_tokens"]):
-            with self.lock:
-                if not self._wait(rid, t0):
-                    reason = "abort"
-                    break
-                logits = self._next_logits(seqs, state)
-            nxt = sample(logits, sp["temperature"], sp["top_p"], sp["top_k"], gen)
-            seqs = torch.cat([seqs, nxt[:, None]], 1)                                  # [n,L+1]
-            for i in range(n):
-                if done[i] is None and int(nxt[i]) in stops:
-                    done[i] = (seqs.shape[1] - len(input_ids), int(nxt[i]))
-            if all(d is not None for d in done):
-                break
-        return [self._finish(input_ids, seqs[i], done[i], reason, sp, rid, t0, routed) for i in range(n)]
+        return Request(rid, t0, list(prompt), sp, routed, gen, [[] for _ in range(sp["n"])], [None] * sp["n"])
 
-    def _finish(self, prompt, seq, stopped, reason, sp, rid, t0, routed=False, queued=False) -> dict:
-        out = seq if queued else seq[len(prompt):stopped[0] + len(prompt)] if stopped else seq[len(prompt):]
-        with self.lock:  # the routing record must come from this very scoring forward
-            if not queued and not self._wait_to_score(rid, t0):   # aborted during a push: cannot be scored
-                out, stopped, reason = out[:0], None, "abort"
-            full = torch.cat([torch.tensor(prompt, dtype=torch.long, device=out.device), out])
-            lps = self.score(full, len(prompt), sp["temperature"]) if len(out) else []
-            routes = self.routed_experts(full, scored=len(out) > 0) if routed else None
-            version = self.weight_version  # of the weights that scored it
-        fr = ({"type": "stop", "matched": stopped[1]} if stopped else
-              {"type": "abort", "message": "Abort in waiting queue" if queued else "aborted"} if reason == "abort" else
-              {"type": "length", "length": sp["max_new_tokens"]})
-        ids = out.tolist()
+    def _run(self, req: "Request") -> list:
+        """Wait for `req`'s result, running the steps while no other request's thread does (the driver: one
+        thread at a time runs every request's steps; the others wait on `resume`, woken after each step)."""
+        with self.lock:
+            self.waiting.append(req)
+        try:
+            while True:
+                with self.lock:
+                    if req.error is not None:
+                        raise req.error
+                    if req.result is not None:
+                        return req.result
+                    if self.paused and self._is_aborted(req.rid, req.t0):   # cannot be scored: a push may be half done
+                        self._end_unscored(req)
+                        continue
+                    if self.paused or self.driver not in (None, req):
+                        self.resume.wait(timeout=0.5)
+                        continue
+                    self.driver = req
+                    if not self.batch and not req.gathered:   # a new batch: let the requests sent with this one in
+                        req.gathered = True
+                        self._gather()
+                        continue
+                    try:
+                        self._step()
+                    except Exception as e:   # every request of the step fails with it, and the batch is reset
+                        for r in self.batch + self.finished:
+                            r.error = e
+                        self.batch, self.finished, self.state = [], [], {}
+                    self.resume.notify_all()
+                time.sleep(0)   # between steps a push, a pause or a new request may take the lock
+        finally:
+            with self.lock:
+                if self.driver is req:
+                    self.driver = None
+                    self.resume.notify_all()
+
+    def _gather(self):
+        """Before a new batch's first step (under `lock`, released while waiting): wait until no request has
+        arrived for JOIN_QUIET_S, at most JOIN_GATHER_S in all."""
+        end, seen = time.monotonic() + JOIN_GATHER_S, -1
+        while len(self.waiting) != seen and time.monotonic() < end:
+            seen = len(self.waiting)
+            self.resume.wait(timeout=JOIN_QUIET_S)
+
+    def _step(self):
+        """One scheduling step, under `lock`, not paused: end aborted requests (with the tokens they have), let
+        the waiting ones join, ONE forward for every row of the batch (`_next_logits`), draw each request's
+        next tokens, move finished requests out, score them (unless a pause began meanwhile)."""
+        for r in [r for r in self.waiting + self.batch if self._is_aborted(r.rid, r.t0)]:
+            self._leave(r)
+            r.reason = "abort"
+            self.finished.append(r)
+        k = len(self.waiting) if self.batching == "continuous" else 0 if self.batch else 1   # serial: one alone
+        join, self.waiting = self.waiting[:k], self.waiting[k:]
+        self.finished += [r for r in join if r.sp["max_new_tokens"] == 0]
+        self.batch += [r for r in join if r.sp["max_new_tokens"] > 0]
+        if self.batch:
+            self._draw(self._next_logits(self.batch, self.state))
+            self.finished += [r for r in self.batch if r.decoded()]
+            self.batch = [r for r in self.batch if not r.decoded()]
+        if not self.batch:
+            self.state = {}   # nothing decodes: the cache goes
+        if not self.paused and self.finished:
+            self._score_finished()
+
+    def _draw(self, logits: torch.Tensor) -> None:
+        """Each request's rows from its own generator (the same draws as when it decoded alone), one host read
+        of every drawn id, stop ids checked on the host. logits [rows, V]"""
+        check_finite(logits)
+        draws, a = [], 0
+        for r in self.batch:
+            sp = r.sp
+            draws.append(sample(logits[a:a + r.n], sp["temperature"], sp["top_p"], sp["top_k"], r.gen, check=False))
+            a += r.n
+        ids, a = torch.cat(draws).tolist(), 0
+        for r in self.batch:
+            for i, tok in enumerate(ids[a:a + r.n]):
+                r.out[i].append(tok)
+                if r.done[i] is None and tok in r.sp["stop_token_ids"]:
+                    r.done[i] = (len(r.out[i]), tok)
+            a += r.n
+
+    def _leave(self, req: "Request") -> None:
+        for queue in (self.waiting, self.batch, self.finished):
+            if req in queue:
+                queue.remove(req)
+
+    def _end_unscored(self, req: "Request") -> None:
+        """Aborted during a pause: it ends now with no tokens (a push may be half applied: nothing is scored)."""
+        self._leave(req)
+        fr = {"type": "abort", "message": "aborted"}
+        req.result = [self._answer(req.rid, req.t0, req.prompt, req.sp, [], [], fr, self.weight_version)
+                      for _ in range(req.n)]
+        self.resume.notify_all()
+
+    def _score_finished(self) -> None:
+        """Score every finished sample with the trainer's `token_logprobs` ("exact": one forward per sample;
+        "batched": one right-padded forward per temperature) and build the results."""
+        reqs = list(self.finished)   # they leave `finished` once scored (a failure reaches them from there)
+        items = [(r, i) for r in reqs for i in range(r.n)]
+        fulls = [r.prompt + r.output(i) for r, i in items]
+        lps, routes = [[] for _ in items], [None] * len(items)
+        scored = [k for k, (r, i) in enumerate(items) if r.output(i)]
+        for T in sorted({items[k][0].sp["temperature"] or 1.0 for k in scored}):
+            group = [k for k in scored if (items[k][0].sp["temperature"] or 1.0) == T]
+            if self.score_mode == "exact" or len(group) == 1:
+                for k in group:
+                    full = torch.tensor(fulls[k], dtype=torch.long, device=self.device)
+                    lps[k] = self.score(full, len(items[k][0].prompt), T)
+                    routes[k] = self.routed_experts(full, scored=True) if items[k][0].routed else None
+            else:
+                self._score_padded([fulls[k] for k in group], [items[k][0] for k in group], T,
+                                   [lps, routes], group)
+        for k, (r, i) in enumerate(items):   # unscored (no tokens): the routing of the prompt alone
+            if r.routed and routes[k] is None:
+                routes[k] = self.routed_experts(torch.tensor(fulls[k], device=self.device), scored=False)
+        version, answers = self.weight_version, {}   # the version of the weights that scored them
+        for k, (r, i) in enumerate(items):
+            answers.setdefault(id(r), []).append(self._answer(r.rid, r.t0, r.prompt, r.sp, r.output(i), lps[k],
+                                                              r.finish_reason(i), version, routes[k]))
+        for r in reqs:
+            r.result = answers[id(r)]
+        self.finished = self.finished[len(reqs):]
+
+    def _score_padded(self, fulls: list, reqs: list, T: float, into: list, at: list) -> None:
+        """Log-probs (and R3 records where asked) of several samples in one forward, right-padded: every block
+        is causal (window and compressed entries end at the query, the indexer sees only ended windows, MoE and
+        mHC act per token), so padding after a sample changes none of its positions -- but the GEMM shapes
+        differ from a batch of one, so the bits may too (module docstring)."""
+        L = max(len(f) for f in fulls)
+        ids = torch.tensor([f + [0] * (L - len(f)) for f in fulls], device=self.device)            # [N,L]
+        lp = self.model.token_logprobs(ids[:, :-1], ids[:, 1:], temperature=T).tolist()             # [N,L-1]
+        routed = self._layer_routes().view(len(fulls), L - 1, self.cfg.n_layers, -1) if any(
+            r.routed for r in reqs) else None                                                       # [N,L-1,n,K]
+        for j, (f, r, k) in enumerate(zip(fulls, reqs, at)):
+            into[0][k] = lp[j][len(r.prompt) - 1:len(f) - 1]
+            into[1][k] = encode_routes(routed[j, :len(f) - 1]) if r.routed else None
+
+    def _answer(self, rid, t0, prompt, sp, ids, lps, fr, version, routes=None) -> dict:
         res = {"output_ids": ids, "meta_info": {
             "id": rid, "finish_reason": fr, "prompt_tokens": len(prompt), "completion_tokens": len(ids),
             "cached_tokens": 0, "weight_version": version, "e2e_latency": time.monotonic() - t0,
@@ -418,15 +629,18 @@ class RolloutEngine:
             res["meta_info"]["routed_experts"] = routes
         return res
 
+    def _layer_routes(self) -> torch.Tensor:
+        """The experts every MoE layer chose in the last forward (`MoE.last_indices`). -> [N,n_layers,K]"""
+        layers = self.model.layers
+        return torch.stack([layers[k].ffn.last_indices for k in sorted(layers, key=int)], 1)
+
     @torch.no_grad()
     def routed_experts(self, full: torch.Tensor, scored: bool) -> str:
         """R3 record in SGLang's format: base64 of int32 [len(full) - 1, n_layers, top-k], the experts every
         MoE layer chose for each input position of the scoring forward (`MoE.last_indices`)."""
         if not scored:
             self.model(full[None, :-1])
-        layers = self.model.layers
-        idx = torch.stack([layers[k].ffn.last_indices for k in sorted(layers, key=int)], 1)  # [L-1,n_layers,K]
-        return base64.b64encode(idx.to(torch.int32).cpu().contiguous().numpy().tobytes()).decode("ascii")
+        return encode_routes(self._layer_routes())
 
     def input_logprobs(self, input_ids: list, start: int, temperature: float) -> list:
         """SGLang's `input_token_logprobs` for `logprob_start_len=start`: [[log p(x_i | x_<i), x_i, None] for i
@@ -442,3 +656,50 @@ class RolloutEngine:
         with self.lock:
             lp = self.model.token_logprobs(full[None, :-1], full[None, 1:], temperature=temperature or 1.0)
         return lp[0, prompt_len - 1:].tolist()
+
+
+def encode_routes(idx: torch.Tensor) -> str:
+    """R3 record: base64 of the int32 bytes of idx [positions, n_layers, K]."""
+    return base64.b64encode(idx.to(torch.int32).cpu().contiguous().numpy().tobytes()).decode("ascii")
+
+
+@dataclass(eq=False)   # identity: a request is "in" the batch, not an equal one
+class Request:
+    """One prompt in flight with its n samples: n rows of the batch from its first step to its last (a sample
+    that stopped keeps its row until the request ends, so the request's generator draws for n rows each step,
+    as when it decoded alone). Tokens are kept on the host."""
+    rid: str
+    t0: float
+    prompt: list
+    sp: dict
+    routed: bool
+    gen: torch.Generator
+    out: list                          # per sample: the ids drawn so far
+    done: list                         # per sample: None, or (ids up to and with the stop id, the stop id)
+    reason: str = "length"             # "abort" once aborted
+    gathered: bool = False             # its thread, as driver, waited for the others before a new batch
+    result: Optional[list] = None
+    error: Optional[BaseException] = None
+
+    @property
+    def n(self) -> int:
+        return len(self.out)
+
+    @property
+    def length(self) -> int:
+        """Tokens of each row so far (prompt + drawn)."""
+        return len(self.prompt) + len(self.out[0])
+
+    def decoded(self) -> bool:
+        return all(d is not None for d in self.done) or len(self.out[0]) >= self.sp["max_new_tokens"]
+
+    def output(self, i: int) -> list:
+        """Sample i's ids, cut after its stop id."""
+        return self.out[i][:self.done[i][0]] if self.done[i] else self.out[i]
+
+    def finish_reason(self, i: int) -> dict:
+        if self.done[i]:
+            return {"type": "stop", "matched": self.done[i][1]}
+        if self.reason == "abort":
+            return {"type": "abort", "message": "aborted"}
+        return {"type": "length", "length": self.sp["max_new_tokens"]}

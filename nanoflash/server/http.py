@@ -3,7 +3,7 @@
     python -m nanoflash.server --preset tiny --port 30000 [--weights fp32|bf16|fp8]
         [--protocol stock|post_process|session] [--api-key KEY] [--checkpoint DIR] [--host 127.0.0.1]
         [--disk-root DIR] [--group-hosts HOST,...] [--read-timeout S] [--max-connections N] [--max-trace-bytes B]
-        [--max-running-requests N]
+        [--max-running-requests N] [--batching continuous|serial] [--score auto|exact|batched]
 
 SGLang's launch flags are accepted too, so a rehearsal starts it with SGLang's command line (`python -m
 nanoflash.server` in place of `python3 -m sglang.launch_server`, the rest unchanged; `tests/test_rehearsal.py`
@@ -60,8 +60,9 @@ step (`in_place`, `retract`) or aborts them all and returns once none runs (`abo
 releases them.
 
 Differences from SGLang: stdlib `ThreadingHTTPServer` instead of FastAPI/uvicorn (no new dependencies);
-one forward at a time; no radix cache (`flush_cache` is a no-op that succeeds); no tokenizer (token ids only);
-an aborted running request stops before its next decode step (SGLang runs one more).
+one forward at a time (every running request in it: continuous batching, engine.py); the prompts of one batched
+/generate run one after another; no radix cache (`flush_cache` is a no-op that succeeds); no tokenizer (token
+ids only); an aborted running request stops before its next decode step (SGLang runs one more).
 
 Tests: `pytest tests/test_rollout_server.py tests/test_rollout_http_limits.py -q`.
 """
@@ -75,7 +76,8 @@ import torch
 from nanoflash.checkpoint import load_hf_checkpoint
 from nanoflash.config import ModelConfig, preset
 from nanoflash.model import Transformer
-from nanoflash.server.engine import DEFAULT_MAX_RUNNING, MAX_N, BadRequest, RolloutEngine, check_ids, parse_sampling
+from nanoflash.server.engine import (BATCHING, DEFAULT_MAX_RUNNING, MAX_N, SCORING, BadRequest, RolloutEngine,
+                                     check_ids, parse_sampling)
 from nanoflash.server.http_guard import BoundedHTTPServer, HTTPError, HTTPLimits, make_handler
 from nanoflash.server.trace import MAX_TRACE_BYTES, checked_ids, trace
 from nanoflash.server.update_guard import GroupPolicy, check_group, disk_files, own_hosts
@@ -401,7 +403,7 @@ def build_engine(args) -> RolloutEngine:
     if args.weights == "bf16":
         model.cast_(torch.bfloat16)
     return RolloutEngine(model, weights=args.weights, decode=args.decode, seed=args.seed,
-                         max_running=args.max_running_requests)
+                         max_running=args.max_running_requests, batching=args.batching, score=args.score)
 
 
 def main(argv=None):
@@ -425,6 +427,10 @@ def main(argv=None):
                     "--model-path)")
     ap.add_argument("--protocol", default="stock", choices=sorted(EXTRA))
     ap.add_argument("--decode", default="auto", choices=["auto", "cache", "full"])
+    ap.add_argument("--batching", default="continuous", choices=list(BATCHING), help="every running request in "
+                    "each step's forward, or one request at a time (engine.py)")
+    ap.add_argument("--score", default="auto", choices=list(SCORING), help="log-probs: each sample alone "
+                    "(exact), in one padded forward per step (batched), auto: exact on CPU / fp32 (engine.py)")
     ap.add_argument("--tp-size", type=int, default=1, help="ranks joined into a weight-update group (as SGLang TP)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:1 ...")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
