@@ -6,7 +6,7 @@ the same run; peak memory; the indexer; the `small` preset's MFU with the refere
     python bench/bench_attention.py --seqs 4096 --no-flex --no-model --no-sweep  # kernels only
     python bench/bench_attention.py --bwd --out docs/results/attention_bwd_h200.json    # old vs wgmma backward
 
---bwd (issue 43): for S = 4096, 8192 and each layer kind, the fused backward (ka.BWD_CONFIG) against the wgmma
+--bwd (issue 43): for S = 4096, 8192 and each layer kind, the fused backward (ka.FUSED_BWD_CONFIG) against the wgmma
 backward (attention_bwd.py) in each of BWD_CANDIDATES: fwd+bwd and backward-only ms, fwd+bwd TFLOP/s and
 its ratio to the matmul ceiling measured in the same run, the gradients' largest difference to the fused
 backward's (relative to its largest value), and the fastest candidate per shape. ~2 min on an H200.
@@ -283,7 +283,7 @@ def grads(q, kv, sink, comp, sel, do):
 def compare_backward(seqs, g, out, save):
     """The fused backward vs each wgmma candidate at every (S, kind); see the module docstring."""
     old, rows = ka.BWD_CONFIG, []
-    out["bwd_candidates"] = {"fused": old, **BWD_CANDIDATES}
+    out["bwd_candidates"] = {"fused": ka.FUSED_BWD_CONFIG, **BWD_CANDIDATES}
     for S in seqs:
         for kind in ("c4", "c128", "sliding"):
             q, kv, sink, comp, sel = make_inputs(S, kind, g)
@@ -292,7 +292,7 @@ def compare_backward(seqs, g, out, save):
             sel_c, n_sel = (ka.compact_selection(sel, comp.shape[1]) if comp is not None else (None, None))
             o, lse = ka.attention_forward(q, kv, comp, sel_c, n_sel, sink, DH ** -0.5, W)
             ref = None
-            for name, cfg in {"fused": old, **BWD_CANDIDATES}.items():
+            for name, cfg in {"fused": ka.FUSED_BWD_CONFIG, **BWD_CANDIDATES}.items():
                 if comp is None and name.endswith("-rows"):
                     continue   # no entries: the same passes as without the suffix
                 ka.BWD_CONFIG = cfg

@@ -84,8 +84,10 @@ def flash_launches(target, which: str):
             for c, s_, n in ((comp, sel, n_sel), (None, None, None)):      # C4 / C128 layers, sliding layers
                 if which == "attention_fwd":
                     ka.attention_forward(q, kv, c, s_, n, sink, scale, W)
-                else:
-                    ka.attention_backward(q, q, kv, c, s_, n, q, lse, scale, W)
+                else:   # CUDA: the fused backward (pre-Hopper GPUs run it; cuda:90's default, the wgmma
+                    # passes, is WGMMA_LAUNCHERS'); AMD: the arch's own config
+                    fused = ka.FUSED_BWD_CONFIG if target.backend == "cuda" else None
+                    ka.attention_backward(q, q, kv, c, s_, n, q, lse, scale, W, fused)
         elif which == "attention_bwd_wgmma":   # the wgmma backward, entries key-major and query-major
             from nanoflash.kernels import attention as ka
             C = S // 4

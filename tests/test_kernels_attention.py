@@ -295,3 +295,18 @@ def test_config_kernels_switch():
 
 if __name__ == "__main__":
     interp.run_cases(CASES, sys.argv[1])
+
+
+def test_the_backward_default_is_wgmma_on_hopper_only(monkeypatch):
+    """Bugs caught: the wgmma passes (208-224 KiB of shared memory) chosen on an A100 (164 KiB) or the CPU
+    interpreter; a config the bench or a test sets not winning over the target's default."""
+    from triton.backends.compiler import GPUTarget
+    from nanoflash.kernels import attention as ka
+    monkeypatch.setattr(ka, "BWD_CONFIG", None)
+    assert ka.launch_configs(GPUTarget("cuda", 90, 32))[1] is ka.HOPPER_BWD_CONFIG
+    assert ka.HOPPER_BWD_CONFIG["kind"] == "wgmma" and ka.HOPPER_BWD_CONFIG["comp"]["comp_mode"] == "rows"
+    assert ka.launch_configs(GPUTarget("cuda", 80, 32))[1] is ka.FUSED_BWD_CONFIG
+    assert ka.launch_configs(None)[1] is ka.FUSED_BWD_CONFIG
+    mine = dict(ka.FUSED_BWD_CONFIG)
+    monkeypatch.setattr(ka, "BWD_CONFIG", mine)
+    assert ka.launch_configs(GPUTarget("cuda", 90, 32))[1] is mine

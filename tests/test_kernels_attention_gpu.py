@@ -67,7 +67,7 @@ def inputs(kind, g):
 
 
 def _errors_vs_reference(kind):
-    """Kernel forward + backward (the current ka.BWD_CONFIG) vs the fp32 reference at S = 4096.
+    """Kernel forward + backward (the target's default backward, launch_configs) vs the fp32 reference at S = 4096.
     -> {o, dq, dkv, dsink[, dcomp]: max |diff| / max |reference|}"""
     from nanoflash.kernels import sparse_attention, window_and_selection_mask
     from nanoflash.model import sink_attention

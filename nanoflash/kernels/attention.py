@@ -50,18 +50,25 @@ LOG2E = math.log2(math.e)
 # B operands), so 64 heads do not fit in 227 KB there: it runs on 32 heads per program (two programs per
 # query, each adding its share of dkv), fused (one pass) -- the split dq / dkv passes measured slower.
 FWD_CONFIG = dict(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2)
-BWD_CONFIG = dict(fused=True, dq=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),
-                  dkv=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2))
+FUSED_BWD_CONFIG = dict(fused=True, dq=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),
+                        dkv=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2))
 # The wgmma backward (attention_bwd.py: a dq pass, a key-major dkv pass, an entry pass), selected by
-# kind="wgmma"; BWD_CONFIG stays the fused one above until bench/bench_attention.py --bwd has measured it on
-# an H200. Shared memory at 64 heads x 512 (ptxas, sm_90a): dq 64 heads x 32 keys, 2 stages = 208 KiB (the
+# kind="wgmma". Shared memory at 64 heads x 512 (ptxas, sm_90a): dq 64 heads x 32 keys, 2 stages = 208 KiB (the
 # interleaved (q, dO) rows 128 KiB + 2 x 32 KiB keys); dkv / entry keys 64 keys x 64 rows, 1 stage = 224 KiB;
-# entry rows 64 heads x 64 entries, 1 stage = 192 KiB; every pass 8 warps.
+# entry rows 64 heads x 64 entries, 1 stage = 192 KiB; every pass 8 warps: Hopper only (sm_90: 227 KiB; an
+# A100 has 164 KiB).
 WGMMA_BWD_CONFIG = dict(kind="wgmma", dq=dict(BLOCK_H=64, BLOCK_K=32, num_warps=8, num_stages=2),
                         dkv=dict(BLOCK_K=64, BLOCK_R=64, num_warps=8, num_stages=1, programs=264, min_chunk=32),
                         comp=dict(BLOCK_K=64, BLOCK_R=64, num_warps=8, num_stages=1, chunk=64, comp_mode="auto",
                                   keys_min_fill=1.0,
                                   rows=dict(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=1)))
+# The default backward on Hopper: the wgmma passes with the entries query-major ("m128-rows"), the fastest
+# candidate or within 1% of it on C4 / C128 layers and within 3% on sliding ones in bench/bench_attention.py --bwd
+# on an H200 (2026-12-03,
+# docs/results/attention_bwd_h200.json: 1.01-1.48x the fused backward's fwd+bwd, C4 at S = 8192 0.228 of the
+# matmul ceiling against 0.154). Other CUDA GPUs keep the fused backward.
+HOPPER_BWD_CONFIG = dict(WGMMA_BWD_CONFIG, comp=dict(WGMMA_BWD_CONFIG["comp"], comp_mode="rows"))
+BWD_CONFIG = None   # None: the target's default (above); a dict (the bench's sweep, the tests) wins everywhere
 # AMD, per gfx arch (unknown archs get gfx942's: the smaller LDS). On CDNA a workgroup of num_warps waves must
 # fit one CU (4 SIMDs): 8 waves cap a lane at 256 VGPRs, 4 waves at 512 (256 VGPRs + 256 AGPRs). The H200 configs
 # at head_dim 512 spill there (gfx950: 456 VGPRs spilled / 1,436 bytes of scratch a lane forward, 530 / 1,864
@@ -204,7 +211,8 @@ def launch_configs(target) -> tuple[dict, dict]:
     """(forward, backward) launch configs for a Triton target (None: CPU, the CUDA ones). Read at call time,
     so bench/bench_attention.py's sweep and the tests can set FWD_CONFIG / BWD_CONFIG."""
     if not tgt.is_amd(target):
-        return FWD_CONFIG, BWD_CONFIG
+        hopper = target is not None and target.backend == "cuda" and target.arch >= 90
+        return FWD_CONFIG, BWD_CONFIG or (HOPPER_BWD_CONFIG if hopper else FUSED_BWD_CONFIG)
     arch = target.arch if target.arch in AMD_FWD_CONFIG else AMD_DEFAULT_ARCH
     return AMD_FWD_CONFIG[arch], AMD_BWD_CONFIG[arch]
 
