@@ -6,7 +6,8 @@ Each table sits between `<!-- H200_TABLE:<name> -->` and `<!-- /H200_TABLE:<name
 checks that the doc holds exactly what `render` makes of the files, so a number quoted there cannot drift from
 its measurement. The results come from (one H200, one command each):
     attention_bwd    bench/bench_attention.py --bwd --out docs/results/attention_bwd_h200.json
-    stack_recompute  bench/bench_stack.py --jobs none,selective,full,planner --out docs/results/stack_recompute_h200.json
+    stack_recompute  bench/bench_stack.py --jobs none,selective,full,planner \
+                         --out docs/results/stack_recompute_h200.json
     batching         bench/bench_rollout.py --part batching --out docs/results/batching_h200.json
     grpo_step        bench/bench_grpo_step.py --out docs/results/grpo_step_h200.json
 """
@@ -28,7 +29,8 @@ def attention_bwd(d: dict) -> str:
     rows = {}
     for r in d["bwd_rows"]:
         rows.setdefault((r["S"], r["kind"]), {})[r["config"]] = r
-    out = [f"ceiling {d['ceiling_tflops']:.0f} TFLOP/s (bf16 matmul, same run); fwd+bwd TFLOP/s (ratio to the ceiling)", "",
+    out = [f"ceiling {d['ceiling_tflops']:.0f} TFLOP/s (bf16 matmul, same run); fwd+bwd TFLOP/s "
+           "(ratio to the ceiling)", "",
            "| S | layer | fused (before) | m128-rows (default on Hopper) | best candidate | best / fused |",
            "|---|---|---|---|---|---|"]
     for (S, kind), c in sorted(rows.items()):
@@ -43,9 +45,11 @@ def attention_bwd(d: dict) -> str:
 
 def stack_recompute(d: dict) -> str:
     lay = d["layers"]
-    lay = f"{len(lay)} layers (compress ratios {', '.join(map(str, lay))})" if isinstance(lay, list) else f"{lay} layers"
+    lay = f"{len(lay)} layers (compress ratios {', '.join(map(str, lay))})" if isinstance(lay, list) \
+        else f"{lay} layers"
     out = [f"{lay}, S = {d['seq']}, kernels {d['kernels']}, ceiling {d['matmul_ceiling_tflops']:.0f} TFLOP/s", "",
-           "| recompute | step s | MFU | HFU | peak GiB | activations kept after the forward, GiB |", "|---|---|---|---|---|---|"]
+           "| recompute | step s | MFU | HFU | peak GiB | activations kept after the forward, GiB |",
+           "|---|---|---|---|---|---|"]
     for k in ("none", "selective", "full"):
         r = d[k]
         out.append(f"| {k} | {r['step_s']:.3f} | {r['mfu']:.3f} | {r['hfu']:.3f} | {r['peak_gib']:.1f} | "
@@ -61,7 +65,8 @@ def batching(d) -> str:
     for k, r in d["modes"].items():
         out.append(f"| {k} | {r['tokens_per_s']:.0f} | {d['speedup_vs_serial'][k]:.2f} | "
                    f"{r['tokens_per_s'] / B11_TOKENS_PER_S:.1f} | {r['decode_forwards_per_round']:.0f} | "
-                   f"{r['rows_per_forward']:.0f} | {r['same_samples_as_serial']} | {r['max_abs_dlogp_vs_serial']:.1e} |")
+                   f"{r['rows_per_forward']:.0f} | {r['same_samples_as_serial']} | "
+                   f"{r['max_abs_dlogp_vs_serial']:.1e} |")
     return "\n".join(out)
 
 

@@ -56,7 +56,8 @@ def test_benchmarks_md_table_is_the_h200_result():
     doc = json.load(open(os.path.join(ROOT, "docs", "results", "colocated_pp2ep2_h200.json")))
     text = open(cg.DOC).read()
     block = text.split(cg.TABLE[0], 1)[1].split(cg.TABLE[1], 1)[0]
-    assert block.strip() == cg.table(doc), "run bench/colocated_gpu.py --write-docs docs/results/colocated_pp2ep2_h200.json"
+    assert block.strip() == cg.table(doc), \
+        "run bench/colocated_gpu.py --write-docs docs/results/colocated_pp2ep2_h200.json"
     assert doc["ok"] and doc["steps"] >= 3 and "H200" in doc["device"]
     assert [p["rank"] for p in doc["memory"]["per_rank"]] == [0, 1, 2, 3]
     assert all(p["measured_peak_gib"] <= p["planned_gib"] for p in doc["memory"]["per_rank"])
