@@ -642,7 +642,10 @@ def test_warmup_waits_for_the_server_then_sends_rollout_shaped_requests(capsys, 
     machine), then one request, then `rounds` x `prompts` requests of the first training prompts in the V4 chat
     format with n samples each."""
     import json
+    import os
+    import sys
     import threading
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))   # run alone, too
     from conftest import FakeSGLang, free_port
     from nanoflash.sglang import client as client_lib
     grpo_h200 = bench("grpo_h200")
