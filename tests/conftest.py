@@ -239,3 +239,10 @@ class FakeSGLang:
     def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+# Metrics two identical runs may differ in: wall times, and what the tail abort catches still running (the
+# groups kept do not depend on timing: rl/rounds.py). A resumed run equals the uninterrupted one elsewhere.
+TIMING_KEYS = {"rollout_s", "train_s", "sync_s", "step_s", "eval_s", "time_s", "rollout_tokens_per_s",
+               "train_tokens_per_s", "logprobs_s", "optim_s", "rollout_wait_s", "boundary_wait_s",
+               "samples_generated", "samples_aborted", "samples_unused", "tokens_generated", "generated_per_trained"}

@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from conftest import TIMING_KEYS
 
 from nanoflash import grpo
 from nanoflash.cli import parse_args
@@ -123,6 +124,16 @@ def _probe(out: str, mode: str, *extra: str, wait: bool = True):
     return p.stdout
 
 
+def _kill_when_written(proc, path: str, timeout_s: float = 240) -> None:
+    """SIGKILL `proc` as soon as `path` exists (the run must get there: else its stderr is the failure)."""
+    deadline = time.time() + timeout_s
+    while not os.path.exists(path) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert os.path.exists(path), proc.stderr.read()[-2000:]
+
+
 def _final_state(out: str):
     return _load_smoke(latest_checkpoint(os.path.join(out, "checkpoints")))
 
@@ -136,7 +147,13 @@ def _load_smoke(path):
 
 
 def _no_timing(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if not k.endswith(("_s", "_per_s"))}
+    return {k: v for k, v in rec.items() if k not in TIMING_KEYS and not k.endswith(("_s", "_per_s"))}
+
+
+def _same_run(extra: dict) -> dict:
+    """A checkpoint's `extra` without what names the directory it was written to (two runs, two --out)."""
+    cfg = {**extra["run_config"], "train": {k: v for k, v in extra["run_config"]["train"].items() if k != "out_dir"}}
+    return {**extra, "run_config": cfg}
 
 
 @pytest.fixture(scope="module")
@@ -158,20 +175,14 @@ def test_a_save_overlapping_the_next_rollout_resumes_exactly(overlapped, tmp_pat
     assert [r["step"] for r in log] == [0, 1, 2, 3]
     assert [r["released_by"] for r in log] == ["rollout", "rollout", "rollout", "wait"], log
     split = str(tmp_path / "split")
-    proc = _probe(split, "overlap", wait=False)
     target = os.path.join(split, "checkpoints", "step_00000002", "meta.json")
-    deadline = time.time() + 240
-    while not os.path.exists(target) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert os.path.exists(target), proc.stderr.read()[-2000:]
+    _kill_when_written(_probe(split, "overlap", wait=False), target)
     out = _probe(split, "plain")
     assert "resumed from" in out and "step 2" in out
     a, b = (read_jsonl(os.path.join(d, "metrics.jsonl"), "train") for d in (overlapped, split))
     assert [_no_timing(r) for r in a] == [_no_timing(r) for r in b]
     (meta_a, model_a, opt_a), (meta_b, model_b, opt_b) = _final_state(overlapped), _final_state(split)
-    assert meta_a["step"] == meta_b["step"] == 3 and meta_a["extra"] == meta_b["extra"]
+    assert meta_a["step"] == meta_b["step"] == 3 and _same_run(meta_a["extra"]) == _same_run(meta_b["extra"])
     assert _equal(model_a, model_b) and _equal(opt_a, opt_b)
 
 
@@ -182,18 +193,11 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_previous_checkpoint(
     debris, redoes steps 2 and 3 and ends with the uninterrupted run's state. Bug caught: a checkpoint committed
     before its files are checked (the restart would resume from an unverified step 2)."""
     split = str(tmp_path / "crash")
-    proc = _probe(split, "crash:2", wait=False)
-    marker = os.path.join(split, "save_blocked")
-    deadline = time.time() + 240
-    while not os.path.exists(marker) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert os.path.exists(marker), proc.stderr.read()[-2000:]
+    _kill_when_written(_probe(split, "crash:2", wait=False), os.path.join(split, "save_blocked"))
     ckpts = sorted(os.listdir(os.path.join(split, "checkpoints")))
     assert ckpts == ["step_00000000", "step_00000001", "step_00000002.tmp"], ckpts
     out = _probe(split, "plain")
     assert "resumed from" in out and "step 1" in out and "debris" in out
     (meta_a, model_a, opt_a), (meta_b, model_b, opt_b) = _final_state(overlapped), _final_state(split)
-    assert meta_b["step"] == 3 and meta_a["extra"] == meta_b["extra"]
+    assert meta_b["step"] == 3 and _same_run(meta_a["extra"]) == _same_run(meta_b["extra"])
     assert _equal(model_a, model_b) and _equal(opt_a, opt_b)

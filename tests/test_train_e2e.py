@@ -32,14 +32,10 @@ from nanoflash.rl.plots import linear_fit, moving_average
 from nanoflash.sglang.client import SGLangClient
 from nanoflash.rl import trainer
 
-from conftest import free_port
+from conftest import TIMING_KEYS, free_port
 
 GRAD_NORM_RTOL = 1e-5  # PP2 vs PP1: the same math, gradients summed in another order (fp32 rounding only)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING_KEYS = {"rollout_s", "train_s", "sync_s", "step_s", "eval_s", "time_s", "rollout_tokens_per_s",
-               "train_tokens_per_s", "logprobs_s", "optim_s", "rollout_wait_s", "boundary_wait_s",
-               # what the tail abort catches still running depends on timing (the kept groups do not: rounds.py)
-               "samples_generated", "samples_aborted", "samples_unused", "tokens_generated", "generated_per_trained"}
 
 
 HOOK = ("--train.hooks", "tests.hook_recorder:Recorder")   # tests/hook_recorder.py: records the loop's hook calls
