@@ -57,6 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from nanoflash.rl.hooks import Hook  # noqa: E402
+from scripts.doc_blocks import read_block, write_block  # noqa: E402,F401 (its test reads the table)
 
 GIB = 2 ** 30
 # The first moments of the run may differ from one process by this many times what re-splitting the same
@@ -329,11 +330,7 @@ def table(doc: dict) -> str:
 def write_docs(src: str) -> int:
     with open(src) as f:
         doc = json.load(f)
-    text = open(DOC).read()
-    head, rest = text.split(TABLE[0], 1)
-    _, tail = rest.split(TABLE[1], 1)
-    with open(DOC, "w") as f:
-        f.write(head + TABLE[0] + "\n" + table(doc) + "\n" + TABLE[1] + tail)
+    write_block(DOC, TABLE, table(doc))
     return 0
 
 

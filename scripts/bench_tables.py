@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from scripts.doc_blocks import read_block, write_block  # noqa: E402,F401 (tests read the tables)
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = {name: os.path.join(ROOT, "docs", "results", f"{name}_h200.json")
            for name in ("attention_bwd", "stack_recompute", "batching", "grpo_step")}
@@ -99,14 +102,8 @@ def markers(name: str) -> tuple[str, str]:
 
 
 def write_docs() -> None:
-    text = open(DOC).read()
     for name in RENDER:
-        a, b = markers(name)
-        head, rest = text.split(a, 1)
-        _, tail = rest.split(b, 1)
-        text = head + a + "\n" + render(name) + "\n" + b + tail
-    with open(DOC, "w") as f:
-        f.write(text)
+        write_block(DOC, markers(name), render(name))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from nanoflash.rl.data import Problem  # noqa: E402
 from nanoflash.rl.metrics import answer_probe, read_jsonl  # noqa: E402
 from nanoflash.parallel.dcp import load_checkpoint  # noqa: E402
 from nanoflash.parallel.dims import ParallelDims  # noqa: E402
+from scripts.doc_blocks import read_block, write_block  # noqa: E402,F401 (tests read the table)
 
 CONTROL_EXTRA = (20, 40)  # intermediate control points (extra SFT steps after the warm start), besides the 60
 CONTROLS_JSON = os.path.join(ROOT, "docs", "demo", "controls.json")
@@ -156,11 +157,7 @@ def write_docs(src: str) -> None:
     if os.path.abspath(src) != CONTROLS_JSON:
         with open(CONTROLS_JSON, "w") as f:
             json.dump(res, f, indent=1)
-    text = open(DEMO_MD).read()
-    head, rest = text.split(DEMO_TABLE[0], 1)
-    tail = rest.split(DEMO_TABLE[1], 1)[1]
-    with open(DEMO_MD, "w") as f:
-        f.write(head + DEMO_TABLE[0] + "\n" + demo_table(res) + "\n" + DEMO_TABLE[1] + tail)
+    write_block(DEMO_MD, DEMO_TABLE, demo_table(res))
     print(f"wrote {CONTROLS_JSON} and the table of {DEMO_MD}")
 
 

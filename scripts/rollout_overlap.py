@@ -39,6 +39,7 @@ from nanoflash.cli import parse_args  # noqa: E402
 from nanoflash.config import preset  # noqa: E402
 from nanoflash.model import Transformer  # noqa: E402
 from nanoflash.rl.metrics import read_jsonl  # noqa: E402
+from scripts.doc_blocks import read_block, write_block  # noqa: E402,F401 (tests read the table)
 
 RESULTS = os.path.join(ROOT, "docs", "results", "rollout_overlap_cpu.json")
 DOC = os.path.join(ROOT, "docs", "rollouts.md")
@@ -170,11 +171,7 @@ def write_docs(src: str) -> None:
     if os.path.abspath(src) != RESULTS:
         with open(RESULTS, "w") as f:
             json.dump(res, f, indent=1)
-    text = open(DOC).read()
-    head, rest = text.split(TABLE[0], 1)
-    tail = rest.split(TABLE[1], 1)[1]
-    with open(DOC, "w") as f:
-        f.write(head + TABLE[0] + "\n" + table(res) + "\n" + TABLE[1] + tail)
+    write_block(DOC, TABLE, table(res))
     print(f"wrote {RESULTS} and the table of {DOC}")
 
 

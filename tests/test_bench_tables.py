@@ -28,10 +28,8 @@ def load(mod, name):
 
 def test_every_table_is_rendered_from_its_result():
     mod = tables()
-    text = open(mod.DOC).read()
     for name in mod.RENDER:
-        a, b = mod.markers(name)
-        block = text.split(a, 1)[1].split(b, 1)[0]
+        block = mod.read_block(mod.DOC, mod.markers(name))
         assert block.strip() == mod.render(name), f"run scripts/bench_tables.py --write-docs ({name})"
 
 

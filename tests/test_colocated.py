@@ -54,8 +54,7 @@ def test_benchmarks_md_table_is_the_h200_result():
     sys.path.insert(0, ROOT)
     from bench import colocated_gpu as cg
     doc = json.load(open(os.path.join(ROOT, "docs", "results", "colocated_pp2ep2_h200.json")))
-    text = open(cg.DOC).read()
-    block = text.split(cg.TABLE[0], 1)[1].split(cg.TABLE[1], 1)[0]
+    block = cg.read_block(cg.DOC, cg.TABLE)
     assert block.strip() == cg.table(doc), \
         "run bench/colocated_gpu.py --write-docs docs/results/colocated_pp2ep2_h200.json"
     assert doc["ok"] and doc["steps"] >= 3 and "H200" in doc["device"]

@@ -179,7 +179,7 @@ def test_readme_demo_numbers_are_controls_json():
 def test_demo_md_table_is_written_from_controls_json():
     mod, res = demo_controls()
     text = open(DEMO_MD).read()
-    block = text.split(mod.DEMO_TABLE[0], 1)[1].split(mod.DEMO_TABLE[1], 1)[0]
+    block = mod.read_block(DEMO_MD, mod.DEMO_TABLE)
     assert block.strip() == mod.demo_table(res), "run scripts/demo_controls.py --write-docs docs/demo/controls.json"
     section = text.split("### CPU demo", 1)[1].split("\n### ", 1)[0].replace(block, "")
     stray = re.findall(r"\b\d\.\d{3}\b", section)          # a result quoted outside the table would go stale
@@ -189,7 +189,7 @@ def test_demo_md_table_is_written_from_controls_json():
 def test_the_suite_size_is_suite_json():
     with open(os.path.join(ROOT, "docs", "results", "suite.json")) as f:
         suite = json.load(f)
-    m = re.search(r"The suite \(`python -m pytest -q -n auto --dist loadscope`, CI's command\): ([\d,]+) tests at "
+    m = re.search(r"The suite \(`python -m pytest -q -x -n auto --dist loadscope`, CI's command\): ([\d,]+) tests at "
                   r"commit (\w+)", flat(README))
     assert m, "the README's suite line changed shape: update this test with it"
     assert (int(m.group(1).replace(",", "")), suite["commit"].startswith(m.group(2))) == (suite["selected"], True)

@@ -30,7 +30,7 @@ def test_rollouts_md_table_is_written_from_the_json():
     with open(mod.RESULTS) as f:
         res = json.load(f)
     text = open(mod.DOC).read()
-    block = text.split(mod.TABLE[0], 1)[1].split(mod.TABLE[1], 1)[0]
+    block = mod.read_block(mod.DOC, mod.TABLE)
     assert block.strip() == mod.table(res), "run scripts/rollout_overlap.py --write-docs docs/results/rollout_overlap_cpu.json"
     section = text.split("### Measured on the CPU", 1)[1].split("\n### ", 1)[0].replace(block, "")
     stray = re.findall(r"\b\d+\.\d{2,3}\b", section)

@@ -136,15 +136,6 @@ def test_synth_glance_is_an_estimate_and_the_mix_follows_worked_share():
 
 
 # ---------------------------------------------------------------------------------------------- models
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread (two threads on a loaded 2-core box spin ~100x slower here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny_pair():
     cfg = preset("tiny", kernels="reference")

@@ -21,14 +21,6 @@ MAX_SEQ = 4096           # prompt + response of the far class stays within this 
 LOGP_TOL = 1e-5          # the same fp32 forward in row chunks vs at once (measured ~1e-6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tok():
     return data.V4Tokenizer()
