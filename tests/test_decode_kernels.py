@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import interp  # noqa: E402  tests/interp.py: the kernel cases under Triton's interpreter, in a subprocess
 
 from nanoflash.config import preset  # noqa: E402
-from nanoflash.model import LayerCache, MoE, Transformer, decode_kernels  # noqa: E402
+from nanoflash.model import LayerCache, MoE, Transformer, decode_kernels, round_robin_tid2eid  # noqa: E402
 
 # Dense vs loop experts, fp32: the same products, summed over 8 experts (zeros included) instead of over the
 # top-2 slots, and the GEMMs in other shapes: measured 3e-7 relative to the output's max (tiny, weights ~0.3).
@@ -46,6 +46,8 @@ def _moe(cfg, layer_id, gen):
     with torch.no_grad():
         for n, p in moe.named_parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        if moe.gate.hash:                       # Transformer.init_weights' table: K distinct experts per token
+            moe.gate.tid2eid.copy_(round_robin_tid2eid(cfg.vocab_size, cfg.n_activated_experts, cfg.n_routed_experts))
     return moe
 
 
@@ -115,6 +117,10 @@ def case_decode_triton_vs_reference(gen):
     DECODE_REL of kernels="reference"."""
     cfg = preset("tiny", kernels="reference")
     model = Transformer(cfg).init_weights(0).eval()
+    with torch.no_grad():   # mHC coefficients far from uniform (at init comb ~ J/M: a transposed comb would pass)
+        for n, p in model.named_parameters():
+            if n.endswith(("hc_attn_fn", "hc_ffn_fn", "hc_attn_base", "hc_ffn_base")):
+                p.copy_(torch.randn(p.shape, generator=gen) * (2.0 if n.endswith("base") else 0.5))
     rows = [torch.randint(0, cfg.vocab_size, (L,), generator=gen) for L in (9, 6, 13)]
     with torch.no_grad():
         want = _decode_logits(model, rows, 6)
