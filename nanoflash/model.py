@@ -36,7 +36,7 @@ How this differs from the official inference code (`inference/model.py`):
 Shape legend: B batch, S sequence, D dim, H heads, Dh head dim, R rope dims, C compressed entries,
 M hc streams, E experts, K top-k, N tokens (B*S), T routed token slots.
 
-Tests: `pytest tests/test_model_blocks.py tests/test_model.py tests/test_hf_parity.py`.
+Tests: `pytest tests/test_model_blocks.py tests/test_model.py tests/test_hf_parity.py tests/test_decode_kernels.py`.
 """
 from __future__ import annotations
 

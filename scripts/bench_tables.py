@@ -98,7 +98,7 @@ def launches(d) -> str:
     scopes = sorted({k for c in cols for k in d[c]["kernel_ops_by_scope"]},
                     key=lambda k: (-ref["kernel_ops_by_scope"].get(k, 0), -new["kernel_ops_by_scope"].get(k, 0), k))
     out = [f"`{d['preset']}` engine model (the `gpu` recipe's), one forward of {d['rows']} rows; kernel ops (aten ops "
-           f"that are not views, plus Triton launches) by the scope that issued them; the decode seam profiled as "
+           "that are not views,", f"plus Triton launches) by the scope that issued them; the decode seam profiled as "
            f"kernels=\"{d['decode_kernels']}\" on {d['device']}", "",
            "| scope | decode, reference | decode, seam | scoring (no cache) |", "|---|---|---|---|"]
     for k in scopes:

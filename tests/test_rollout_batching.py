@@ -33,8 +33,8 @@ GPU_DLOGP_TOL, GPU_SAME_SAMPLES = 1e-3, 0.9
 # experts reorder fp32 sums (3e-7 relative on the CPU, tiny, tests/test_decode_kernels.py); 8 layers and cuBLAS's
 # other GEMM shapes leave room to 1e-4 of the logits' max, while a wrong comb, weight or row moves them by > 1e-2.
 GPU_DECODE_REL = 1e-4
-# Device kernels of a decode step, seam / reference: 0.37 of the aten ops + Triton launches on the CPU profile
-# (`bench_rollout.py --part launches`); the Sinkhorn and expert loops alone are 63% of the reference's.
+# Device kernels of a decode step, seam / reference: 0.34 of the aten ops + Triton launches on the CPU profile
+# (docs/results/launches_small_cpu.json); the Sinkhorn and expert loops alone are 63% of the reference's.
 GPU_DECODE_KERNELS = 0.5
 
 
