@@ -38,7 +38,7 @@ launches: ops of one decode forward of the recipe's engine model (64 rows at the
         reference path and on the decode seam (`model.decode_kernels`: fused mHC, dense experts; on the CPU the
         same path under Triton's interpreter), and of one batched scoring forward, by the module that issued them
         (torch profiler, CPU side: what a launch-bound GPU pays per op; a Triton launch counts as one), kernels
-        apart from views, the wall time of each on `--device`, and on CUDA the kernels the device ran and the
+        apart from views, the wall time of each on `--device`, and on CUDA the device ops (kernels, copies) and the
         host syncs. `--device cpu --out docs/results/launches_small_cpu.json` regenerates the docs' counts.
 Prints one JSON object per part; `--out FILE` also writes them.
 """
@@ -351,7 +351,7 @@ def _scope_targets(fused: bool) -> list:
 def op_profile(fn, fused: bool = False) -> dict:
     """Top-level aten ops and Triton launches of fn() by the innermost model scope that issued them (the wrapped
     functions, methods and module classes of LAUNCH_SCOPES, + the fused mHC's with `fused`), kernels and views
-    apart. On CUDA also the kernels the device ran and the host syncs (the CPU side's wait on the GPU)."""
+    apart. On CUDA also what the device ran (kernels, copies, memsets) and the host syncs (the CPU waiting on it)."""
     import triton.runtime.jit as tj
     from torch.profiler import ProfilerActivity, profile, record_function
     saved, launch = {}, tj.KernelInterface.__getitem__
@@ -384,10 +384,10 @@ def op_profile(fn, fused: bool = False) -> dict:
         tj.KernelInterface.__getitem__ = launch
         for (owner, attr), f in saved.items():
             setattr(owner, attr, f)
-    kernels, views, device_kernels, syncs = {}, 0, 0, 0
+    kernels, views, device_ops, syncs = {}, 0, 0, 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            device_kernels += 1
+            device_ops += 1
             continue
         syncs += e.name in SYNC_CALLS
         top = e.cpu_parent is None or not e.cpu_parent.name.startswith(("aten::", "triton::"))
@@ -404,7 +404,7 @@ def op_profile(fn, fused: bool = False) -> dict:
     out = {"kernel_ops": sum(kernels.values()), "view_ops": views,
            "kernel_ops_by_scope": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
     if cuda:   # the final synchronize above is the profile's own
-        out.update(device_kernels=device_kernels, host_syncs=syncs - 1)
+        out.update(device_ops=device_ops, host_syncs=syncs - 1)
     return out
 
 
