@@ -34,9 +34,12 @@ batching: the `gpu` recipe's rollout (nanoflash/recipes/gpu.txt: `small` with th
         forward, and the agreement with serial on the same seeds: the share of identical samples and the largest
         |dlogp| on those. `--old-engine FILE` adds an engine module from another commit (e.g. `git show
         8c3148f:nanoflash/server/engine.py > bench/old_engine.py`) as one more mode.
-launches: ops of one decode forward of the recipe's engine model (64 rows at their own positions) and of one
-        batched scoring forward, by the module that issued them (torch profiler, CPU side: what a launch-bound GPU
-        pays per op), kernels apart from views, and the wall time of each on `--device`.
+launches: ops of one decode forward of the recipe's engine model (64 rows at their own positions), on the
+        reference path and on the decode seam (`model.decode_kernels`: fused mHC, dense experts; on the CPU the
+        same path under Triton's interpreter), and of one batched scoring forward, by the module that issued them
+        (torch profiler, CPU side: what a launch-bound GPU pays per op; a Triton launch counts as one), kernels
+        apart from views, the wall time of each on `--device`, and on CUDA the device ops (kernels, copies) and the
+        host syncs. `--device cpu --out docs/results/launches_small_cpu.json` regenerates the docs' counts.
 Prints one JSON object per part; `--out FILE` also writes them.
 """
 import argparse
@@ -325,36 +328,70 @@ VIEW_OPS = {"aten::" + n for n in ("slice", "unsqueeze", "view", "flatten", "unf
                                    "to", "t", "transpose", "permute", "squeeze", "alias", "_unsafe_view", "as_strided",
                                    "detach", "lift_fresh", "unbind", "split", "chunk", "narrow", "contiguous",
                                    "empty", "result_type", "is_nonzero", "item", "_local_scalar_dense")}
-LAUNCH_SCOPES = ("hc_split_sinkhorn", "hc_pre_reference", "hc_post", "hc_head", "RoutedExperts", "Gate", "Expert",
-                 "MoE", "Compressor", "Indexer", "Attention", "RMSNorm")
+LAUNCH_SCOPES = ("hc_split_sinkhorn", "hc_pre_reference", "hc_post", "hc_head", "RoutedExperts", "RoutedExperts.dense",
+                 "Gate", "Expert", "MoE", "Compressor", "Indexer", "Attention", "RMSNorm")
+FUSED_SCOPES = ("hc_pre_fused", "hc_post_fused")    # nanoflash.kernels.mhc (imported with Triton)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def op_profile(fn) -> dict:
-    """Top-level aten ops of fn() by the innermost model scope that issued them (the wrapped functions and
-    module classes of LAUNCH_SCOPES), kernels and views apart."""
+def _scope_targets(fused: bool) -> list:
+    """(owner, attribute, scope name) of every function / forward / method op_profile wraps."""
     import nanoflash.model as M
+    out = []
+    for name in LAUNCH_SCOPES:
+        cls, _, meth = name.partition(".")
+        obj = getattr(M, cls)
+        out.append((obj, meth or "forward", name) if isinstance(obj, type) else (M, name, name))
+    if fused:
+        import nanoflash.kernels.mhc as K
+        out += [(K, name, name) for name in FUSED_SCOPES]
+    return out
+
+
+def op_profile(fn, fused: bool = False) -> dict:
+    """Top-level aten ops and Triton launches of fn() by the innermost model scope that issued them (the wrapped
+    functions, methods and module classes of LAUNCH_SCOPES, + the fused mHC's with `fused`), kernels and views
+    apart. On CUDA also what the device ran (kernels, copies, memsets) and the host syncs (the CPU waiting on it)."""
+    import triton.runtime.jit as tj
     from torch.profiler import ProfilerActivity, profile, record_function
-    saved = {}
+    saved, launch = {}, tj.KernelInterface.__getitem__
 
     def scoped(name, f):
         def g(*a, **k):
             with record_function("scope::" + name):
                 return f(*a, **k)
         return g
-    for name in LAUNCH_SCOPES:   # patched for the profile only, restored after
-        obj = getattr(M, name)
-        owner, attr = (obj, "forward") if isinstance(obj, type) else (M, name)
+
+    def counted_launch(kernel, grid):   # a Triton launch is no aten op: name it for the count
+        run = launch(kernel, grid)
+        name = getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+
+        def go(*a, **k):
+            with record_function("triton::" + name):
+                return run(*a, **k)
+        return go
+    for owner, attr, name in _scope_targets(fused):   # patched for the profile only, restored after
         saved[(owner, attr)] = getattr(owner, attr)
         setattr(owner, attr, scoped(name, saved[(owner, attr)]))
+    tj.KernelInterface.__getitem__ = counted_launch
+    cuda = torch.cuda.is_available()
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             fn()
+            if cuda:
+                torch.cuda.synchronize()
     finally:
+        tj.KernelInterface.__getitem__ = launch
         for (owner, attr), f in saved.items():
             setattr(owner, attr, f)
-    kernels, views = {}, 0
+    kernels, views, device_ops, syncs = {}, 0, 0, 0
     for e in prof.events():
-        if not e.name.startswith("aten::") or (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")):
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            device_ops += 1
+            continue
+        syncs += e.name in SYNC_CALLS
+        top = e.cpu_parent is None or not e.cpu_parent.name.startswith(("aten::", "triton::"))
+        if not (e.name.startswith(("aten::", "triton::")) and top):
             continue
         if e.name in VIEW_OPS:
             views += 1
@@ -364,16 +401,30 @@ def op_profile(fn) -> dict:
             par = par.cpu_parent
         key = par.name[len("scope::"):] if par is not None else "other"
         kernels[key] = kernels.get(key, 0) + 1
-    return {"kernel_ops": sum(kernels.values()), "view_ops": views,
-            "kernel_ops_by_scope": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+    out = {"kernel_ops": sum(kernels.values()), "view_ops": views,
+           "kernel_ops_by_scope": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+    if cuda:   # the final synchronize above is the profile's own
+        out.update(device_ops=device_ops, host_syncs=syncs - 1)
+    return out
+
+
+def set_kernels(model, mode: str) -> None:
+    """Switch `ModelConfig.kernels` of a built model: every module holds the one config object."""
+    assert all(m.cfg is model.cfg for m in model.modules() if hasattr(m, "cfg")), "modules hold other configs"
+    model.cfg.kernels = mode
 
 
 @torch.no_grad()
 def bench_launches(preset_name, dev, rows=64, groups=(8, 9, 10, 11)):
+    """One decode forward (64 rows at their own positions) on the reference path (kernels="reference") and on the
+    decode seam (`model.decode_kernels`: "auto" on CUDA; on the CPU "triton" under Triton's interpreter, the same
+    path), and one batched scoring forward (no cache: untouched by the seam)."""
     mcfg, _, _, _, _ = recipe_rollout(preset_name, dev)
     gen = torch.Generator(dev).manual_seed(0) if dev.startswith("cuda") else None
     with torch.device(dev):
         model = Transformer(mcfg).init_weights(0, generator=gen).eval()
+    cuda, first = dev.startswith("cuda"), model.cfg.kernels
+    fast_mode, reps = ("auto", 3) if cuda else ("triton", 1)   # CPU: a forward takes seconds
     g = torch.Generator().manual_seed(0)
     caches, per = [], rows // len(groups)
     for L in groups:             # rows that joined at different steps: per-row positions
@@ -382,13 +433,25 @@ def bench_launches(preset_name, dev, rows=64, groups=(8, 9, 10, 11)):
     cache, pos = model.cat_caches(caches), torch.tensor(groups).repeat_interleave(per)
     ids = torch.randint(0, mcfg.vocab_size, (len(pos), 1), generator=g).to(dev)
     full = torch.randint(0, mcfg.vocab_size, (rows, 24), generator=g).to(dev)
-    copies = [model.cat_caches([cache]) for _ in range(8)]    # a decode step extends its cache: one copy a call
-    out = {"part": "launches", "preset": preset_name, "device": dev}
-    for name, fn in (("decode_forward", lambda: model(ids, pos, copies.pop())),
-                     ("scoring_forward", lambda: model.token_logprobs(full[:, :-1], full[:, 1:]))):
-        fn()
-        out[name] = op_profile(fn)
-        out[name]["wall_s"] = timed(fn, dev, reps=3)
+    copies = [model.cat_caches([cache]) for _ in range(2 * (reps + 4))]   # a decode step extends its cache
+
+    def decode():
+        return model(ids, pos, copies.pop())
+    out = {"part": "launches", "preset": preset_name, "device": dev, "rows": rows, "decode_kernels": fast_mode}
+    logits = {}
+    for name, mode in (("decode_forward_reference", "reference"), ("decode_forward", fast_mode)):
+        set_kernels(model, mode)
+        logits[name] = decode()          # the warm-up, and the logits compared below
+        out[name] = op_profile(decode, fused=mode != "reference")
+        interpreted = not cuda and mode != "reference"      # Triton's interpreter: its wall time means nothing
+        out[name]["wall_s"] = None if interpreted else timed(decode, dev, reps=reps)
+    ref = logits["decode_forward_reference"]
+    out["decode_ops_ratio"] = out["decode_forward"]["kernel_ops"] / out["decode_forward_reference"]["kernel_ops"]
+    out["decode_max_rel_diff"] = float((logits["decode_forward"] - ref).abs().max() / ref.abs().max())
+    set_kernels(model, first)
+    score = lambda: model.token_logprobs(full[:, :-1], full[:, 1:])   # noqa: E731
+    out["scoring_forward"] = op_profile(score)                      # (CUDA: warmed up by the decode forwards)
+    out["scoring_forward"]["wall_s"] = timed(score, dev, reps=reps)
     return out
 
 
@@ -433,6 +496,11 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--old-engine", default=None, help="batching: an engine.py of another commit, one more mode")
     args = ap.parse_args()
+    if args.part == "launches" and not args.device.startswith("cuda"):   # the decode seam's Triton, interpreted
+        os.environ["TRITON_INTERPRET"] = "1"          # read when Triton is first imported: nothing has yet
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from interp import patch_interpreter          # tests/interp.py: Triton 3.6 interpreter fixes
+        patch_interpreter()
     results, parts = [], {"all": ("quant", "stream", "plan", "push", "decode", "batching", "launches")}.get(
         args.part, (args.part,))
     for part in parts:

@@ -22,7 +22,9 @@ How this differs from the official inference code (`inference/model.py`):
 * Decoding: `new_cache()` + `forward(ids, start_pos, cache)` feeds the same functions with the kept window,
   compressor remainder and compressed entries; there is no second implementation of the math. Rows at
   different lengths decode in one call with per-row start_pos (a cache joined by `cat_caches`): the same
-  functions, with per-row positions and masks (the rollout engine's continuous batching).
+  functions, with per-row positions and masks (the rollout engine's continuous batching). On a GPU the decode
+  seam (`decode_kernels`) swaps two launch-bound pieces for few-launch equivalents: mHC in Triton, and a
+  one-token step's routed experts as dense batched GEMMs (`RoutedExperts.dense`, tested against the loop).
 * No distributed code: expert / pipeline parallelism are applied to a built model by `nanoflash.parallel`.
 * Activation recomputation (`Transformer.recompute`, set from `ParallelConfig.recompute`): "full" runs every
   layer under torch.utils.checkpoint (only its input kept, the whole layer run again in backward); a sub-block
@@ -34,7 +36,7 @@ How this differs from the official inference code (`inference/model.py`):
 Shape legend: B batch, S sequence, D dim, H heads, Dh head dim, R rope dims, C compressed entries,
 M hc streams, E experts, K top-k, N tokens (B*S), T routed token slots.
 
-Tests: `pytest tests/test_model_blocks.py tests/test_model.py tests/test_hf_parity.py`.
+Tests: `pytest tests/test_model_blocks.py tests/test_model.py tests/test_hf_parity.py tests/test_decode_kernels.py`.
 """
 from __future__ import annotations
 
@@ -55,6 +57,11 @@ from nanoflash.quant import ACT_QAT_BLOCK, fp4_sim, fp8_index_sim, fp8_sim, hada
 
 KV_QAT_BLOCK = 64      # official act_quant block on kv nope dims
 FP4_QAT_BLOCK = 32     # official FP4 simulation block on indexer q / keys
+# Dense decode experts (`MoE.dense_pays`): at most this many times the routed FLOPs of the per-expert loop. A
+# decode step of 8-256 rows hits nearly every expert of a small layer (64 rows x 6 of 16), so both read every
+# expert's weights once and the extra FLOPs cost little next to ~8 launches per expert and a host sync per layer;
+# `small` (16 / 6 = 2.7x) and `tiny` (8 / 2 = 4x) qualify, V4-Flash (256 / 6 = 43x) does not.
+DENSE_MAX_FLOPS = 4
 
 
 def fp8_sim_nope(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -443,6 +450,18 @@ def fp32_linear(x: torch.Tensor, w: torch.Tensor, cfg: ModelConfig) -> torch.Ten
     return F.linear(x.float(), w.float())
 
 
+def decode_kernels(cfg: ModelConfig, h: torch.Tensor, cache: Optional[LayerCache]) -> bool:
+    """The decode seam (a forward with a cache: the rollout engine's prefills and steps): True runs mHC in Triton
+    (`nanoflash.kernels.mhc`) and a one-token step's routed experts as batched GEMMs (`RoutedExperts.dense`),
+    so a step issues a few launches per block instead of thousands (the reference's 20 Sinkhorn iterations on
+    [B,4,4] tensors, one GEMM chain per expert and a host sync per layer: `bench_rollout.py --part launches`).
+    cfg.kernels "auto": on CUDA; "triton": also on the CPU (under TRITON_INTERPRET=1: the tests, the launch
+    count); "reference": never. Without a cache (training, scoring) nothing changes here."""
+    if cache is None or cfg.kernels == "reference":
+        return False
+    return cfg.kernels == "triton" or h.is_cuda
+
+
 def use_kernels(cfg: ModelConfig, q: torch.Tensor, cache: Optional[LayerCache]) -> bool:
     """The attention seam: True hands the indexer top-k and the attention to `nanoflash.kernels` (Triton).
     cfg.kernels "auto": bf16/fp16 on CUDA without a decode cache (training forward and backward);
@@ -712,6 +731,26 @@ class RoutedExperts(nn.Module):
         if strict:
             unexpected_keys.extend(k for k in sd if k.startswith(prefix) and k not in mine)
 
+    def dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """`forward`'s sum without sorting slots: EVERY expert on every token in three batched GEMMs (no launch
+        per expert, no host sync), the routing weight 0 off the token's top-k, so those terms add exact zeros:
+
+            y_n = sum_e w2_e( swiglu(w13_e x_n) * rw[n,e] ),   rw[n,e] = sum_k weights[n,k] [indices[n,k] = e]
+
+        The same rounding steps per (token, expert) as `expert_ffn`, summed over experts instead of over k.
+
+        Shapes: x [N,D], weights [N,K] fp32, indices [N,K] -> [N,D] fp32
+        """
+        E, I, qat = self.w13.shape[0], self.w2.shape[2], self.cfg.qat
+        rw = weights.new_zeros(x.shape[0], E).scatter_add_(1, indices, weights)            # [N,E]
+        h = x.to(self.w13.dtype)
+        h = fp8_sim(h, qat_block(h.shape[-1], ACT_QAT_BLOCK)) if qat else h
+        gu = F.linear(h, self.w13.flatten(0, 1)).unflatten(-1, (E, 2 * I))                 # [N,E,2I]
+        a = swiglu_as(gu[..., :I], gu[..., I:], self.cfg.swiglu_limit, rw[..., None], x.dtype, self.w2.dtype)
+        a = fp8_sim(a, qat_block(I, ACT_QAT_BLOCK)) if qat else a                           # [N,E,I]
+        y = torch.bmm(a.transpose(0, 1), self.w2.transpose(1, 2))                           # [E,N,D]
+        return y.sum(0, dtype=torch.float32)
+
     def forward(self, x: torch.Tensor, rw: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         k = self.cfg.kernels
         if k == "triton" or (k == "auto" and x.is_cuda and x.dtype == self.w13.dtype == torch.bfloat16):
@@ -766,15 +805,28 @@ class MoE(nn.Module):
         self.last_indices: Optional[torch.Tensor] = None   # [N,K] experts of the last forward (routing replay)
         self.recompute_blocks = frozenset()   # experts: `Transformer.recompute`
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, replay: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, replay: Optional[torch.Tensor] = None,
+                dense: bool = False) -> torch.Tensor:
+        """dense (a decode step, `decode_kernels`): every expert on every token (`RoutedExperts.dense`) where
+        that pays (`dense_pays`)."""
         xf = x.flatten(0, 1)                                                            # [N,D]
         weights, indices = self.gate(xf, ids.flatten(), replay)
         self.last_indices = indices.detach()
-        xs, ws, counts, ctx = self.dispatcher.dispatch(xf, indices, weights)          # [T,D], [T,1], [E_l]
-        ys = recomputed("experts" in active_recompute(self), self.experts, xs, ws, counts)   # [T,D]
-        y = self.dispatcher.combine(ys, ctx)                                           # [N,D] fp32
+        if dense and self.dense_pays():
+            y = self.experts.dense(xf, weights, indices)                               # [N,D] fp32
+        else:
+            xs, ws, counts, ctx = self.dispatcher.dispatch(xf, indices, weights)      # [T,D], [T,1], [E_l]
+            ys = recomputed("experts" in active_recompute(self), self.experts, xs, ws, counts)   # [T,D]
+            y = self.dispatcher.combine(ys, ctx)                                       # [N,D] fp32
         y = y + self.shared_experts(xf).float()
         return y.to(x.dtype).view_as(x)
+
+    def dense_pays(self) -> bool:
+        """Every expert on every token costs E/K times the routed FLOPs: worth it for a decode step of a layer
+        holding all its experts locally (EP = 1) with E <= DENSE_MAX_FLOPS * K (module constant's comment)."""
+        cfg = self.experts.cfg
+        return (isinstance(self.dispatcher, LocalDispatcher) and len(self.experts.ids) == cfg.n_routed_experts
+                and cfg.n_routed_experts <= DENSE_MAX_FLOPS * cfg.n_activated_experts)
 
 
 # ---------------------------------------------------------------------------------------------- mHC
@@ -861,9 +913,9 @@ class Block(nn.Module):
         return hc_pre_reference(h, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
     def forward(self, h, ids, start_pos: int = 0, cache: Optional[LayerCache] = None, replay=None):
-        # fused mHC (Triton): opt-in ("triton") on GPUs until it has run inside a whole model there (so far the
-        # functions alone, tests/test_kernels_mhc.py); CPU always keeps the reference
-        fused = h.is_cuda and self.cfg.kernels == "triton" and cache is None
+        # fused mHC (Triton) in training forwards: opt-in ("triton") on GPUs; in decoding: `decode_kernels`
+        decode = decode_kernels(self.cfg, h, cache)
+        fused = decode or (h.is_cuda and self.cfg.kernels == "triton" and cache is None)
         post_fn = hc_post
         if fused:
             from nanoflash.kernels.mhc import hc_post_fused as post_fn
@@ -873,7 +925,8 @@ class Block(nn.Module):
         h = recomputed(mhc, post_fn, self.attn(x, start_pos, cache), h, post, comb)
         x, post, comb = self.sublayer_input(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
                                             self.ffn_norm, fused)
-        return recomputed(mhc, post_fn, self.ffn(x, ids, replay), h, post, comb)
+        dense = decode and h.shape[1] == 1          # a decode step: one token per row
+        return recomputed(mhc, post_fn, self.ffn(x, ids, replay, dense), h, post, comb)
 
     def sublayer_input(self, h, fn, scale, base, norm: RMSNorm, fused: bool):
         """norm(hc_pre(h)) and hc_pre's post / comb. Recompute "mhc" and "norm": one region, only h kept;

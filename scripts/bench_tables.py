@@ -10,6 +10,8 @@ its measurement. The results come from (one H200, one command each):
                          --out docs/results/stack_recompute_h200.json
     batching         bench/bench_rollout.py --part batching --out docs/results/batching_h200.json
     grpo_step        bench/bench_grpo_step.py --out docs/results/grpo_step_h200.json
+    launches         bench/bench_rollout.py --part launches --device cpu --out docs/results/launches_small_cpu.json
+                     (a CPU profile: the op counts are a property of the code path, the same on any device)
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from scripts.doc_blocks import read_block, write_block  # noqa: E402,F401 (tests
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = {name: os.path.join(ROOT, "docs", "results", f"{name}_h200.json")
            for name in ("attention_bwd", "stack_recompute", "batching", "grpo_step")}
+RESULTS["launches"] = os.path.join(ROOT, "docs", "results", "launches_small_cpu.json")
 HOPPER_DEFAULT = "m128-rows"   # attention.HOPPER_BWD_CONFIG's candidate name in the bench
 B11_TOKENS_PER_S = 56          # issue 43's "today": the gpu recipe's rollout on 2026-12-03 (B11)
 
@@ -88,8 +91,27 @@ def grpo_step(d: dict) -> str:
     return "\n".join(out)
 
 
+def launches(d) -> str:
+    d = d[0] if isinstance(d, list) else d
+    cols = ("decode_forward_reference", "decode_forward", "scoring_forward")
+    ref, new = d[cols[0]], d[cols[1]]
+    scopes = sorted({k for c in cols for k in d[c]["kernel_ops_by_scope"]},
+                    key=lambda k: (-ref["kernel_ops_by_scope"].get(k, 0), -new["kernel_ops_by_scope"].get(k, 0), k))
+    out = [f"`{d['preset']}` engine model (the `gpu` recipe's), one forward of {d['rows']} rows; kernel ops (aten ops "
+           "that are not views,", f"plus Triton launches) by the scope that issued them; the decode seam profiled as "
+           f"kernels=\"{d['decode_kernels']}\" on {d['device']}", "",
+           "| scope | decode, reference | decode, seam | scoring (no cache) |", "|---|---|---|---|"]
+    for k in scopes:
+        out.append(f"| {k} | " + " | ".join(str(d[c]["kernel_ops_by_scope"].get(k, "")) for c in cols) + " |")
+    out.append("| **kernel ops** | " + " | ".join(f"**{d[c]['kernel_ops']}**" for c in cols) + " |")
+    out.append("| view ops | " + " | ".join(str(d[c]["view_ops"]) for c in cols) + " |")
+    out += ["", f"Decode seam / reference: {d['decode_ops_ratio']:.2f} of the kernel ops; logits "
+                f"{d['decode_max_rel_diff']:.1e} from the reference (relative to their max)."]
+    return "\n".join(out)
+
+
 RENDER = {"attention_bwd": attention_bwd, "stack_recompute": stack_recompute, "batching": batching,
-          "grpo_step": grpo_step}
+          "grpo_step": grpo_step, "launches": launches}
 
 
 def render(name: str) -> str:

@@ -53,5 +53,12 @@ def test_what_the_prose_says_of_the_results():
     b = load(mod, "batching")[0]
     assert int(b["speedup_vs_serial"]["continuous_batched"]) == 9
     assert b["modes"]["continuous_batched"]["same_samples_as_serial"] == "64/64"
+    la = load(mod, "launches")[0]     # the decode seam's paragraph
+    ref, seam = (la[k]["kernel_ops_by_scope"] for k in ("decode_forward_reference", "decode_forward"))
+    sublayers = 2 * 8                 # `small`: 8 layers x (attention, MoE)
+    assert la["decode_ops_ratio"] <= 0.4 and la["decode_max_rel_diff"] <= 1e-5
+    assert seam["hc_pre_fused"] + seam["hc_post_fused"] == 4 * sublayers
+    assert round((ref["hc_split_sinkhorn"] + ref["hc_pre_reference"] + ref["hc_post"]) / sublayers, -1) == 140
+    assert round(seam["RoutedExperts.dense"] / 8) == 10
     g = load(mod, "grpo_step")
     assert round(g["time_s"]["step_s"], 1) == 3.4 and g["profile"]["outside_kernels_frac"] < 0.015

@@ -29,6 +29,13 @@ BATCHED_SCORE_TOL = 1e-5
 # moves them by > 0.1. At least 90% of the samples must be the very same: a draw flips only when its uniform
 # lands within ~1e-5 of a boundary of the cumulative distribution, and then the rest of that sample differs.
 GPU_DLOGP_TOL, GPU_SAME_SAMPLES = 1e-3, 0.9
+# Decode seam vs reference on the GPU (fp32): fused mHC's FMA dots over M*D and the dense experts' sums over all 16
+# experts reorder fp32 sums (9.4e-7 on the CPU, small: docs/results/launches_small_cpu.json); 8 layers and cuBLAS's
+# other GEMM shapes leave room to 1e-4 of the logits' max, while a wrong comb, weight or row moves them by > 1e-2.
+GPU_DECODE_REL = 1e-4
+# Device ops (kernels, copies) of a decode step, seam / reference: 0.34 of the aten ops + Triton launches on the
+# CPU profile (docs/results/launches_small_cpu.json); the Sinkhorn and expert loops alone are 63% of the reference's.
+GPU_DECODE_KERNELS = 0.5
 
 
 def tiny(seed=0):
@@ -246,3 +253,39 @@ def test_batched_engine_agrees_with_serial_on_the_gpu():
     dlogp = max(abs(x - y) for a, b in same for x, y in zip(a[1], b[1]))
     print(f"\nGPU batched vs serial: {len(same)}/{len(pairs)} samples identical, max |dlogp| {dlogp:.2e}")
     assert len(same) >= GPU_SAME_SAMPLES * len(pairs) and dlogp <= GPU_DLOGP_TOL
+
+
+@pytest.mark.gpu
+def test_decode_kernels_agree_with_the_reference_on_the_gpu():
+    """The decode seam on CUDA (`model.decode_kernels`, kernels "auto": fused mHC, dense experts) against
+    kernels="reference" on the `gpu` recipe's geometry (small, fp32 as the FP8 engine runs it): 64 rows at four
+    lengths prefilled, joined, 4 per-row steps; logits within GPU_DECODE_REL, and a step runs at most
+    GPU_DECODE_KERNELS of the reference's device ops (kernels, copies). Bugs caught: the seam not taken on the
+    GPU (the count), a fused or dense path that is wrong only at real width or on CUDA (the logits)."""
+    from torch.profiler import ProfilerActivity, profile
+    cfg = preset("small", vocab_size=18, max_seq_len=64)
+    with torch.device("cuda"):
+        model = Transformer(cfg).init_weights(0, generator=torch.Generator("cuda").manual_seed(0)).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 18, (16, L), generator=g).cuda() for L in (8, 9, 10, 11)]
+    steps = torch.randint(0, 18, (4, 64, 1), generator=g).cuda()
+    out, kernels = {}, {}
+    for mode in ("reference", "auto"):
+        model.cfg.kernels = mode           # every module holds this one config
+        with torch.no_grad():
+            caches = [model.new_cache() for _ in prompts]
+            logits = [torch.cat([model(p, 0, c)[:, -1] for p, c in zip(prompts, caches)])]
+            cache, pos = model.cat_caches(caches), torch.tensor([8, 9, 10, 11]).repeat_interleave(16)
+            for i, ids in enumerate(steps):
+                if i == len(steps) - 1:        # the last step profiled: its device ops
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        logits.append(model(ids, pos + i, cache)[:, -1])
+                        torch.cuda.synchronize()
+                    kernels[mode] = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+                else:
+                    logits.append(model(ids, pos + i, cache)[:, -1])
+        out[mode] = torch.stack(logits)
+    model.cfg.kernels = "auto"
+    err = float((out["auto"] - out["reference"]).abs().max() / out["reference"].abs().max())
+    print(f"\nGPU decode seam vs reference: logits rel {err:.2e}, device ops per step {kernels}")
+    assert err <= GPU_DECODE_REL and kernels["auto"] <= GPU_DECODE_KERNELS * kernels["reference"], (err, kernels)

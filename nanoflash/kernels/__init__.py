@@ -17,7 +17,8 @@
 Which path runs is one config switch, `ModelConfig.kernels`:
     "auto"       attention + indexer kernels on CUDA for bf16/fp16 training forwards (no decode cache) and the
                  grouped experts for bf16 on CUDA, the reference elsewhere -- only kernels that have run inside
-                 a whole model on a GPU;
+                 a whole model on a GPU; in decoding (a cache) on CUDA the Triton mHC and dense experts
+                 (`model.decode_kernels`);
     "reference"  always model.py (matched precision forces this: train.py sets it);
     "triton"     also the grouped experts (moe.py) in every dtype, the Triton mHC and the bf16 GEMMs on CUDA
                  (run inside the 8-layer real-geometry stack on the H200, B14b); attention kernels also on CPU under

@@ -32,7 +32,9 @@ _post_bwd 375, _mix_fwd 330, _post_fwd 166, _pre_dfn 108, _collapse 81, _sinkhor
 adds: the two gradients of h summed by autograd).
 
 Dispatch: `ModelConfig.kernels`; "triton" on CUDA uses `hc_pre_fused` / `hc_post_fused` in `Block.forward`
-(run inside the 8-layer real-geometry stack on the H200, bench/bench_stack.py); "auto" does not yet.
+(run inside the 8-layer real-geometry stack on the H200, bench/bench_stack.py); "auto" only in forwards with a
+decode cache (`model.decode_kernels`: the rollout engine, where the reference's Sinkhorn is ~40% of a step's
+launches), not yet in training.
 Tests: tests/test_kernels_mhc.py.
 """
 from __future__ import annotations

@@ -23,9 +23,10 @@ Continuous batching. The requests in flight share ONE model forward per step. A 
        cache (`model.cache_rows`, on the next step) and their samples are scored.
 
 A stopped row keeps decoding (its tokens are cut) until its request ends, so a request draws for n rows every
-step, exactly as alone. On the GPU a forward at these sizes costs its kernel launches (thousands per forward,
-most of them in mHC's Sinkhorn iterations and the fp32 expert loop: `bench/bench_rollout.py --part launches`),
-not its arithmetic, so a step over 64 rows costs about what one over 8 did: the `gpu` recipe's rollout of
+step, exactly as alone. On the GPU a forward at these sizes costs its kernel launches (thousands per forward on
+the reference path, most of them in mHC's Sinkhorn iterations and the fp32 expert loop, which the model's decode
+seam `decode_kernels` replaces by a few launches per block: `bench/bench_rollout.py --part launches`), not its
+arithmetic, so a step over 64 rows costs about what one over 8 did: the `gpu` recipe's rollout of
 8 requests x 8 samples x 16 tokens ran 8 x 16 forwards + 64 scoring forwards before, and ~16 + 1 now.
 `batching="serial"` keeps the engine before this (one request at a time, its n rows as one batch): the bench's
 baseline (`bench/bench_rollout.py --part batching`) and the reference of `tests/test_rollout_batching.py`.
