@@ -89,7 +89,7 @@ t_phase = time.time()
 trainer = Trainer(cfg, mcfg, dims, tc.checkpoint, ckpt_is_dcp, served_storage=optimizer_storage(cfg, mcfg))
 phases["trainer_s"] = time.time() - t_phase  # build, place, seeded init or checkpoint load
 print0(f"trainer: {dims}, stage on {trainer.device}, {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M "
-       f"parameters on this rank")
+       f"parameters on this rank" + (f", allocator capped at {trainer.memory_cap_gib:.1f} GiB" if trainer.memory_cap_gib else ""))
 if not tc.resume and latest_checkpoint(ckpt_dir):  # never prune or later adopt another run's checkpoints
     raise SystemExit(f"--train.resume false, but {ckpt_dir} holds checkpoints of an earlier run (newest: "
                      f"{os.path.basename(latest_checkpoint(ckpt_dir))}); choose another --out, or resume it")

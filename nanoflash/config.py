@@ -317,6 +317,10 @@ class ParallelConfig:
     wait_timeout_s: int = 7200        # ranks waiting for rank 0's rollout / eval / push (gloo side group)
     colocate_ranks: bool = False      # every rank on one GPU (cuda:0): gloo collectives, P2P through host buffers
                                       # (NCCL refuses two ranks of a group on one GPU; parallel/colocate.py)
+    gpu_memory_fraction: float = 0.0  # 0: no cap; else the share of this rank's GPU its allocator may hold (a
+                                      # trainer beside a rollout server on the same GPU: past it the caching
+                                      # allocator frees its cache and retries, then raises, instead of growing
+                                      # into the server's memory; trainer.cap_gpu_memory)
 
     def __post_init__(self):
         for name in ("pp", "ep"):
@@ -335,6 +339,9 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.micro_batch_tokens={self.micro_batch_tokens} must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"ParallelConfig.device must be auto|cpu|cuda, got {self.device!r}")
+        if not 0.0 <= self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"ParallelConfig.gpu_memory_fraction={self.gpu_memory_fraction} must be in [0, 1] "
+                             f"(0: no cap)")
         if self.timeout_s < 1 or self.wait_timeout_s < 1:
             raise ValueError(f"ParallelConfig: timeout_s={self.timeout_s}, wait_timeout_s={self.wait_timeout_s} "
                              f"must be >= 1 second")

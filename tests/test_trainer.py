@@ -263,3 +263,22 @@ def test_nonfinite_weights_are_never_saved(tmp_path):
     with pytest.raises(SystemExit, match=r"diverged: 1 weight tensors are non-finite at a checkpoint save.*wo_b"):
         actor.save(str(tmp_path / "ckpt"), 1, {}, keep=2)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_gpu_memory_fraction_is_validated_and_applied_to_the_rank_device(monkeypatch):
+    """Catches: the colocated trainer's memory cap never reaching the allocator (the one-step-off H200 run of
+    2026-12-03 grew into SGLang's memory and killed the server), or a fraction outside [0, 1] accepted."""
+    import types
+
+    from nanoflash.config import ParallelConfig
+    from nanoflash.rl.trainer import cap_gpu_memory
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_fraction"):
+            ParallelConfig(gpu_memory_fraction=bad)
+    assert cap_gpu_memory(torch.device("cpu"), 0.5) is None          # the CPU has no allocator cap
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=2 ** 34))
+    dev = torch.device("cuda", 0)
+    assert cap_gpu_memory(dev, 0.0) is None and calls == []          # 0: no cap
+    assert cap_gpu_memory(dev, 0.55) == pytest.approx(0.55 * 16) and calls == [(0.55, dev)]

@@ -41,8 +41,10 @@ step time <= 0.7x sync, pass@1 at the last common eval within 2 SE of the differ
 """
 import argparse
 import json
+import math
 import os
 import random
+import re
 import sys
 import time
 
@@ -286,12 +288,20 @@ def run_summary(run_dir: str, window=None, gpu_rows=()) -> dict:
     train = [r for r in recs if r["kind"] == "train"]
     if not train:
         return {"steps": 0, "error": f"no train records in {run_dir}"}
-    timed = [r for r in train if r["step"] >= FIRST_TIMED_STEP] or train
+    # a step during which the server died and was restarted times the restart (tens of seconds), not the loop;
+    # so does the step whose rollout it lost ("during": "rollout for step N"), regenerated with nothing beside it
+    restarted = set()
+    for r in recs:
+        if r["kind"] == "server_restart":
+            lost = re.search(r"step (\d+)", str(r.get("during", "")))
+            restarted |= {r["step"], *([int(lost.group(1))] if lost else [])}
+    timed = [r for r in train if r["step"] >= FIRST_TIMED_STEP and r["step"] not in restarted] or train
     mean = lambda k, rs=timed: sum(r.get(k) or 0.0 for r in rs) / len(rs)  # noqa: E731
     steps_s = sorted(r["step_s"] for r in timed)
     gen, trained = sum(r.get("samples_generated", 0) for r in train), sum(r.get("samples_trained", 0) for r in train)
     pushes = [r for r in train if r.get("sync_tensors")]
-    out = {"steps": len(train), "step_s_mean": mean("step_s"), "step_s_median": steps_s[len(steps_s) // 2],
+    out = {"steps": len(train), "steps_timed": len(timed), "server_restarts": len(restarted),
+           "restart_steps": sorted(restarted), "step_s_mean": mean("step_s"), "step_s_median": steps_s[len(steps_s) // 2],
            "rollout_s": mean("rollout_s"), "rollout_wait_s": mean("rollout_wait_s"),
            "boundary_wait_s": mean("boundary_wait_s"), "train_s": mean("train_s"), "sync_s": mean("sync_s"),
            "gap_mean": mean("train_rollout_logprob_abs_diff", train), "tis_mean": mean("tis", train),
@@ -304,7 +314,7 @@ def run_summary(run_dir: str, window=None, gpu_rows=()) -> dict:
            "gpu_peak_gib": max((r.get("gpu_peak_gib") or 0.0) for r in train),
            "evals": [{"step": r["step"], "pass@1": r["pass@1"], "se": r["pass@1_se"]}
                      for r in recs if r["kind"] == "eval"]}
-    rows = [g for g in gpu_rows if window and window[0] <= g[0] <= window[1]]
+    rows = [g for g in gpu_rows if window and window[0] <= g[0] <= (window[1] if len(window) > 1 else math.inf)]
     if rows:
         out.update(gpu_util_mean=sum(g[1] for g in rows) / len(rows), gpu_mem_max_mib=max(g[2] for g in rows),
                    gpu_samples=len(rows))
@@ -331,8 +341,11 @@ def cmd_compare(a):
     s, y = res["sync"], res["async"]
     if s.get("steps") and y.get("steps"):
         ratio = y["step_s_mean"] / s["step_s_mean"]
+        # a run that stopped early (a crash, the hold's end) times fewer steps: the ratio is reported, the bar is not
+        complete = s["steps"] == y["steps"]
         common = sorted({e["step"] for e in s["evals"]} & {e["step"] for e in y["evals"]})
-        bars = {"async_over_sync_step_s": ratio, "step_ratio_bar": STEP_RATIO_BAR, "step_ratio_met": ratio <= STEP_RATIO_BAR,
+        bars = {"async_over_sync_step_s": ratio, "step_ratio_bar": STEP_RATIO_BAR, "step_ratio_met": ratio <= STEP_RATIO_BAR if complete else None,
+                "complete": complete, "steps": {"sync": s["steps"], "async": y["steps"]},
                 "pushes_all_verified": all(r["pushes"] == r["pushes_verified"] > 0 for r in (s, y))}
         if common:
             at = common[-1]

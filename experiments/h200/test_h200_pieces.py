@@ -735,3 +735,32 @@ def test_compare_of_a_sync_and_an_async_run(tmp_path):
     grpo_h200.cmd_compare(a)
     bars = json.load(open(tmp_path / "c.json"))["bars"]
     assert bars["pass_within_2se"] and not bars["pushes_all_verified"]
+
+
+def test_compare_of_an_async_run_cut_short_by_a_server_restart(tmp_path):
+    """The 2026-12-03 H200 comparison: the one-step-off run lost its server at step 5 (restart logged, the rollout
+    for step 6 redone) and the hold ended at step 6. Bugs caught: the restart's 97 s and the refill step in the
+    mean step time, the bar judged on 6 steps against 20, an open time window (no end stamp) crashing the GPU rows."""
+    from experiments.h200 import grpo_h200
+
+    def run(name, step_s, restart_at=None):
+        d = tmp_path / name
+        d.mkdir()
+        recs = [{"kind": "train", "step": i + 1, "step_s": t, "reward_mean": 0.1, "sync_tensors": 5,
+                 "sync_verified": 1, "samples_generated": 8, "samples_trained": 8} for i, t in enumerate(step_s)]
+        if restart_at:
+            recs.append({"kind": "server_restart", "step": restart_at, "during": f"rollout for step {restart_at + 1}"})
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return str(d)
+    sync = run("sync", [9.0] + [8.0] * 19)
+    cut = run("async", [9.7, 6.0, 4.0, 5.0, 97.6, 13.4], restart_at=5)
+    (tmp_path / "w.txt").write_text("sync 100\nsync 300\nasync 300\n")
+    (tmp_path / "gpu.csv").write_text("150, 20, 1000\n350, 90, 2000\n")
+    a = argparse.Namespace(sync=sync, async_run=cut, gpu=str(tmp_path / "gpu.csv"), windows=str(tmp_path / "w.txt"),
+                           out=str(tmp_path / "c.json"))
+    grpo_h200.cmd_compare(a)
+    res = json.load(open(tmp_path / "c.json"))
+    assert res["async"]["restart_steps"] == [5, 6] and res["async"]["steps_timed"] == 3
+    assert res["bars"]["async_over_sync_step_s"] == pytest.approx(5.0 / 8.0)
+    assert res["bars"]["complete"] is False and res["bars"]["step_ratio_met"] is None
+    assert res["async"]["gpu_mem_max_mib"] == 2000 and res["sync"]["gpu_mem_max_mib"] == 1000

@@ -82,6 +82,19 @@ def resolve_device(name: str, dims) -> torch.device:
     return dims.device
 
 
+def cap_gpu_memory(device: torch.device, fraction: float) -> float | None:
+    """`ParallelConfig.gpu_memory_fraction` on this rank's GPU (torch.cuda.set_per_process_memory_fraction): the
+    caching allocator then stays under fraction x the GPU's memory, freeing its cache and retrying before it
+    raises. Colocated with a rollout server (SGLang sizes its pool once, at start, from what is free), a trainer
+    that grows its cache into the memory the server allocates per batch kills the server, not itself (one H200,
+    2026-12-03: the one-step-off run's trainer and SGLang's prefill met at 142,960 of 143,771 MiB). Returns the
+    cap in GiB, None when there is none (fraction 0, or not a CUDA device)."""
+    if not fraction or device.type != "cuda":
+        return None
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction * torch.cuda.get_device_properties(device).total_memory / 2 ** 30
+
+
 def build_model(mcfg, dims, par, dtype: torch.dtype, device, seed: int | None = 0, train_mtp: bool = False,
                 materialize: bool = True):
     """Meta -> parallelize -> cast -> materialise on `device` -> seeded init (seed=None: leave the storage for a
@@ -144,6 +157,7 @@ class Trainer:
         tc, par = cfg.train, cfg.parallel
         self.cfg, self.dims, self.par, self.oc, self.gc = cfg, dims, par, cfg.optim, cfg.grpo
         self.device, self.dtype = resolve_device(par.device, dims), DTYPES[tc.dtype]
+        self.memory_cap_gib = cap_gpu_memory(self.device, par.gpu_memory_fraction)
         self.temperature, self.replay = cfg.rollout.temperature, cfg.rollout.routing_replay
         self.matched = cfg.rollout.weights == "fp32" and tc.dtype == "fp32"  # batch-invariant scoring
         hf = bool(checkpoint) and not checkpoint_is_dcp   # the HF loader checks every header, then materialises
