@@ -7,7 +7,9 @@ checks that the doc holds exactly what `render` makes of the files, so a number 
 its measurement. The results come from (one H200, one command each):
     attention_bwd    bench/bench_attention.py --bwd --out docs/results/attention_bwd_h200.json
     stack_recompute  bench/bench_stack.py --jobs none,selective,full,planner \
-                         --out docs/results/stack_recompute_h200.json
+                         --out docs/results/stack_recompute_h200.json          (the fused attention backward)
+    stack_recompute_wgmma  bench/bench_stack.py --jobs none,selective,full --deadline 90 \
+                         --out docs/results/stack_recompute_wgmma_h200.json    (the wgmma backward, Hopper's default)
     batching         bench/bench_rollout.py --part batching --out docs/results/batching_h200.json
     grpo_step        bench/bench_grpo_step.py --out docs/results/grpo_step_h200.json
     launches         bench/bench_rollout.py --part launches --device cpu --out docs/results/launches_small_cpu.json
@@ -25,7 +27,7 @@ sys.path.insert(0, ROOT)
 from scripts.doc_blocks import read_block, write_block  # noqa: E402,F401 (tests read the tables)
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 RESULTS = {name: os.path.join(ROOT, "docs", "results", f"{name}_h200.json")
-           for name in ("attention_bwd", "stack_recompute", "batching", "grpo_step")}
+           for name in ("attention_bwd", "stack_recompute", "stack_recompute_wgmma", "batching", "grpo_step")}
 RESULTS["launches"] = os.path.join(ROOT, "docs", "results", "launches_small_cpu.json")
 HOPPER_DEFAULT = "m128-rows"   # attention.HOPPER_BWD_CONFIG's candidate name in the bench
 B11_TOKENS_PER_S = 56          # issue 43's "today": the gpu recipe's rollout on 2026-12-03 (B11)
@@ -110,7 +112,8 @@ def launches(d) -> str:
     return "\n".join(out)
 
 
-RENDER = {"attention_bwd": attention_bwd, "stack_recompute": stack_recompute, "batching": batching,
+RENDER = {"attention_bwd": attention_bwd, "stack_recompute": stack_recompute,
+          "stack_recompute_wgmma": stack_recompute, "batching": batching,
           "grpo_step": grpo_step, "launches": launches}
 
 
