@@ -7,6 +7,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import random
 import re
 
@@ -764,3 +765,27 @@ def test_compare_of_an_async_run_cut_short_by_a_server_restart(tmp_path):
     assert res["bars"]["async_over_sync_step_s"] == pytest.approx(5.0 / 8.0)
     assert res["bars"]["complete"] is False and res["bars"]["step_ratio_met"] is None
     assert res["async"]["gpu_mem_max_mib"] == 2000 and res["sync"]["gpu_mem_max_mib"] == 1000
+
+
+def test_rollouts_md_quotes_the_h200_comparison_as_measured(tmp_path):
+    """docs/rollouts.md's figures of the 2026-12-03 H200 comparison are what `grpo_h200.py compare` makes of the
+    runs' metrics today (the stored compare.json regenerated, then each quoted number found in the doc)."""
+    from experiments.h200 import grpo_h200
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    d = os.path.join(root, "docs", "results", "async_compare_long_h200")
+    a = argparse.Namespace(sync=os.path.join(d, "run_sync"), async_run=os.path.join(d, "run_async"),
+                           gpu=os.path.join(d, "gpu.csv"), windows=os.path.join(d, "windows.txt"),
+                           out=str(tmp_path / "c.json"))
+    grpo_h200.cmd_compare(a)
+    res = json.load(open(tmp_path / "c.json"))
+    assert res == json.load(open(os.path.join(d, "compare.json")))
+    s, y = res["sync"], res["async"]
+    doc = open(os.path.join(root, "docs", "rollouts.md")).read()
+    quoted = [f"**{s['step_s_mean']:.2f} s**", f"rollout {s['rollout_s']:.2f} s", f"trainer {s['train_s']:.2f} s",
+              f"push {s['sync_s']:.2f} s", f"gap {s['gap_mean']:.4f}", f"**{y['step_s_mean']:.2f} s**",
+              f"**{res['bars']['async_over_sync_step_s']:.2f}x**", f"rollout ({y['rollout_s']:.2f} s)",
+              f"trainer's {y['train_s']:.2f} s", f"push ({y['sync_s']:.2f} s)", f"gap {y['gap_mean']:.4f}",
+              f"**{y['gpu_mem_max_mib']:,.0f} of", f"pass@1 {s['evals'][0]['pass@1']:.3f} -> {s['evals'][-1]['pass@1']:.3f}"]
+    missing = [q for q in quoted if q not in doc]
+    assert not missing, missing
+    assert y["steps_timed"] == 3 and res["bars"]["complete"] is False
