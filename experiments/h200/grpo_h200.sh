@@ -203,6 +203,8 @@ warmup() {  # rollout-shaped requests as soon as the server answers: its compile
 # (weights and pool allocated). 2026-12-03: the long task's SFT grew during SGLang's load and SGLang quit ("Loaded
 # weights leave no GPU memory for the KV cache"); the pipeline then waited 15 minutes for a dead server. A server
 # that dies before it answers is started once more (the SFT has not started: the GPU is its own), then given up.
+# The sums task's SFT (~50-token sequences) stays small, so it starts beside the booting server as in runs 7-9
+# (the boot's ~5 minutes of compiles on a machine without caches then overlap the SFT's 4).
 server_up() {
   local try end
   for try in 1 2; do
@@ -239,7 +241,7 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
     sft="$sft --sft-data $LT:$sftfam:train --val-data $LT:$fam:val --val forced"
   fi
   stamp "knobs: SGLANG_OPT_DEEPGEMM_HC_PRENORM=${SGLANG_OPT_DEEPGEMM_HC_PRENORM:-} H20_OFFICIAL_ROPE=${H20_OFFICIAL_ROPE:-1}"
-  [ "$MODE" = gpu ] && { server_up || { echo "FAILED server start"; touch $W/DONE; exit 1; }; }
+  [ "$MODE" = gpu ] && [ "$LONG" = 1 ] && { server_up || { echo "FAILED server start"; touch $W/DONE; exit 1; }; }
   stamp sft; $PY experiments/h200/grpo_h200.py sft --out $W/warm $sft $(overrides) || { echo "FAILED sft"; touch $W/DONE; exit 1; }
   touch $W/SFT_DONE
   # $W/HOLD: another job shares the GPU while SGLang boots (bench/gpu_round3.sh); GRPO starts once it is gone
