@@ -70,6 +70,10 @@ def test_a_phase_ends_when_its_check_reaches_acc_and_the_next_one_starts():
     assert [c["step"] for c in recs[0]["checks"]] == [3, 6] and [c["acc"] for c in recs[1]["checks"]] == [0.1, 0.3, 0.5]
     assert s.trained == [("factscpu", k) for k in range(1, 7)] + [("factscpumid", k) for k in range(1, 10)]
     assert recs[0]["seconds"] == pytest.approx(6 * STEP_S + 2 * CHECK_S, abs=0.1)
+    s = Stub({"factscpumid": [0.1, 0.5]})                       # a phase before it ends off the check grid
+    recs = s.run("factscpu:acc=0.6:steps=4,factscpumid:acc=0.5", check_every=3)
+    assert [(r["steps"], r["ended"], [c["step"] for c in r["checks"]]) for r in recs] == \
+        [(4, "steps", [3]), (6, "acc", [3, 6])]
 
 
 def test_a_phase_ends_when_its_steps_or_seconds_are_spent_to_the_step():
