@@ -23,6 +23,13 @@ one teacher-forced forward per problem of the canonical worked response, a probl
 every number token of it (the looked-up values, the partial sums, the answer) is the argmax -- greedy pass@1 of
 the worked chain -- reported per length class at the end (`longctx.length_class`).
 
+With `--curriculum SPEC` (the long run, issue 42: three minutes of `factssft` alone taught the lookup nothing)
+phase 1 is a schedule of families instead, easy to hard (experiments/h200/curriculum.py: each phase until the
+teacher-forced accuracy on --val-problems of its own family's val split reaches its `acc=`, or its `s=` / `steps=`
+budget is spent; the last until --max-seconds), checked every --check-every steps; phase 2 then trains on the
+last phase's family, the final check reads --val-data as before, and sft.json records each phase ("curriculum":
+family, steps, seconds, the accuracy at each check, why it ended). Without it nothing changes.
+
 `warmup` sends a fresh SGLang a rollout's worth of requests (the task's first training prompts, `n` samples
 each, all at once) as soon as its HTTP server answers: SGLang compiles its kernels (DeepGEMM,
 flashinfer, tilelang, Triton) in the first forwards -- 4.6 minutes before /health answered, then ~2 more in the
@@ -157,7 +164,7 @@ def cmd_sft(a, overrides):
     torch.manual_seed(cfg.train.seed)
     rng = random.Random(cfg.train.seed)
     actor = trainer.Trainer(cfg, mcfg, init_distributed(1, 1, None), served_storage=optimizer_storage(cfg, mcfg))
-    val = vmod.problems(vfamily, "val")[:VAL_PROBLEMS]
+    val = vmod.problems(vfamily, "val")[:a.val_problems]
     val_prompts = [task.encode(p) for p in val]
     opt = trainer.make_optimizer(actor.model, cfg.optim, lr=a.lr)
     curve, t0, i, why, nll = [], time.time(), 0, {}, float("nan")
@@ -174,11 +181,18 @@ def cmd_sft(a, overrides):
         print(json.dumps(curve[-1]), flush=True)
         return row
 
-    def step(share: float, lr: float) -> float:
-        opt.lr = lr * min(1.0, i / SFT_LR_WARMUP)
-        batch = [sft_train[((i - 1) * a.batch + j) % len(sft_train)] for j in range(a.batch)]
+    def step(share: float, lr: float, probs: list = None, k: int = 0, at: int = 0) -> float:
+        probs, k, at = probs or sft_train, k or i, at or i               # k: the step within `probs`' phase
+        opt.lr = lr * min(1.0, at / SFT_LR_WARMUP)
+        batch = [probs[((k - 1) * a.batch + j) % len(probs)] for j in range(a.batch)]
         return sft_batch_step(actor, module.sft_pairs(batch, tok, share, rng), opt, task.pad_id)
 
+    cur = None
+    if a.curriculum:                                                     # phase 1 as a curriculum of families
+        cur, sft_train = run_curriculum(a, module, actor, tok, step, curve, t0, cfg.train.seed)
+        i = sum(r["steps"] for r in cur)
+        last = next(r for r in reversed(cur) if r["ended"] != "not_reached")
+        why["worked"] = f"curriculum: {last['family']} {last['why']}"
     while i < a.max_steps and "worked" not in why:                       # phase 1: learn the steps
         i += 1
         nll = step(1.0, a.lr)
@@ -199,10 +213,39 @@ def cmd_sft(a, overrides):
     info = save_hf_checkpoint(actor.model, a.out, weights="fp8", experts="fp8")
     res = {"steps": i, "stopped": why, "final": final, "sft_s": round(t1 - t0, 1), "save_s": round(time.time() - t1, 1),
            "lr": a.lr, "glance_lr": a.glance_lr, "batch": a.batch, "target": a.target, "glance_share": a.glance_share,
-           "worked_max": a.worked_max, "curve": curve, "params": actor.model.full_params, "files": info.get("files")}
+           "worked_max": a.worked_max, "val_problems": a.val_problems, "check_every": a.check_every,
+           **({"curriculum_spec": a.curriculum, "curriculum": cur} if cur is not None else {}), "curve": curve, "params": actor.model.full_params, "files": info.get("files")}
     with open(os.path.join(a.out, "sft.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps({k: v for k, v in res.items() if k != "curve"}), flush=True)
+
+
+def run_curriculum(a, module, actor, tok, step, curve: list, t0: float, seed: int) -> tuple:
+    """Phase 1 of `cmd_sft` as `--curriculum` schedules it (experiments/h200/curriculum.py): each phase's worked
+    demonstrations from its family's train split, its checks on --val-problems of that family's val split,
+    teacher-forced (`forced_accuracy`). `step(share, lr, probs, k, at)`: cmd_sft's step k of `probs`, the SFT's
+    step `at` (the learning-rate warm-up). -> (the phases' records, the last phase's train problems: phase 2's)."""
+    from experiments.h200 import curriculum
+    phases = curriculum.parse(a.curriculum, getattr(module, "FAMILIES", {}))
+    train = {ph.family: module.problems(ph.family, "train", seed=seed) for ph in phases}
+    val = {ph.family: module.problems(ph.family, "val")[:a.val_problems] for ph in phases}
+    state = {"at": 0, "nll": float("nan")}                     # the SFT's step count and last loss
+
+    def train_step(ph, k):
+        state["at"] += 1
+        state["nll"] = step(1.0, a.lr, train[ph.family], k, state["at"])
+
+    def accuracy(ph):
+        acc = forced_accuracy(actor.model, tok, module, val[ph.family])
+        curve.append({"step": state["at"], "phase": f"curriculum:{ph.family}", "nll": state["nll"],
+                      "val_pass@1": acc["all"], "val_forced_by_class": acc, "time_s": round(time.time() - t0, 1)})
+        print(json.dumps(curve[-1]), flush=True)
+        return acc["all"]
+
+    log = lambda rec: print(json.dumps({"curriculum_phase": rec}), flush=True)  # noqa: E731
+    recs = curriculum.run(phases, train_step, accuracy, a.max_seconds, a.max_steps, a.check_every, log=log)
+    last = next(r for r in reversed(recs) if r["ended"] != "not_reached")
+    return recs, train[last["family"]]
 
 
 def cmd_calibrate(a, overrides):
@@ -381,6 +424,10 @@ def main(argv=None):
     ap.add_argument("--val", default="sample", choices=["sample", "forced"],
                     help="stopping rule's pass@1: sampled in-process (sums) or teacher-forced (long prompts)")
     ap.add_argument("--check-every", type=int, default=CHECK_EVERY, help="SFT steps between validation checks")
+    ap.add_argument("--val-problems", type=int, default=VAL_PROBLEMS, help="validation problems per check")
+    ap.add_argument("--curriculum", default="", help="phase 1 as a schedule of families, e.g. "
+                    "factsnear:acc=0.6:s=100,factsmid:acc=0.5:s=70,factssft:acc=0.5 (experiments/h200/curriculum.py);"
+                    " --sft-data names the module, --max-seconds caps the whole schedule")
     ap.add_argument("--task", default="py:experiments.h200.synth:sum4:train", help="warmup: whose prompts")
     ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--max-seconds", type=float, default=240.0)

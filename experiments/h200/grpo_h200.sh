@@ -235,9 +235,12 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   cd "$R"
   local sft="--max-seconds ${H20_SFT_S:-240}"
   [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3 --glance-steps 2"
-  if [ "$LONG" = 1 ]; then   # short-heavy demonstrations, the run's mix for the teacher-forced stopping rule
+  if [ "$LONG" = 1 ]; then   # a curriculum of families, easy to hard (curriculum.py), teacher-forced checks
     local fam=${H20_FAMILY:-facts} sftfam=factssft; [ "$MODE" = dry ] && fam=factsdry sftfam=factsdry
-    [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-180} --batch ${H20_SFT_BATCH:-64} --target ${H20_SFT_TARGET:-0.5}"
+    local cur=${H20_CURRICULUM:-factsnear:acc=0.6:s=100,factsmid:acc=0.5:s=70,factssft:acc=0.5}
+    [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-240} --batch ${H20_SFT_BATCH:-64} --val-problems 32"
+    [ "$MODE" = gpu ] && sft="$sft --check-every 10 --curriculum $cur"
+    [ "$MODE" = dry ] && sft="$sft --curriculum factscpu:acc=1:steps=2,factscpumid:acc=1 --check-every 2 --val-problems 4"
     sft="$sft --sft-data $LT:$sftfam:train --val-data $LT:$fam:val --val forced"
   fi
   stamp "knobs: SGLANG_OPT_DEEPGEMM_HC_PRENORM=${SGLANG_OPT_DEEPGEMM_HC_PRENORM:-} H20_OFFICIAL_ROPE=${H20_OFFICIAL_ROPE:-1}"

@@ -33,6 +33,17 @@ entries by the lightning indexer's score. The `facts` family interleaves them fa
 `factssft` (the warm start's) is short-heavy (6 near, 9 mid of 132-540 tokens, 1 far in 16: ~440 tokens a
 demonstration), to fit the SFT into ~3 minutes; `factsdry` is the CPU dry run's (prompts of 60-220 tokens).
 
+**The curriculum's families** (`CURRICULUM_FAMILIES`, issue 42's second warm start: `grpo_h200.py sft
+--curriculum`): three minutes of `factssft` left the worked chain's teacher-forced accuracy at 0.0 in every class
+(experiments/h200/README.md, the first hold), so the SFT first learns the lookup where it is easiest, then
+moves it back. `factsnear` is the near class alone (prompts <= 80 tokens: the facts inside the 128-token window,
+plain attention can copy them); `factsmid` keeps a third near (what the first phase learned) and adds two thirds
+of `sft_mid` (prompts 132-540: the facts only in compressed entries); `factssft` then adds the far class.
+`factscpu` (`dry_near`: prompts of 60-68 tokens) and `factscpumid` (a third `dry_near`, two thirds `dry_mid`:
+up to 120 tokens) are the same two steps for the CPU dry run. Each is a family of its own (its own streams,
+its own splits), so a curriculum family's train split holds none of its own held-out problems by the hash, and
+none of `facts`' or `factsdry`'s by test (`test_curriculum_families_are_easy_to_hard_and_hold_no_heldout_problem`).
+
 **Why it needs the compressed attention.** Beyond the near class a fact is more than 128 tokens behind every
 query that needs it, so only compressed entries can carry it: the C4 entry of its line (and the overlap half
 of the next one) and the C128 entry of the first 128 tokens, which holds all eight facts. In the far class
@@ -84,12 +95,19 @@ CLASSES = {                     # filler records n per class (module docstring: 
     "sft_mid": (18, 120),       # the warm start's mid problems: prompts 132-540 tokens (its token budget)
     "dry_near": (0, 2), "dry_mid": (3, 15), "dry_far": (16, 40),
 }
+CURRICULUM_FAMILIES = {         # the SFT curriculum's easy steps (grpo_h200.py sft --curriculum; module docstring)
+    "factsnear": ("near",),
+    "factsmid": ("near", "sft_mid", "sft_mid"),
+    "factscpu": ("dry_near",),
+    "factscpumid": ("dry_near", "dry_mid", "dry_mid"),
+}
 FAMILIES = {                    # the class of problem i of a split is pattern[i % len(pattern)]
     "facts": ("far", "near", "far", "mid", "far", "far"),
     "facts4k": ("far4k", "near", "far4k", "mid", "far4k", "far4k"),
     "factssft": ("near", "sft_mid", "near", "sft_mid", "sft_mid", "near", "sft_mid", "far",
                  "near", "sft_mid", "sft_mid", "near", "sft_mid", "near", "sft_mid", "sft_mid"),
     "factsdry": ("dry_far", "dry_near", "dry_far", "dry_mid", "dry_far", "dry_far"),
+    **CURRICULUM_FAMILIES,
 }
 SPLIT_SIZES = {"train": 4096, "val": 256, "heldout": 512}
 HELDOUT_PERCENT, VAL_PERCENT = 10, 5

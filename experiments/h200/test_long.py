@@ -362,3 +362,25 @@ def test_forced_accuracy_counts_a_problem_right_only_when_every_number_is_the_ar
     with pytest.raises(ValueError, match="py:experiments.h200"):
         grpo_h200.task_module("py:somewhere.else:facts:train")
     assert grpo_h200.task_module("py:experiments.h200.longctx:facts:val")[1:] == ("facts", "val")
+
+
+def test_curriculum_families_are_easy_to_hard_and_hold_no_heldout_problem():
+    """Bugs caught: a curriculum family whose train split holds one of its own val or held-out problems, or one
+    of the eval families' (facts, factsdry) held-out problems; a family reaching further back than its step
+    (factsnear with a mid problem, factsmid or the CPU ones with a far one); a family missing from FAMILIES."""
+    reach = {"factsnear": {"near"}, "factsmid": {"near", "sft_mid"}, "factscpu": {"dry_near"},
+             "factscpumid": {"dry_near", "dry_mid"}}
+    assert set(longctx.CURRICULUM_FAMILIES) == set(reach)
+    held = {p.prompt for fam in ("facts", "factsdry") for s in ("val", "heldout") for p in longctx.problems(fam, s)}
+    for fam, classes in reach.items():
+        assert longctx.FAMILIES[fam] == longctx.CURRICULUM_FAMILIES[fam]
+        splits = {s: longctx.problems(fam, s) for s in longctx.SPLITS}
+        train = {p.prompt for p in splits["train"]}
+        assert not train & {p.prompt for s in ("val", "heldout") for p in splits[s]}, fam
+        assert not train & held, fam
+        for s, ps in splits.items():
+            assert {longctx.length_class(p) for p in ps} == classes, (fam, s)
+    near_max = longctx.PROMPT_BASE + 4 * longctx.CLASSES["near"][1]            # prompts inside the window
+    assert max(len(p.prompt) for p in longctx.problems("factsnear", "val")) < \
+        min(len(p.prompt) for p in longctx.problems("factsmid", "val") if longctx.length_class(p) == "sft_mid")
+    assert near_max <= 80

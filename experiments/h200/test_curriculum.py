@@ -1,0 +1,138 @@
+"""The SFT curriculum (experiments/h200/curriculum.py, `grpo_h200.py sft --curriculum`) with a fake clock and a
+stub trainer: the spec's parsing, each way a phase ends, and the record sft.json keeps. No model runs here; the
+long dry run (`H20_TASK=long bash experiments/h200/grpo_h200.sh dry`) runs it with one.
+"""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from experiments.h200 import curriculum, grpo_h200, longctx
+
+STEP_S = 1.5             # the fake clock's seconds per training step (the first hold: ~1.75 s a step)
+CHECK_S = 0.5            # and per accuracy check
+
+
+class Stub:
+    """A fake clock, a trainer that only counts (family, step within phase) and a check that reads its accuracy
+    from `accs[family]` (a list, one value per check; the last repeats)."""
+
+    def __init__(self, accs=None):
+        self.t, self.trained, self.accs, self.checked = 0.0, [], accs or {}, []
+
+    def clock(self):
+        return self.t
+
+    def train_step(self, ph, k):
+        self.t += STEP_S
+        self.trained.append((ph.family, k))
+
+    def accuracy(self, ph):
+        self.t += CHECK_S
+        seq = self.accs.get(ph.family, [0.0])
+        self.checked.append(ph.family)
+        return seq[min(sum(f == ph.family for f in self.checked) - 1, len(seq) - 1)]
+
+    def run(self, spec, max_seconds=1e9, max_steps=10_000, check_every=2):
+        phases = curriculum.parse(spec, longctx.FAMILIES)
+        return curriculum.run(phases, self.train_step, self.accuracy, max_seconds, max_steps, check_every,
+                              clock=self.clock)
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+def test_parse_reads_each_key_and_names_the_culprit_of_a_bad_spec():
+    """Bugs caught: a key read into the wrong field (s= as steps), steps= read as a float, the last phase's lack
+    of a budget refused, or a bad spec passing / failing without naming its phase and culprit."""
+    got = curriculum.parse("factsnear:acc=0.6:s=100,factsmid:acc=0.5:steps=70,factssft:acc=0.5", longctx.FAMILIES)
+    assert got == [curriculum.Phase("factsnear", 0.6, 100.0, None), curriculum.Phase("factsmid", 0.5, None, 70),
+                   curriculum.Phase("factssft", 0.5, None, None)]
+    assert isinstance(got[1].steps, int)
+    assert curriculum.parse(" factscpu ", longctx.FAMILIES) == [curriculum.Phase("factscpu")]
+    bad = {"": "empty spec", "factsnear:s=5,,factssft": "phase 2 is empty", ":acc=0.5": "phase 1 is empty",
+           "factsnear:s=5,factsfar:acc=1": "unknown family 'factsfar'",
+           "factsnear:secs=5,factssft": "unknown key 'secs=5'", "factsnear:acc,factssft": "unknown key 'acc'",
+           "factsnear:acc=high:s=5,factssft": "bad number acc='high'", "factsnear:acc=1.5:s=5,factssft": "acc='1.5'",
+           "factsnear:steps=2.5,factssft": "bad number steps='2.5'", "factsnear:s=-1,factssft": "bad number s='-1'",
+           "factsnear:s=1:s=2,factssft": "s= given twice",
+           "factsnear:acc=0.6,factssft": "phase 1 \\(factsnear\\): only the last phase may run without"}
+    for spec, msg in bad.items():
+        with pytest.raises(ValueError, match=msg):
+            curriculum.parse(spec, longctx.FAMILIES)
+
+
+# ---------------------------------------------------------------------------------------------- transitions
+def test_a_phase_ends_when_its_check_reaches_acc_and_the_next_one_starts():
+    """Bugs caught: the accuracy compared with the wrong phase's target, `>` for `>=`, the next phase trained on
+    the previous family, the check counted over the whole SFT instead of the phase."""
+    s = Stub({"factscpu": [0.2, 0.6], "factscpumid": [0.1, 0.3, 0.5]})
+    recs = s.run("factscpu:acc=0.6:steps=50,factscpumid:acc=0.5", check_every=3)
+    assert [(r["family"], r["steps"], r["ended"]) for r in recs] == [("factscpu", 6, "acc"), ("factscpumid", 9, "acc")]
+    assert [c["step"] for c in recs[0]["checks"]] == [3, 6] and [c["acc"] for c in recs[1]["checks"]] == [0.1, 0.3, 0.5]
+    assert s.trained == [("factscpu", k) for k in range(1, 7)] + [("factscpumid", k) for k in range(1, 10)]
+    assert recs[0]["seconds"] == pytest.approx(6 * STEP_S + 2 * CHECK_S, abs=0.1)
+    s = Stub({"factscpumid": [0.1, 0.5]})                       # a phase before it ends off the check grid
+    recs = s.run("factscpu:acc=0.6:steps=4,factscpumid:acc=0.5", check_every=3)
+    assert [(r["steps"], r["ended"], [c["step"] for c in r["checks"]]) for r in recs] == \
+        [(4, "steps", [3]), (6, "acc", [3, 6])]
+
+
+def test_a_phase_ends_when_its_steps_or_seconds_are_spent_to_the_step():
+    """Bugs caught: a steps budget off by one either way; a seconds budget read as the whole SFT's time instead of
+    the phase's (the second phase would end at once); `>` for `>=` on the seconds."""
+    s = Stub()
+    recs = s.run("factscpu:acc=1:steps=3,factsnear:acc=1:s=6,factscpumid:acc=1:steps=2", check_every=100)
+    assert [(r["family"], r["steps"], r["ended"]) for r in recs] == \
+        [("factscpu", 3, "steps"), ("factsnear", 4, "s"), ("factscpumid", 2, "steps")]  # 4 x 1.5 s = 6 s: spent
+    assert recs[1]["seconds"] == pytest.approx(6.0) and recs[0]["checks"] == []
+    s = Stub()
+    recs = s.run("factscpu:s=10:steps=3,factsnear:steps=2", check_every=100)                 # the first of the two
+    assert [r["steps"] for r in recs] == [3, 2]
+
+
+def test_the_last_phase_runs_to_max_seconds_and_phases_not_reached_are_recorded():
+    """Bugs caught: the last phase ending early (on the previous phase's budget, or at its first check below its
+    target), the overall limit not ending a budgeted phase, later phases run after the overall limit."""
+    s = Stub()
+    recs = s.run("factscpu:acc=0.9:steps=2,factscpumid:acc=0.9", max_seconds=30.0, check_every=2)
+    assert [(r["family"], r["ended"]) for r in recs] == [("factscpu", "steps"), ("factscpumid", "max_seconds")]
+    n = len(s.trained)
+    assert s.t >= 30.0 and s.t - STEP_S - CHECK_S < 30.0, (s.t, n)             # ended at the first step past it
+    assert recs[1]["steps"] == n - 2 and len(recs[1]["checks"]) == recs[1]["steps"] // 2
+    s = Stub()
+    recs = s.run("factscpu:s=100,factsnear:s=5,factscpumid", max_seconds=7.0, check_every=100)
+    assert [(r["family"], r["ended"], r["steps"]) for r in recs] == \
+        [("factscpu", "max_seconds", 5), ("factsnear", "not_reached", 0), ("factscpumid", "not_reached", 0)]
+    s = Stub()
+    recs = s.run("factscpu:steps=2,factscpumid", max_steps=5, check_every=100)
+    assert [(r["ended"], r["steps"]) for r in recs] == [("steps", 2), ("max_steps", 3)]
+
+
+# ---------------------------------------------------------------------------------------------- sft.json
+def test_run_curriculum_trains_each_phases_family_and_records_it_for_sft_json(monkeypatch):
+    """Bugs caught (grpo_h200.run_curriculum, what cmd_sft writes to sft.json): a phase trained on another
+    family's problems or checked on another family's val split, the batch index restarting at the SFT's step
+    instead of the phase's, the learning-rate warm-up reading the phase's step, a record that is not JSON, the
+    curve's rows not naming the phase, phase 2 handed the wrong family."""
+    seen, checked = [], []
+
+    def step(share, lr, probs, k, at):
+        seen.append((probs[0].id.split("-")[0], k, at))
+        return 1.0 / at
+
+    def forced(model, tok, module, probs):
+        checked.append({p.id.split("-")[0] for p in probs} | {len(probs)})
+        return {"all": 0.75 if probs[0].id.startswith("factscpu-") else 0.0}
+    monkeypatch.setattr(grpo_h200, "forced_accuracy", forced)
+    a = SimpleNamespace(curriculum="factscpu:acc=0.7:steps=10,factscpumid:acc=0.9:steps=3", val_problems=4,
+                        max_seconds=1e9, max_steps=400, check_every=2, lr=1e-3)
+    curve = []
+    recs, train = grpo_h200.run_curriculum(a, longctx, SimpleNamespace(model=None), None, step, curve, 0.0, 0)
+    assert seen == [("factscpu", 1, 1), ("factscpu", 2, 2), ("factscpumid", 1, 3), ("factscpumid", 2, 4),
+                    ("factscpumid", 3, 5)]
+    assert checked == [{"factscpu", 4}, {"factscpumid", 4}]
+    assert train == longctx.problems("factscpumid", "train")
+    rec = json.loads(json.dumps(recs))
+    assert [(r["family"], r["steps"], r["ended"], [c["acc"] for c in r["checks"]]) for r in rec] == \
+        [("factscpu", 2, "acc", [0.75]), ("factscpumid", 3, "steps", [0.0])]
+    assert [(c["step"], c["phase"], c["val_pass@1"]) for c in curve] == \
+        [(2, "curriculum:factscpu", 0.75), (4, "curriculum:factscpumid", 0.0)]
