@@ -240,6 +240,8 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
     local cur=${H20_CURRICULUM:-factsnear:acc=0.6:s=100,factsmid:acc=0.5:s=70,factssft:acc=0.5}
     [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-240} --batch ${H20_SFT_BATCH:-64} --val-problems 32"
     [ "$MODE" = gpu ] && sft="$sft --check-every 10 --curriculum $cur"
+    # the phases' seconds end the SFT, not the default 400 steps: a near-only step is a fraction of a factssft one
+    [ "$MODE" = gpu ] && sft="$sft --max-steps 2000"
     [ "$MODE" = dry ] && sft="$sft --curriculum factscpu:acc=1:steps=2,factscpumid:acc=1 --check-every 2 --val-problems 4"
     sft="$sft --sft-data $LT:$sftfam:train --val-data $LT:$fam:val --val forced"
   fi
