@@ -226,6 +226,17 @@ def _set_kernels(model, mode: str):
             m.cfg = cfg
 
 
+def _draw_zero_init(model, gen):
+    """Draw the parameters `init_weights` leaves at 0 or 1 (norm weights, ape, sinks, gate biases): at init a
+    norm weight read at the wrong element or an `ape` row of the wrong slot would change nothing."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif n.endswith(("ape", "attn_sink", "gate.bias")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+
+
 def _decode_join_leave(model, gen_seed: int, before: int, after: int):
     """The engine's life of a decode batch: rows of lengths 9, 6, 13 prefilled alone and joined, `before` per-row
     steps, the middle row leaving (`cache_rows`) and a row of length 5 joining (`cat_caches`), `after` more steps.
@@ -257,7 +268,8 @@ def case_decode_steps_with_rows_leaving_and_joining(gen):
     built), the top-k on some steps of the first config and on every step of the second. Bugs caught: a
     compressor state or entry written for a row whose window did not end, the C4 "Ca" window not carried per
     row, entries appended in the wrong slot, the cache's window not cut to W-1 (each shows in the caches before
-    the logits), the top-k skipped when the batch holds more entries than index_topk."""
+    the logits), the top-k skipped when the batch holds more entries than index_topk, the `ape` row of the
+    slot after the token's (`WindowEnds.slot`)."""
     built, real, top_k, real_top = [0], DecodeStep.__init__, [0], Indexer.top_k
 
     def counted(self, *a, **k):
@@ -271,6 +283,7 @@ def case_decode_steps_with_rows_leaving_and_joining(gen):
     try:
         for over in ({}, {"index_topk": 1, "qat": True}):
             model = Transformer(preset("tiny", kernels="reference", **over)).init_weights(0).eval()
+            _draw_zero_init(model, gen)
             with torch.no_grad():
                 want, want_cache = _decode_join_leave(model, 7, 4, 6)
                 _set_kernels(model, "triton")
