@@ -892,16 +892,22 @@ class RoutedExperts(nn.Module):
 
             y_n = sum_e w2_e( swiglu(w13_e x_n) * rw[n,e] ),   rw[n,e] = sum_k weights[n,k] [indices[n,k] = e]
 
-        The same rounding steps per (token, expert) as `expert_ffn`, summed over experts instead of over k.
+        The same rounding steps per (token, expert) as `expert_ffn`, summed over experts instead of over k. Where
+        Triton runs (CUDA, or kernels="triton") and x has the weights' dtype, the SwiGLU is one launch
+        (`kernels.moe.fused_swiglu`, as `grouped_experts`) instead of five ops.
 
         Shapes: x [N,D], weights [N,K] fp32, indices [N,K] -> [N,D] fp32
         """
-        E, I, qat = self.w13.shape[0], self.w2.shape[2], self.cfg.qat
-        rw = weights.new_zeros(x.shape[0], E).scatter_add_(1, indices, weights)            # [N,E]
+        (N, _), E, I, qat = x.shape, self.w13.shape[0], self.w2.shape[2], self.cfg.qat
+        rw = weights.new_zeros(N, E).scatter_add_(1, indices, weights)                      # [N,E]
         h = x.to(self.w13.dtype)
         h = fp8_sim(h, qat_block(h.shape[-1], ACT_QAT_BLOCK)) if qat else h
         gu = F.linear(h, self.w13.flatten(0, 1)).unflatten(-1, (E, 2 * I))                 # [N,E,2I]
-        a = swiglu_as(gu[..., :I], gu[..., I:], self.cfg.swiglu_limit, rw[..., None], x.dtype, self.w2.dtype)
+        if (x.is_cuda or self.cfg.kernels == "triton") and x.dtype == gu.dtype:
+            from nanoflash.kernels.moe import fused_swiglu
+            a = fused_swiglu(gu.flatten(0, 1), rw.view(-1, 1), self.cfg.swiglu_limit).view(N, E, I).to(self.w2.dtype)
+        else:
+            a = swiglu_as(gu[..., :I], gu[..., I:], self.cfg.swiglu_limit, rw[..., None], x.dtype, self.w2.dtype)
         a = fp8_sim(a, qat_block(I, ACT_QAT_BLOCK)) if qat else a                           # [N,E,I]
         y = torch.bmm(a.transpose(0, 1), self.w2.transpose(1, 2))                           # [E,N,D]
         return y.sum(0, dtype=torch.float32)

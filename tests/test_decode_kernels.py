@@ -219,8 +219,25 @@ def case_decode_attention_equals_attend(gen):
     _check_decode_attention(preset("tiny"), 6, 9, "cpu", gen)
 
 
+def case_dense_experts_with_the_fused_swiglu(gen):
+    """`RoutedExperts.dense` where Triton runs (kernels="triton": the SwiGLU as `kernels.moe.fused_swiglu`) against
+    the reference's per-expert loop, the clamp engaged, fp32 and with QAT, within DENSE_REL. Bugs caught: the
+    fused SwiGLU handed [N, E, 2I] rows of another layout (gate and up halves of different experts), the routing
+    weights flattened in another order than the rows."""
+    for qat in (False, True):
+        cfg = preset("tiny", qat=qat, kernels="reference")
+        moe = _moe(cfg, 3, gen)
+        x = 3 * torch.randn(7, 1, cfg.dim, generator=gen)
+        ids = torch.randint(0, cfg.vocab_size, (7, 1), generator=gen)
+        with torch.no_grad():
+            want = moe(x, ids)
+            _set_kernels(moe, "triton")
+            got = moe(x, ids, dense=True)
+        assert rel(got, want) <= DENSE_REL, f"qat={qat}: {rel(got, want):.2e}"
+
+
 def _set_kernels(model, mode: str):
-    cfg = dataclasses.replace(model.cfg, kernels=mode)
+    cfg = dataclasses.replace(next(m.cfg for m in model.modules() if hasattr(m, "cfg")), kernels=mode)
     for m in model.modules():                        # every module holds the one config: switch it
         if hasattr(m, "cfg"):
             m.cfg = cfg
