@@ -220,10 +220,8 @@ class WindowEnds:
     """Where a decode step's rows stand in a ratio-m compressor's windows (`DecodeStep.windows`): row b's token
     at position p is slot p mod m of its window; the window ends, and entry (p+1)//m - 1 is written, where
     (p+1) mod m = 0."""
-    slot: torch.Tensor            # [B,1] int64: p mod m, the row of `ape` this token adds
     any: bool                     # some row's window ends here (host)
-    ends: torch.Tensor            # [B,1,1] bool: the rows whose window ends
-    rows: torch.Tensor            # [n] int64: those rows
+    rows: torch.Tensor            # [n] int64: the rows whose window ends
     entries: torch.Tensor         # [n] int64: the entry each of them writes
     n_entries: int                # 1 + the largest of those entries (host; 0 if none)
     cos: torch.Tensor             # [B,1,R/2] fp32: the compressed rope at each row's entry position (p+1)//m*m - m
@@ -280,9 +278,8 @@ class DecodeStep:
         rows = ends.nonzero()[:, 0]
         entries = (self.host[rows] + 1) // m - 1
         cos, sin = self.angles(True, ((self.pos + 1) // m - 1) * m)
-        return WindowEnds(self.pos[:, None] % m, bool(len(rows)), host_to(ends, dev)[:, None, None],
-                          host_to(rows, dev), host_to(entries, dev), int(entries.max()) + 1 if len(rows) else 0,
-                          cos, sin)
+        return WindowEnds(bool(len(rows)), host_to(rows, dev), host_to(entries, dev),
+                          int(entries.max()) + 1 if len(rows) else 0, cos, sin)
 
 
 def step_entries(before: Optional[torch.Tensor], new: Optional[torch.Tensor], w: WindowEnds) -> torch.Tensor:
@@ -422,22 +419,19 @@ class Compressor(nn.Module):
         return fp8_sim_nope(c, self.cfg.rope_head_dim) if self.cfg.qat else c
 
     def decode_step(self, x: torch.Tensor, step: DecodeStep, state: CompressorState):
-        """`step_rows` on the decode seam (`DecodeStep`): the same projections, state and pooling, the rows' window
-        data read from `step` (computed once per forward), the entry's norm + rope in one launch
-        (`kernels.decode.rms_rope`), nothing pooled while no row's window ends.
+        """`step_rows` on the decode seam (`DecodeStep`): the same projections, then the state's update, `ape` and
+        the pooling in one launch (`kernels.decode.compress_step`; no pooling while no row's window ends), the
+        entry's norm + rope in another (`kernels.decode.rms_rope`).
         x [B,1,D] -> entries [B,1,d] or None (no window ends), the state in per-row form"""
-        from nanoflash.kernels.decode import rms_rope
+        from nanoflash.kernels.decode import compress_step, rms_rope
         w, state = step.windows(self.ratio), self.rowwise(state)
         kv = fp32_linear(x, self.wkv.weight, self.cfg)                                       # [B,1,coff*d]
-        score = fp32_linear(x, self.wgate.weight, self.cfg) + self.ape.float()[w.slot]
-        kv, score = torch.cat([state.kv, kv], 1), torch.cat([state.score, score], 1)    # [B,m,coff*d]
-        prev_kv, prev_score, c = state.prev_kv, state.prev_score, None
-        if w.any:
-            c = self.pool(kv, score, prev_kv, prev_score).to(x.dtype)                      # [B,1,d]
-            c = self.entry_sim(rms_rope(c, self.norm.weight, self.norm.eps, w.cos, w.sin))
-            if self.overlap:                     # the window that ended is the next one's "Ca"
-                prev_kv, prev_score = torch.where(w.ends, kv, prev_kv), torch.where(w.ends, score, prev_score)
-        return c, CompressorState(kv[:, 1:], score[:, 1:], 0, prev_kv, prev_score)
+        score = fp32_linear(x, self.wgate.weight, self.cfg)
+        kv, score, c, prev_kv, prev_score = compress_step(state.kv, state.score, kv, score, self.ape, step.pos,
+                                                          state.prev_kv, state.prev_score, pool=w.any)
+        if c is not None:
+            c = self.entry_sim(rms_rope(c.to(x.dtype), self.norm.weight, self.norm.eps, w.cos, w.sin))
+        return c, CompressorState(kv, score, 0, prev_kv, prev_score)
 
 
 # ---------------------------------------------------------------------------------------------- indexer

@@ -30,8 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import interp  # noqa: E402  tests/interp.py: the kernel cases under Triton's interpreter, in a subprocess
 
 from nanoflash.config import preset  # noqa: E402
-from nanoflash.model import (Attention, Block, DecodeStep, Indexer, LayerCache, MoE, RMSNorm, Transformer,  # noqa: E402
-                             apply_rope, decode_kernels, rope_angles, round_robin_tid2eid, visible_entries)
+from nanoflash.model import (Attention, Compressor, CompressorState, DecodeStep, Indexer, LayerCache, MoE,  # noqa: E402
+                             RMSNorm, Transformer, apply_rope, decode_kernels, rope_angles, round_robin_tid2eid,
+                             visible_entries)
 
 # Dense vs loop experts, fp32: the same products, summed over 8 experts (zeros included) instead of over the
 # top-2 slots, and the GEMMs in other shapes: measured 3e-7 relative to the output's max (tiny, weights ~0.3).
@@ -53,6 +54,10 @@ RMS_ROPE_REL_BF16 = 3e-2
 # measured <= 3e-7 of the output's max. An unmasked padding column, an invisible entry kept or the sink dropped
 # moves it by > 1e-2.
 ATTN_REL = 2e-6
+# Compressor.decode_step vs step_rows (fp32): an online softmax over the slots (the sum divided once) against
+# softmax then a weighted sum, then the same norm + rope: measured <= 2.7e-7 of the max (5 seeds). A slot of the wrong window,
+# ape of another slot or a stale prev moves it by O(1).
+COMPRESS_REL = 2e-6
 INTERP_TIMEOUT_S = 600   # the cases take ~90 s on the 2-core CI box (the engine's two generations are most of it)
 
 
@@ -197,6 +202,54 @@ def _check_decode_attention(cfg, B: int, C: int, device, gen):
                 want = attn.attend(q, pos, window, c, want_keep)[:, 0]                      # [B,H,Dh]
             got = decode_attention(q[:, 0], window, pos.to(device), attn.attn_sink, scale, W, c, keep, ratio)
             assert rel(got, want) <= ATTN_REL, f"{name}, window {Lw}: {rel(got, want):.2e}"
+
+
+def _check_compressor_step(cfg, B: int, device, gen):
+    """Compressor.decode_step (`kernels.decode.compress_step` + the entry's `rms_rope`) against the reference's
+    `step_rows` (see case_compressor_step_equals_step_rows)."""
+    kinds = [(4, cfg.head_dim, False), (4, cfg.index_head_dim, True)]
+    kinds += [(r, cfg.head_dim, False) for r in sorted(set(cfg.compress_ratios) - {0, 4})]
+    for ratio, d, rotate in kinds:
+        comp = Compressor(cfg, ratio, d, rotate).to(device)
+        with torch.no_grad():
+            for n, p in comp.named_parameters():
+                p.copy_((n == "norm.weight") + 0.5 * torch.randn(p.shape, generator=gen))
+        c = comp.ape.shape[1]
+        pos = torch.randint(0, 3 * ratio, (B,), generator=gen)
+        pos[:2] = torch.tensor([ratio - 1, 2 * ratio - 1])                              # rows whose window ends
+        state = CompressorState(*(torch.randn(B, ratio - 1, c, generator=gen).to(device) for _ in range(2)))
+        if ratio == 4:                              # a previous window; -inf where a row has none yet
+            state.prev_kv = torch.randn(B, ratio, c, generator=gen).to(device)
+            state.prev_score = torch.randn(B, ratio, c, generator=gen).to(device)
+            state.prev_score[pos < ratio] = float("-inf")
+        x = torch.randn(B, 1, cfg.dim, generator=gen).to(device)
+        with torch.no_grad():
+            want, want_state = comp.step_rows(x, pos, state)
+            got, got_state = comp.decode_step(x, DecodeStep(cfg, pos, device), state)
+        ends = (pos + 1) % ratio == 0
+        assert got.shape == (B, 1, d) and rel(got[ends], want[ends]) <= COMPRESS_REL, (ratio, rotate, "entries")
+        for name in ("kv", "score", "prev_kv", "prev_score"):
+            a, b = getattr(got_state, name), getattr(want_state, name)
+            if b is None:
+                assert a is None, (ratio, name)
+                continue
+            fin = torch.isfinite(b)
+            assert a.shape == b.shape and torch.equal(fin, torch.isfinite(a)), (ratio, name)
+            assert rel(a[fin], b[fin]) <= COMPRESS_REL, (ratio, rotate, name, rel(a[fin], b[fin]))
+        with torch.no_grad():                       # no row's window ends: no entry, prev kept
+            pos = torch.tensor([ratio * k for k in range(B)])
+            got, got_state = comp.decode_step(x, DecodeStep(cfg, pos, device), state)
+        assert got is None and got_state.prev_kv is state.prev_kv, (ratio, "no window ends")
+
+
+def case_compressor_step_equals_step_rows(gen):
+    """`Compressor.decode_step` against the reference's `step_rows` for the C4 compressor, the indexer's (rotate)
+    and ratio 8, 7 rows at their own positions (two of them ending a window, others not): the entries of the rows
+    whose window ends, the shifted state (ape added to the token's score) and C4's previous window (random, -inf
+    for rows without one) within COMPRESS_REL; with no window ending, no entry and the same prev. Bugs caught:
+    the state not shifted (or shifted the wrong way), ape of another slot, the "Ca" half taken from the current
+    window, prev replaced for a row whose window did not end, a -inf previous slot turning the entry into NaN."""
+    _check_compressor_step(preset("tiny"), 7, "cpu", gen)
 
 
 def case_rms_rope_equals_norm_then_rope(gen):
@@ -357,13 +410,15 @@ CASES = {n: f for n, f in dict(globals()).items() if n.startswith("case_")}
 @pytest.mark.gpu
 def test_step_kernels_on_the_gpu(gen):
     """The step kernels compiled for the GPU at the `small` geometry (64 rows, 64 heads x 512, rope 64, window
-    128, 40 entries) against the same references on CUDA: `rms_rope` fp32 and bf16, `decode_attention` fp32
-    (case_rms_rope_equals_norm_then_rope, case_decode_attention_equals_attend). Bugs caught: a kernel right
+    128, 40 entries, C4 / C128 compressors of 512 and the indexer's of 128) against the same references on CUDA:
+    `rms_rope` fp32 and bf16, `decode_attention` fp32, `Compressor.decode_step` (case_rms_rope_equals_norm_then_rope,
+    case_decode_attention_equals_attend, case_compressor_step_equals_step_rows). Bugs caught: a kernel right
     only at the interpreter's sizes (head blocks, a key loop of several blocks, a head dim of 512 with rope at
     its end) or in numpy's arithmetic."""
     cfg = preset("small")
     _check_rms_rope(cfg, 64, cfg.n_heads, "cuda", gen)
     _check_decode_attention(cfg, 64, 40, "cuda", gen)
+    _check_compressor_step(cfg, 64, "cuda", gen)
 
 
 @pytest.fixture(scope="module")

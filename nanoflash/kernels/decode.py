@@ -38,6 +38,8 @@ import triton.language as tl
 
 from nanoflash.kernels.attention import LOG2E, MIN_DOT, _fwd_step
 
+# compress_step launch: 32 slots x 128 channels a step (a C128 window is 4 steps, a C4 one 1).
+COMPRESS_CONFIG = dict(BLOCK_S=32, BLOCK_D=128, num_warps=4)
 # decode_attention launch: 16 heads x 16 keys a step with the head dim (512) whole, fp32 in registers: q, one key
 # block and the accumulator are 8192 values each, 32 registers a thread at 8 warps.
 ATTN_CONFIG = dict(BLOCK_H=16, BLOCK_K=16, num_warps=8)
@@ -171,3 +173,105 @@ def decode_attention(q, window, pos, sink, scale: float, window_size: int, comp=
         HAS_COMP=has_comp, HAS_KEEP=has_keep and has_comp, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(D)),
         PREC="ieee", **cfg)   # fp32 FMA dots whatever the dtype: the reference's sink softmax is fp32
     return o
+
+
+@triton.jit
+def _pool_step(g, k, mx, l, acc):
+    """One block of slots [BS,BD] through a per-channel online softmax: -> (max, sum of exp, sum of exp * kv)."""
+    m_new = tl.maximum(mx, tl.max(g, 0))
+    alpha = tl.exp(mx - m_new)
+    e = tl.exp(g - m_new[None, :])
+    return m_new, l * alpha + tl.sum(e, 0), acc * alpha + tl.sum(e * k, 0)
+
+
+@triton.jit
+def _compress_step(SKV, SSC, KV, SC, APE, POS, PKV, PSC, OKV, OSC, ENT, QKV, QSC, m, d, c,
+                   skv_b, skv_s, ssc_b, ssc_s, sx_b, spk_b, spk_s, sps_b, sps_s,
+                   OVERLAP: tl.constexpr, POOL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)                          # the entry's channels
+    cm, offs_s = ch < d, tl.arange(0, BLOCK_S)
+    p = tl.load(POS + b)
+    ends = (p + 1) % m == 0
+    mx = tl.full([BLOCK_D], -3.0e38, tl.float32)                                      # finite: -inf slots add 0
+    l = tl.zeros([BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for h in tl.static_range(2 if OVERLAP else 1):          # C4: channels [0, d) feed the next entry ("Ca")
+        cc = h * d + ch
+        for s0 in range(0, m - 1, BLOCK_S):                 # the state's m-1 slots: shifted left by one
+            s = s0 + offs_s
+            msk = (s < m - 1)[:, None] & cm[None, :]
+            k = tl.load(SKV + b * skv_b + s[:, None] * skv_s + cc[None, :], mask=msk, other=0.0)
+            g = tl.load(SSC + b * ssc_b + s[:, None] * ssc_s + cc[None, :], mask=msk, other=0.0)
+            out = b * (m - 1) * c + (s - 1)[:, None] * c + cc[None, :]
+            tl.store(OKV + out, k, mask=msk & (s >= 1)[:, None])
+            tl.store(OSC + out, g, mask=msk & (s >= 1)[:, None])
+            if POOL:
+                if OVERLAP:                                 # a window that ends is the next one's "Ca"
+                    prev = b * m * c + s[:, None] * c + cc[None, :]
+                    pk = tl.load(PKV + b * spk_b + s[:, None] * spk_s + cc[None, :], mask=msk, other=0.0)
+                    ps = tl.load(PSC + b * sps_b + s[:, None] * sps_s + cc[None, :], mask=msk, other=0.0)
+                    tl.store(QKV + prev, tl.where(ends, k, pk), mask=msk)
+                    tl.store(QSC + prev, tl.where(ends, g, ps), mask=msk)
+                if h == (1 if OVERLAP else 0):
+                    mx, l, acc = _pool_step(tl.where(msk, g, float("-inf")), k, mx, l, acc)
+        kt = tl.load(KV + b * sx_b + cc, mask=cm, other=0.0)                          # this token: slot m-1
+        gt = tl.load(SC + b * sx_b + cc, mask=cm, other=0.0) + tl.load(APE + (p % m) * c + cc, mask=cm, other=0.0)
+        tl.store(OKV + b * (m - 1) * c + (m - 2) * c + cc, kt, mask=cm)
+        tl.store(OSC + b * (m - 1) * c + (m - 2) * c + cc, gt, mask=cm)
+        if POOL:
+            if OVERLAP:
+                pk = tl.load(PKV + b * spk_b + (m - 1) * spk_s + cc, mask=cm, other=0.0)
+                ps = tl.load(PSC + b * sps_b + (m - 1) * sps_s + cc, mask=cm, other=0.0)
+                tl.store(QKV + b * m * c + (m - 1) * c + cc, tl.where(ends, kt, pk), mask=cm)
+                tl.store(QSC + b * m * c + (m - 1) * c + cc, tl.where(ends, gt, ps), mask=cm)
+            if h == (1 if OVERLAP else 0):
+                mx, l, acc = _pool_step(tl.where(cm, gt, float("-inf"))[None, :], kt[None, :], mx, l, acc)
+    if POOL:
+        if OVERLAP:                                         # "Ca": the previous window's first d channels
+            for s0 in range(0, m, BLOCK_S):
+                s = s0 + offs_s
+                msk = (s < m)[:, None] & cm[None, :]
+                k = tl.load(PKV + b * spk_b + s[:, None] * spk_s + ch[None, :], mask=msk, other=0.0)
+                g = tl.load(PSC + b * sps_b + s[:, None] * sps_s + ch[None, :], mask=msk, other=float("-inf"))
+                mx, l, acc = _pool_step(g, k, mx, l, acc)
+        tl.store(ENT + b * d + ch, acc / l, mask=cm)
+
+
+def compress_step(state_kv, state_score, kv, score, ape, pos, prev_kv=None, prev_score=None, pool: bool = True,
+                  config=None):
+    """`model.Compressor.decode_step`'s state and pooling in one launch (module docstring): this token's
+    score gets ape[p mod m]; the state drops its oldest slot and appends the token; with `pool`, each row's window
+    (the state's m-1 slots and the token) is softmax-pooled per channel over its m slots -- C4 (prev given):
+    the last d channels of this window with the first d of the previous one, 2m slots -- and, C4, the window
+    becomes `prev` where it ends ((p+1) mod m = 0). Rows whose window does not end get a pooled value too, unused.
+
+    Shapes: state_kv / state_score [B,m-1,c] fp32 (right-aligned, per-row form), kv / score [B,1,c] fp32, ape
+            [m,c] fp32, pos [B] int64; prev_kv / prev_score [B,m,c] (C4: c = 2d) -> (state kv, state score
+            [B,m-1,c], entries [B,1,d] fp32 or None without `pool`, prev kv, prev score)
+    """
+    B, m1, c = state_kv.shape
+    m, overlap = m1 + 1, prev_kv is not None
+    d = c // 2 if overlap else c
+    if kv.shape != (B, 1, c) or score.shape != (B, 1, c) or ape.shape != (m, c) or pos.shape != (B,) or (
+            overlap and prev_kv.shape != (B, m, c)):
+        raise ValueError(f"compress_step: state [B,m-1,c], kv / score [B,1,c], ape [m,c], pos [B], prev [B,m,c] "
+                         f"expected; got state {tuple(state_kv.shape)}, kv {tuple(kv.shape)}, ape {tuple(ape.shape)}, "
+                         f"pos {tuple(pos.shape)}, prev {None if prev_kv is None else tuple(prev_kv.shape)}")
+    cfg = dict(config or COMPRESS_CONFIG)
+    cfg["BLOCK_D"] = min(cfg["BLOCK_D"], triton.next_power_of_2(d))
+    cfg["BLOCK_S"] = min(cfg["BLOCK_S"], triton.next_power_of_2(m))
+    tensors = [t.contiguous() if t.stride(-1) != 1 else t for t in (state_kv, state_score, kv, score)]
+    skv, ssc, kv, score = tensors
+    ape = ape.float().contiguous()
+    new_kv, new_score = torch.empty_like(skv, memory_format=torch.contiguous_format), torch.empty_like(
+        ssc, memory_format=torch.contiguous_format)
+    ent = torch.empty(B, 1, d, device=kv.device, dtype=torch.float32) if pool else None
+    pk, ps = (prev_kv.contiguous(), prev_score.contiguous()) if overlap else (kv, score)
+    qk, qs = (torch.empty_like(pk), torch.empty_like(ps)) if overlap and pool else (pk, ps)
+    _compress_step[(B, triton.cdiv(d, cfg["BLOCK_D"]))](
+        skv, ssc, kv, score, ape, pos, pk, ps, new_kv, new_score, ent if pool else kv, qk, qs, m, d, c,
+        skv.stride(0), skv.stride(1), ssc.stride(0), ssc.stride(1), kv.stride(0),
+        pk.stride(0), pk.stride(1) if overlap else 0, ps.stride(0), ps.stride(1) if overlap else 0,
+        OVERLAP=overlap, POOL=pool, **cfg)
+    return new_kv, new_score, ent, (qk if overlap else None), (qs if overlap else None)
