@@ -159,6 +159,13 @@ def flash_launches(target, which: str):
                 kd.decode_attention(q, win, pos, sink, Dh ** -0.5, W, comp, ratio=128)             # C128
                 kd.decode_attention(q, win, pos, sink, Dh ** -0.5, W, comp,                        # C4, top-k
                                     torch.empty(B, C, dtype=torch.bool, **meta), 4)
+            f32 = dict(meta, dtype=torch.float32)
+            for m, c in ((4, 2 * Dh), (4, 2 * cfg.index_head_dim), (128, Dh)):                 # C4, indexer, C128
+                prev = torch.empty(B, m, c, **f32) if m == 4 else None
+                for pool in (True, False):
+                    kd.compress_step(torch.empty(B, m - 1, c, **f32), torch.empty(B, m - 1, c, **f32),
+                                     torch.empty(B, 1, c, **f32), torch.empty(B, 1, c, **f32),
+                                     torch.empty(m, c, **f32), pos, prev, prev, pool)
         elif which == "quant_fp8":
             from nanoflash import quant
             D = cfg.dim

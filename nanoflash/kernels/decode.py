@@ -221,10 +221,10 @@ def _compress_step(SKV, SSC, KV, SC, APE, POS, PKV, PSC, OKV, OSC, ENT, QKV, QSC
         tl.store(OSC + b * (m - 1) * c + (m - 2) * c + cc, gt, mask=cm)
         if POOL:
             if OVERLAP:
-                pk = tl.load(PKV + b * spk_b + (m - 1) * spk_s + cc, mask=cm, other=0.0)
-                ps = tl.load(PSC + b * sps_b + (m - 1) * sps_s + cc, mask=cm, other=0.0)
-                tl.store(QKV + b * m * c + (m - 1) * c + cc, tl.where(ends, kt, pk), mask=cm)
-                tl.store(QSC + b * m * c + (m - 1) * c + cc, tl.where(ends, gt, ps), mask=cm)
+                pkt = tl.load(PKV + b * spk_b + (m - 1) * spk_s + cc, mask=cm, other=0.0)
+                pst = tl.load(PSC + b * sps_b + (m - 1) * sps_s + cc, mask=cm, other=0.0)
+                tl.store(QKV + b * m * c + (m - 1) * c + cc, tl.where(ends, kt, pkt), mask=cm)
+                tl.store(QSC + b * m * c + (m - 1) * c + cc, tl.where(ends, gt, pst), mask=cm)
             if h == (1 if OVERLAP else 0):
                 mx, l, acc = _pool_step(tl.where(cm, gt, float("-inf"))[None, :], kt[None, :], mx, l, acc)
     if POOL:
