@@ -224,8 +224,8 @@ class WindowEnds:
     rows: torch.Tensor            # [n] int64: the rows whose window ends
     entries: torch.Tensor         # [n] int64: the entry each of them writes
     n_entries: int                # 1 + the largest of those entries (host; 0 if none)
-    cos: torch.Tensor             # [B,1,R/2] fp32: the compressed rope at each row's entry position (p+1)//m*m - m
-    sin: torch.Tensor
+    cos: Optional[torch.Tensor]   # [B,1,R/2] fp32: the compressed rope at each row's entry position (p+1)//m*m - m
+    sin: Optional[torch.Tensor]   # (None when no window ends)
 
 
 class DecodeStep:
@@ -274,12 +274,12 @@ class DecodeStep:
         return self._memoized(("windows", m), lambda: self._windows(m))
 
     def _windows(self, m: int) -> WindowEnds:
-        dev, ends = self.pos.device, (self.host + 1) % m == 0                              # [B] host
-        rows = ends.nonzero()[:, 0]
+        dev, rows = self.pos.device, ((self.host + 1) % m == 0).nonzero()[:, 0]           # [n] host
+        if not len(rows):
+            return WindowEnds(False, rows, rows, 0, None, None)
         entries = (self.host[rows] + 1) // m - 1
         cos, sin = self.angles(True, ((self.pos + 1) // m - 1) * m)
-        return WindowEnds(bool(len(rows)), host_to(rows, dev), host_to(entries, dev),
-                          int(entries.max()) + 1 if len(rows) else 0, cos, sin)
+        return WindowEnds(True, host_to(rows, dev), host_to(entries, dev), int(entries.max()) + 1, cos, sin)
 
 
 def step_entries(before: Optional[torch.Tensor], new: Optional[torch.Tensor], w: WindowEnds) -> torch.Tensor:

@@ -90,7 +90,7 @@ def rms_rope(x: torch.Tensor, weight=None, eps: float = 0.0, cos=None, sin=None,
     angle. x [..., D] -> [..., D] in x's dtype; cos / sin [..., R/2] fp32"""
     D = x.shape[-1]
     xc = x.contiguous().view(-1, D)
-    y = torch.empty_like(xc)
+    y = torch.empty(xc.shape, device=xc.device, dtype=xc.dtype)
     rope = cos is not None
     rot, per = (2 * cos.shape[-1], xc.shape[0] // (cos.numel() // cos.shape[-1])) if rope else (0, 1)
     if rope:
@@ -264,11 +264,11 @@ def compress_step(state_kv, state_score, kv, score, ape, pos, prev_kv=None, prev
     tensors = [t.contiguous() if t.stride(-1) != 1 else t for t in (state_kv, state_score, kv, score)]
     skv, ssc, kv, score = tensors
     ape = ape.float().contiguous()
-    new_kv, new_score = torch.empty_like(skv, memory_format=torch.contiguous_format), torch.empty_like(
-        ssc, memory_format=torch.contiguous_format)
-    ent = torch.empty(B, 1, d, device=kv.device, dtype=torch.float32) if pool else None
+    f32 = dict(device=kv.device, dtype=torch.float32)
+    new_kv, new_score = torch.empty(B, m1, c, **f32), torch.empty(B, m1, c, **f32)
+    ent = torch.empty(B, 1, d, **f32) if pool else None
     pk, ps = (prev_kv.contiguous(), prev_score.contiguous()) if overlap else (kv, score)
-    qk, qs = (torch.empty_like(pk), torch.empty_like(ps)) if overlap and pool else (pk, ps)
+    qk, qs = (torch.empty(B, m, c, **f32), torch.empty(B, m, c, **f32)) if overlap and pool else (pk, ps)
     _compress_step[(B, triton.cdiv(d, cfg["BLOCK_D"]))](
         skv, ssc, kv, score, ape, pos, pk, ps, new_kv, new_score, ent if pool else kv, qk, qs, m, d, c,
         skv.stride(0), skv.stride(1), ssc.stride(0), ssc.stride(1), kv.stride(0),
