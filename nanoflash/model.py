@@ -3,7 +3,8 @@
     tokens -> embed -> copy into M=4 mHC streams -> 43 x Block -> hc_head -> norm -> head -> logits
     Block(h) = hc_post( MoE( ffn_norm( hc_pre(h') ) ) ),  h' = hc_post( Attention( attn_norm( hc_pre(h) ) ) )
 
-Reading order, top to bottom: RMSNorm, RoPE/YaRN, Linear, Compressor (token-level KV compression), Indexer
+Reading order, top to bottom: RMSNorm, RoPE/YaRN, Linear, DecodeStep (a decode step's per-row position data, for
+the decode seam's `decode_step` methods), Compressor (token-level KV compression), Indexer
 (lightning indexer, C4 layers), Attention (sliding window 128 + compressed keys, one softmax with a per-head
 sink, inverse RoPE, grouped low-rank output), Gate (sqrt-softplus, hash routing), Expert, LocalDispatcher, MoE,
 mHC (Sinkhorn, hc_pre / hc_post / hc_head), Block, MTPBlock, Transformer. Equations and porting traps are in
@@ -23,8 +24,11 @@ How this differs from the official inference code (`inference/model.py`):
   compressor remainder and compressed entries; there is no second implementation of the math. Rows at
   different lengths decode in one call with per-row start_pos (a cache joined by `cat_caches`): the same
   functions, with per-row positions and masks (the rollout engine's continuous batching). On a GPU the decode
-  seam (`decode_kernels`) swaps two launch-bound pieces for few-launch equivalents: mHC in Triton, and a
-  one-token step's routed experts as dense batched GEMMs (`RoutedExperts.dense`, tested against the loop).
+  seam (`decode_kernels`) swaps launch-bound pieces for few-launch equivalents: mHC in Triton, a one-token
+  step's routed experts as dense batched GEMMs (`RoutedExperts.dense`), and a step of rows at their own
+  positions through `Block.decode_step` (`DecodeStep`: the position data once per forward; norms, rope, the
+  attention and the compressors' update in `nanoflash.kernels.decode`) -- the same math, ~13% of the
+  reference's launches, each piece tested against the readable path it replaces (tests/test_decode_kernels.py).
 * No distributed code: expert / pipeline parallelism are applied to a built model by `nanoflash.parallel`.
 * Activation recomputation (`Transformer.recompute`, set from `ParallelConfig.recompute`): "full" runs every
   layer under torch.utils.checkpoint (only its input kept, the whole layer run again in backward); a sub-block
