@@ -252,8 +252,9 @@ class DecodeStep:
     @staticmethod
     def of(cfg: ModelConfig, h: torch.Tensor, start_pos, cache) -> Optional["DecodeStep"]:
         """The step of a forward that takes the decode seam's one-token path (`decode_kernels`, per-row start_pos,
-        one token per row), else None.  h [B,S,M,D]"""
-        if cache is None or not torch.is_tensor(start_pos) or h.shape[1] != 1 or not decode_kernels(cfg, h, cache):
+        one token per row, autograd off: its kernels have no backward), else None.  h [B,S,M,D]"""
+        if (cache is None or not torch.is_tensor(start_pos) or h.shape[1] != 1 or torch.is_grad_enabled()
+                or not decode_kernels(cfg, h, cache)):
             return None
         return DecodeStep(cfg, start_pos, h.device)
 

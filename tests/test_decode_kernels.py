@@ -107,7 +107,8 @@ def test_dense_experts_sum_a_repeated_expert_twice(gen):
 def test_the_decode_seam_switch():
     """Which forwards take the decode paths. Bugs caught: the seam taken without a cache (training and scoring
     forwards would change), on the CPU under "auto" (CPU behaviour would change), under "reference"; dense
-    experts where they cost more than E/K allows (V4-Flash) or on a layer holding a slice of the experts (EP)."""
+    experts where they cost more than E/K allows (V4-Flash) or on a layer holding a slice of the experts (EP);
+    the step path (`DecodeStep.of`) taken for a prefill, one start for all rows, or with autograd on."""
     h = torch.zeros(1, 1, 4, 8)
     for mode, want in (("auto", False), ("triton", True), ("reference", False)):
         cfg = preset("tiny", kernels=mode)
@@ -119,6 +120,14 @@ def test_the_decode_seam_switch():
     ep = MoE(1, preset("tiny"))
     ep.experts.keep(range(4))
     assert not ep.dense_pays()
+    # the one-token step path (`Block.decode_step`): per-row positions, one token a row, a cache, autograd off
+    tri, pos = preset("tiny", kernels="triton"), torch.tensor([3])
+    with torch.no_grad():
+        assert DecodeStep.of(tri, h, pos, {}) is not None
+        assert DecodeStep.of(preset("tiny", kernels="reference"), h, pos, {}) is None
+        assert DecodeStep.of(tri, h, 3, {}) is None and DecodeStep.of(tri, h, pos, None) is None
+        assert DecodeStep.of(tri, torch.zeros(1, 2, 4, 8), pos, {}) is None
+    assert DecodeStep.of(tri, h, pos, {}) is None            # autograd would record kernels with no backward
 
 
 # ------------------------------------------------------------------------------------------ interpreter case
