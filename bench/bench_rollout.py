@@ -356,8 +356,9 @@ def _scope_targets(fused: bool) -> list:
 
 def op_profile(fn, fused: bool = False) -> dict:
     """Top-level aten ops and Triton launches of fn() by the innermost model scope that issued them (the wrapped
-    functions, methods and module classes of LAUNCH_SCOPES, + the kernels of FUSED_SCOPES with `fused`), kernels and views
-    apart. On CUDA also what the device ran (kernels, copies, memsets) and the host syncs (the CPU waiting on it)."""
+    functions, methods and module classes of LAUNCH_SCOPES, + the kernels of FUSED_SCOPES with `fused`), kernels
+    and views apart. On CUDA also what the device ran (kernels, copies, memsets) and the host syncs (the CPU
+    waiting on it)."""
     import triton.runtime.jit as tj
     from torch.profiler import ProfilerActivity, profile, record_function
     saved, launch = {}, tj.KernelInterface.__getitem__

@@ -21,14 +21,15 @@ How this differs from the official inference code (`inference/model.py`):
   `cfg.kernels` (`use_kernels`) hands training forwards on CUDA to `nanoflash.kernels` (Triton), which
   gathers the same keys and computes the indexer's top-k without the [S,heads,C] tensor.
 * Decoding: `new_cache()` + `forward(ids, start_pos, cache)` feeds the same functions with the kept window,
-  compressor remainder and compressed entries; there is no second implementation of the math. Rows at
+  compressor remainder and compressed entries; the readable path has no decode-only math. Rows at
   different lengths decode in one call with per-row start_pos (a cache joined by `cat_caches`): the same
   functions, with per-row positions and masks (the rollout engine's continuous batching). On a GPU the decode
   seam (`decode_kernels`) swaps launch-bound pieces for few-launch equivalents: mHC in Triton, a one-token
   step's routed experts as dense batched GEMMs (`RoutedExperts.dense`), and a step of rows at their own
   positions through `Block.decode_step` (`DecodeStep`: the position data once per forward; norms, rope, the
-  attention and the compressors' update in `nanoflash.kernels.decode`) -- the same math, ~13% of the
-  reference's launches, each piece tested against the readable path it replaces (tests/test_decode_kernels.py).
+  attention and the compressors' update in `nanoflash.kernels.decode`) -- the same math in ~9% of the
+  reference's ops (`small`, 64 rows), each piece tested against the readable path it replaces
+  (tests/test_decode_kernels.py).
 * No distributed code: expert / pipeline parallelism are applied to a built model by `nanoflash.parallel`.
 * Activation recomputation (`Transformer.recompute`, set from `ParallelConfig.recompute`): "full" runs every
   layer under torch.utils.checkpoint (only its input kept, the whole layer run again in backward); a sub-block
@@ -266,7 +267,8 @@ class DecodeStep:
     def angles(self, compressed: bool, positions: torch.Tensor):
         """`rope_angles` at device positions [B], the frequencies copied through pinned memory. -> cos, sin
         [B,1,R/2] fp32"""
-        inv = self._memoized(("inv", compressed), lambda: host_to(layer_inv_freq(self.cfg, compressed), self.pos.device))
+        inv = self._memoized(("inv", compressed),
+                             lambda: host_to(layer_inv_freq(self.cfg, compressed), self.pos.device))    # [R/2]
         ang = positions.to(torch.float32)[:, None, None] * inv                             # [B,1,R/2]
         return ang.cos(), ang.sin()
 
@@ -496,7 +498,7 @@ class Indexer(nn.Module):
         reads off the positions: keep None, and no query, weights or scores computed.
         -> keep [B,1,C] bool or None, keys [B,C,dI], state"""
         new_keys, state = self.compressor.decode_step(x, step, state)
-        keys = step_entries(keys_before, new_keys, step.windows(4))                        # [B,C,dI]
+        keys = step_entries(keys_before, new_keys, step.windows(self.compressor.ratio))    # [B,C,dI]
         if keys.shape[1] <= self.cfg.index_topk:
             return None, keys, state
         return self.top_k(self.query(qr, step.host), keys, self.head_weights(x), step.host), keys, state
@@ -575,9 +577,9 @@ def decode_kernels(cfg: ModelConfig, h: torch.Tensor, cache) -> bool:
     prefills and steps): True runs mHC in Triton (`nanoflash.kernels.mhc`) and a one-token step's routed experts
     as batched GEMMs (`RoutedExperts.dense`), and a step of rows at their own positions (the engine's decode
     forward) through `Block.decode_step` -- norms, rope and attention in few launches (`nanoflash.kernels.decode`),
-    the position data built once per forward (`DecodeStep`) -- so a step issues ~10-40 launches per block
-    instead of hundreds (the reference's 20 Sinkhorn iterations on [B,4,4] tensors, one GEMM chain per expert and
-    a host sync per layer, ~70 ops per attention: `bench_rollout.py --part launches`). cfg.kernels "auto": on
+    the position data built once per forward (`DecodeStep`) -- so a step issues ~55 ops per block instead of ~600
+    (the reference's 20 Sinkhorn iterations on [B,4,4] tensors, one GEMM chain per expert and a host sync per
+    layer, ~70 ops per attention: `bench_rollout.py --part launches`). cfg.kernels "auto": on
     CUDA; "triton": also on the CPU (under TRITON_INTERPRET=1: the tests, the launch count); "reference": never.
     Without a cache (training, scoring) nothing changes here."""
     if cache is None or cfg.kernels == "reference":
@@ -648,7 +650,6 @@ class Attention(nn.Module):
 
     def project_out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse rope, then out = wo_b( concat_g( wo_a[g] . o[heads of g] ) ). [B,S,H,Dh] -> [B,S,D]"""
-        cfg = self.cfg
         return self.grouped_out(apply_rope(o, cos, sin, inverse=True))
 
     def grouped_out(self, o: torch.Tensor) -> torch.Tensor:

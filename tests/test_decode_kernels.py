@@ -43,8 +43,8 @@ DENSE_REL = 1e-5
 # untransposed or a row on another row's routing moves them by > 1e-2.
 DECODE_REL = 1e-4
 # rms_rope vs RMSNorm / q's RMS then apply_rope, fp32: the same operations, FMA-contracted in the rotation and the
-# sum of squares in another order -- measured <= 2.2e-7 of the output's max (20 seeds). The rope's partner, a sign, a pair
-# layout or the weight on the wrong element moves it by O(1).
+# sum of squares in another order -- measured <= 2.2e-7 of the output's max (20 seeds). The rope's partner, a sign,
+# a pair layout or the weight on the wrong element moves it by O(1).
 RMS_ROPE_REL = 2e-6
 # ... in bf16: fp32 results a last bit apart round to neighbouring bf16 values (one ulp: up to 2^-7 of the max), and
 # the reference's q RMS runs in bf16 (square, mean, rsqrt each rounded), the kernel's in fp32 rounded once: measured
@@ -55,8 +55,8 @@ RMS_ROPE_REL_BF16 = 3e-2
 # moves it by > 1e-2.
 ATTN_REL = 2e-6
 # Compressor.decode_step vs step_rows (fp32): an online softmax over the slots (the sum divided once) against
-# softmax then a weighted sum, then the same norm + rope: measured <= 2.7e-7 of the max (5 seeds). A slot of the wrong window,
-# ape of another slot or a stale prev moves it by O(1).
+# softmax then a weighted sum, then the same norm + rope: measured <= 2.7e-7 of the max (5 seeds). A slot of the
+# wrong window, ape of another slot or a stale prev moves it by O(1).
 COMPRESS_REL = 2e-6
 INTERP_TIMEOUT_S = 600   # the cases take ~90 s on the 2-core CI box (the engine's two generations are most of it)
 
@@ -393,9 +393,9 @@ def case_decode_steps_with_rows_leaving_and_joining(gen):
 def case_engine_samples_the_same_tokens_on_the_decode_seam(gen):
     """`RolloutEngine` (fp32 weights, continuous batching) on tiny with kernels="triton" (the decode seam, each
     step `Block.decode_step`) against kernels="reference": two requests x 3 samples x 8 tokens at fixed seeds
-    give the same tokens (their log-probs, from the scoring forward, then agree too). Bug caught: a step path that passes the logits
-    check's tolerance but not the sampler's (a row's logits swapped with another's, a stale cache after the
-    engine drops rows)."""
+    give the same tokens (their log-probs, from the scoring forward, then agree too). Bug caught: a step path
+    that passes the logits check's tolerance but not the sampler's (a row's logits swapped with another's, a
+    stale cache after the engine drops rows)."""
     from nanoflash.server.engine import RolloutEngine, parse_sampling
     out = {}
     for mode in ("reference", "triton"):
