@@ -329,8 +329,12 @@ VIEW_OPS = {"aten::" + n for n in ("slice", "unsqueeze", "view", "flatten", "unf
                                    "detach", "lift_fresh", "unbind", "split", "chunk", "narrow", "contiguous",
                                    "empty", "result_type", "is_nonzero", "item", "_local_scalar_dense")}
 LAUNCH_SCOPES = ("hc_split_sinkhorn", "hc_pre_reference", "hc_post", "hc_head", "RoutedExperts", "RoutedExperts.dense",
-                 "Gate", "Expert", "MoE", "Compressor", "Indexer", "Attention", "RMSNorm")
-FUSED_SCOPES = ("hc_pre_fused", "hc_post_fused")    # nanoflash.kernels.mhc (imported with Triton)
+                 "Gate", "Expert", "MoE", "Compressor", "Indexer", "Attention", "RMSNorm",
+                 # the decode seam's one-token step (model.Block.decode_step)
+                 "Attention.decode_step", "Compressor.decode_step", "Indexer.decode_step", "step_entries",
+                 "DecodeStep.rope", "DecodeStep.windows")
+FUSED_SCOPES = {"mhc": ("hc_pre_fused", "hc_post_fused"),      # nanoflash.kernels.* (imported with Triton)
+                "decode": ("rms_rope", "decode_attention")}
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
@@ -343,15 +347,18 @@ def _scope_targets(fused: bool) -> list:
         obj = getattr(M, cls)
         out.append((obj, meth or "forward", name) if isinstance(obj, type) else (M, name, name))
     if fused:
-        import nanoflash.kernels.mhc as K
-        out += [(K, name, name) for name in FUSED_SCOPES]
+        import importlib
+        for mod, names in FUSED_SCOPES.items():
+            K = importlib.import_module("nanoflash.kernels." + mod)
+            out += [(K, name, name) for name in names]
     return out
 
 
 def op_profile(fn, fused: bool = False) -> dict:
     """Top-level aten ops and Triton launches of fn() by the innermost model scope that issued them (the wrapped
-    functions, methods and module classes of LAUNCH_SCOPES, + the fused mHC's with `fused`), kernels and views
-    apart. On CUDA also what the device ran (kernels, copies, memsets) and the host syncs (the CPU waiting on it)."""
+    functions, methods and module classes of LAUNCH_SCOPES, + the kernels of FUSED_SCOPES with `fused`), kernels
+    and views apart. On CUDA also what the device ran (kernels, copies, memsets) and the host syncs (the CPU
+    waiting on it)."""
     import triton.runtime.jit as tj
     from torch.profiler import ProfilerActivity, profile, record_function
     saved, launch = {}, tj.KernelInterface.__getitem__

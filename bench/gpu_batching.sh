@@ -5,9 +5,10 @@
 #      forwards per round, the same-seed agreement (bench/bench_rollout.py --part batching); with the engine
 #      module of the commit before (OLD_ENGINE, default bench/old_engine.py if present) as one more mode;
 #   2. where one decode / scoring forward's launches go, the decode forward on the reference path and on the
-#      decode seam (model.decode_kernels: fused mHC, dense experts), device kernels and host syncs (--part launches);
+#      decode seam (model.decode_kernels: fused mHC, dense experts, the one-token step's fused norms / rope /
+#      attention), device kernels and host syncs (--part launches);
 #   3. the GPU tests: batched vs serial samples and log-probs, the decode seam vs the reference (logits, kernels)
-#      (tests/test_rollout_batching.py -m gpu).
+#      (tests/test_rollout_batching.py -m gpu), the step kernels vs their references (tests/test_decode_kernels.py -m gpu).
 #   git show 8c3148f:nanoflash/server/engine.py > bench/old_engine.py   # optional, untracked: travels with the tree
 #   bash bench/gpu_batching.sh          (about 2 minutes on an H200, 3 with the old engine; results in $OUT)
 set -uo pipefail
@@ -21,5 +22,6 @@ timeout 300 python bench/bench_rollout.py --part batching "${OLD_ARG[@]}" --out 
 echo "batching: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 120 python bench/bench_rollout.py --part launches --out "$OUT/launches.json" 2>&1 | grep -v USDT | tail -2
 echo "launches: $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 180 python -m pytest -q -p no:cacheprovider -m gpu -s tests/test_rollout_batching.py 2>&1 | tail -6
+timeout 180 python -m pytest -q -p no:cacheprovider -m gpu -s tests/test_rollout_batching.py tests/test_decode_kernels.py \
+    2>&1 | tail -8
 echo "test: $(( $(date +%s) - t0 )) s"

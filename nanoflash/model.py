@@ -3,7 +3,8 @@
     tokens -> embed -> copy into M=4 mHC streams -> 43 x Block -> hc_head -> norm -> head -> logits
     Block(h) = hc_post( MoE( ffn_norm( hc_pre(h') ) ) ),  h' = hc_post( Attention( attn_norm( hc_pre(h) ) ) )
 
-Reading order, top to bottom: RMSNorm, RoPE/YaRN, Linear, Compressor (token-level KV compression), Indexer
+Reading order, top to bottom: RMSNorm, RoPE/YaRN, Linear, DecodeStep (a decode step's per-row position data, for
+the decode seam's `decode_step` methods), Compressor (token-level KV compression), Indexer
 (lightning indexer, C4 layers), Attention (sliding window 128 + compressed keys, one softmax with a per-head
 sink, inverse RoPE, grouped low-rank output), Gate (sqrt-softplus, hash routing), Expert, LocalDispatcher, MoE,
 mHC (Sinkhorn, hc_pre / hc_post / hc_head), Block, MTPBlock, Transformer. Equations and porting traps are in
@@ -20,11 +21,15 @@ How this differs from the official inference code (`inference/model.py`):
   `cfg.kernels` (`use_kernels`) hands training forwards on CUDA to `nanoflash.kernels` (Triton), which
   gathers the same keys and computes the indexer's top-k without the [S,heads,C] tensor.
 * Decoding: `new_cache()` + `forward(ids, start_pos, cache)` feeds the same functions with the kept window,
-  compressor remainder and compressed entries; there is no second implementation of the math. Rows at
+  compressor remainder and compressed entries; the readable path has no decode-only math. Rows at
   different lengths decode in one call with per-row start_pos (a cache joined by `cat_caches`): the same
   functions, with per-row positions and masks (the rollout engine's continuous batching). On a GPU the decode
-  seam (`decode_kernels`) swaps two launch-bound pieces for few-launch equivalents: mHC in Triton, and a
-  one-token step's routed experts as dense batched GEMMs (`RoutedExperts.dense`, tested against the loop).
+  seam (`decode_kernels`) swaps launch-bound pieces for few-launch equivalents: mHC in Triton, a one-token
+  step's routed experts as dense batched GEMMs (`RoutedExperts.dense`), and a step of rows at their own
+  positions through `Block.decode_step` (`DecodeStep`: the position data once per forward; norms, rope, the
+  attention and the compressors' update in `nanoflash.kernels.decode`) -- the same math in ~9% of the
+  reference's ops (`small`, 64 rows), each piece tested against the readable path it replaces
+  (tests/test_decode_kernels.py).
 * No distributed code: expert / pipeline parallelism are applied to a built model by `nanoflash.parallel`.
 * Activation recomputation (`Transformer.recompute`, set from `ParallelConfig.recompute`): "full" runs every
   layer under torch.utils.checkpoint (only its input kept, the whole layer run again in backward); a sub-block
@@ -168,13 +173,16 @@ def rope_angles(cfg: ModelConfig, compressed: bool, positions: torch.Tensor):
 
     Shapes: positions [S] or [B,S] -> cos, sin [S, R/2] or [B,S,R/2] fp32
     """
-    if compressed:
-        inv = rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor, cfg.original_seq_len,
-                            cfg.beta_fast, cfg.beta_slow)
-    else:
-        inv = rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, 1.0, 0, 0, 0)
-    ang = positions.to(torch.float32)[..., None] * inv.to(positions.device)          # [(B,)S,R/2]
+    ang = positions.to(torch.float32)[..., None] * layer_inv_freq(cfg, compressed).to(positions.device)  # [(B,)S,R/2]
     return ang.cos(), ang.sin()
+
+
+def layer_inv_freq(cfg: ModelConfig, compressed: bool) -> torch.Tensor:
+    """`rope_inv_freq` of a compressed (YaRN, compress_rope_theta) or sliding-only (rope_theta) layer. -> [R/2] fp32"""
+    if compressed:
+        return rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor, cfg.original_seq_len,
+                             cfg.beta_fast, cfg.beta_slow)
+    return rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, 1.0, 0, 0, 0)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -209,6 +217,88 @@ class Linear(nn.Linear):
         if self.qat_input:
             x = fp8_sim(x, qat_block(x.shape[-1], ACT_QAT_BLOCK))
         return F.linear(x, self.weight)
+
+
+# ---------------------------------------------------------------------------------------------- decode step
+@dataclass
+class WindowEnds:
+    """Where a decode step's rows stand in a ratio-m compressor's windows (`DecodeStep.windows`): row b's token
+    at position p is slot p mod m of its window; the window ends, and entry (p+1)//m - 1 is written, where
+    (p+1) mod m = 0."""
+    any: bool                     # some row's window ends here (host)
+    rows: torch.Tensor            # [n] int64: the rows whose window ends
+    entries: torch.Tensor         # [n] int64: the entry each of them writes
+    n_entries: int                # 1 + the largest of those entries (host; 0 if none)
+    cos: Optional[torch.Tensor]   # [B,1,R/2] fp32: the compressed rope at each row's entry position (p+1)//m*m - m
+    sin: Optional[torch.Tensor]   # (None when no window ends)
+
+
+class DecodeStep:
+    """One decode step over rows at their own positions (per-row start_pos, one token each), on the decode seam:
+    what every layer needs from the positions, computed on first use and shared by all layers of the forward.
+
+    The reference recomputes these in every layer and module -- the positions on the device, the rope angles,
+    which rows end a compressor window and the entry each writes -- tens of small ops and, per rope, a host sync
+    (its inverse frequencies copied from pageable memory). `Transformer.run_layers` builds one per forward
+    (`DecodeStep.of`) and hands it to `Block.decode_step`; every host copy goes through pinned memory (`host_to`).
+
+    Shapes: start_pos [B] int64 on the host
+    """
+
+    def __init__(self, cfg: ModelConfig, start_pos: torch.Tensor, device):
+        self.cfg, self.host = cfg, start_pos
+        self.pos = host_to(start_pos, device)                                            # [B]
+        self._memo: dict = {}
+
+    @staticmethod
+    def of(cfg: ModelConfig, h: torch.Tensor, start_pos, cache) -> Optional["DecodeStep"]:
+        """The step of a forward that takes the decode seam's one-token path (`decode_kernels`, per-row start_pos,
+        one token per row, autograd off: its kernels have no backward), else None.  h [B,S,M,D]"""
+        if (cache is None or not torch.is_tensor(start_pos) or h.shape[1] != 1 or torch.is_grad_enabled()
+                or not decode_kernels(cfg, h, cache)):
+            return None
+        return DecodeStep(cfg, start_pos, h.device)
+
+    def _memoized(self, key, build):
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def angles(self, compressed: bool, positions: torch.Tensor):
+        """`rope_angles` at device positions [B], the frequencies copied through pinned memory. -> cos, sin
+        [B,1,R/2] fp32"""
+        inv = self._memoized(("inv", compressed),
+                             lambda: host_to(layer_inv_freq(self.cfg, compressed), self.pos.device))    # [R/2]
+        ang = positions.to(torch.float32)[:, None, None] * inv                             # [B,1,R/2]
+        return ang.cos(), ang.sin()
+
+    def rope(self, compressed: bool):
+        """cos, sin [B,1,R/2] at the rows' positions, for a compressed or a sliding-only layer."""
+        return self._memoized(("rope", compressed), lambda: self.angles(compressed, self.pos))
+
+    def windows(self, m: int) -> WindowEnds:
+        """The rows' place in a ratio-m compressor's windows (`WindowEnds`)."""
+        return self._memoized(("windows", m), lambda: self._windows(m))
+
+    def _windows(self, m: int) -> WindowEnds:
+        dev, rows = self.pos.device, ((self.host + 1) % m == 0).nonzero()[:, 0]           # [n] host
+        if not len(rows):
+            return WindowEnds(False, rows, rows, 0, None, None)
+        entries = (self.host[rows] + 1) // m - 1
+        cos, sin = self.angles(True, ((self.pos + 1) // m - 1) * m)
+        return WindowEnds(True, host_to(rows, dev), host_to(entries, dev), int(entries.max()) + 1, cos, sin)
+
+
+def step_entries(before: Optional[torch.Tensor], new: Optional[torch.Tensor], w: WindowEnds) -> torch.Tensor:
+    """`add_entries` for a decode step (per-row positions), from its `WindowEnds`: row b's new entry written to its
+    slot where its window ended, the cache widened to `n_entries` if it is short. new [B,1,d] or None -> [B,C,d]"""
+    if new is None:
+        return before
+    if before is None:
+        before = new[:, :0]
+    if w.n_entries > before.shape[1]:
+        before = F.pad(before, (0, 0, 0, w.n_entries - before.shape[1]))
+    return before.index_put((w.rows, w.entries), new[w.rows, 0])
 
 
 # ---------------------------------------------------------------------------------------------- compressor
@@ -326,12 +416,29 @@ class Compressor(nn.Module):
         simulation (FP8 nope dims, or Hadamard + FP4)."""
         c = self.norm(c.to(dtype))
         pos = token_positions(w0, c.shape[1], c.device) * self.ratio
-        c = apply_rope(c, *rope_angles(self.cfg, True, pos))
-        if self.rotate:                # the indexer's keys: FP4 QAT, SGLang's FP8 or exact (`index_sim`)
-            c = index_sim(self.cfg, c)
-        elif self.cfg.qat:
-            c = fp8_sim_nope(c, self.cfg.rope_head_dim)
-        return c
+        return self.entry_sim(apply_rope(c, *rope_angles(self.cfg, True, pos)))
+
+    def entry_sim(self, c: torch.Tensor) -> torch.Tensor:
+        """The official storage of finished entries: the indexer's keys FP4 QAT, SGLang's FP8 or exact
+        (`index_sim`); the attention's entries FP8 on the nope dims under QAT."""
+        if self.rotate:
+            return index_sim(self.cfg, c)
+        return fp8_sim_nope(c, self.cfg.rope_head_dim) if self.cfg.qat else c
+
+    def decode_step(self, x: torch.Tensor, step: DecodeStep, state: CompressorState):
+        """`step_rows` on the decode seam (`DecodeStep`): the same projections, then the state's update, `ape` and
+        the pooling in one launch (`kernels.decode.compress_step`; no pooling while no row's window ends), the
+        entry's norm + rope in another (`kernels.decode.rms_rope`).
+        x [B,1,D] -> entries [B,1,d] or None (no window ends), the state in per-row form"""
+        from nanoflash.kernels.decode import compress_step, rms_rope
+        w, state = step.windows(self.ratio), self.rowwise(state)
+        kv = fp32_linear(x, self.wkv.weight, self.cfg)                                       # [B,1,coff*d]
+        score = fp32_linear(x, self.wgate.weight, self.cfg)
+        kv, score, c, prev_kv, prev_score = compress_step(state.kv, state.score, kv, score, self.ape, step.pos,
+                                                          state.prev_kv, state.prev_score, pool=w.any)
+        if c is not None:
+            c = self.entry_sim(rms_rope(c.to(x.dtype), self.norm.weight, self.norm.eps, w.cos, w.sin))
+        return c, CompressorState(kv, score, 0, prev_kv, prev_score)
 
 
 # ---------------------------------------------------------------------------------------------- indexer
@@ -373,13 +480,28 @@ class Indexer(nn.Module):
         if fast:   # nanoflash.kernels: fused scores, torch.topk on [B,S,C], the same tie-break
             from nanoflash.kernels import indexer_topk
             return indexer_topk(q, keys.to(q.dtype), w.detach(), start_pos, self.cfg.index_topk), keys, state
-        with torch.no_grad():
-            score = index_scores(q, keys, w.detach(), start_pos)                       # [B,S,C]
-            k = min(self.cfg.index_topk, keys.shape[1])
-            # A stable sort breaks ties (ReLU zeros) by the lower entry index, the same in prefill and decode.
-            top = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]     # [B,S,k]
-            keep = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True) & (score > float("-inf"))
-        return keep, keys, state
+        return self.top_k(q, keys, w, start_pos), keys, state
+
+    @torch.no_grad()
+    def top_k(self, q, keys, w, start_pos) -> torch.Tensor:
+        """The kept entries: top-min(index_topk, C) of `index_scores` among the visible ones. -> [B,S,C] bool"""
+        score = index_scores(q, keys, w.detach(), start_pos)                           # [B,S,C]
+        k = min(self.cfg.index_topk, keys.shape[1])
+        # A stable sort breaks ties (ReLU zeros) by the lower entry index, the same in prefill and decode.
+        top = score.sort(dim=-1, descending=True, stable=True).indices[..., :k]         # [B,S,k]
+        return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True) & (score > float("-inf"))
+
+    def decode_step(self, x, qr, step: DecodeStep, keys_before, state):
+        """`forward` for a one-token step on the decode seam: the compressor's `decode_step`, then the top-k only once
+        the row batch holds more than index_topk entries. Until then every visible entry is kept -- the top-k of
+        C <= k entries is all of them, `score > -inf` drops the invisible ones -- which `kernels.decode_attention`
+        reads off the positions: keep None, and no query, weights or scores computed.
+        -> keep [B,1,C] bool or None, keys [B,C,dI], state"""
+        new_keys, state = self.compressor.decode_step(x, step, state)
+        keys = step_entries(keys_before, new_keys, step.windows(self.compressor.ratio))    # [B,C,dI]
+        if keys.shape[1] <= self.cfg.index_topk:
+            return None, keys, state
+        return self.top_k(self.query(qr, step.host), keys, self.head_weights(x), step.host), keys, state
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, start_pos) -> torch.Tensor:
@@ -450,13 +572,16 @@ def fp32_linear(x: torch.Tensor, w: torch.Tensor, cfg: ModelConfig) -> torch.Ten
     return F.linear(x.float(), w.float())
 
 
-def decode_kernels(cfg: ModelConfig, h: torch.Tensor, cache: Optional[LayerCache]) -> bool:
-    """The decode seam (a forward with a cache: the rollout engine's prefills and steps): True runs mHC in Triton
-    (`nanoflash.kernels.mhc`) and a one-token step's routed experts as batched GEMMs (`RoutedExperts.dense`),
-    so a step issues a few launches per block instead of thousands (the reference's 20 Sinkhorn iterations on
-    [B,4,4] tensors, one GEMM chain per expert and a host sync per layer: `bench_rollout.py --part launches`).
-    cfg.kernels "auto": on CUDA; "triton": also on the CPU (under TRITON_INTERPRET=1: the tests, the launch
-    count); "reference": never. Without a cache (training, scoring) nothing changes here."""
+def decode_kernels(cfg: ModelConfig, h: torch.Tensor, cache) -> bool:
+    """The decode seam (a forward with a cache -- a layer's `LayerCache` or the model's dict: the rollout engine's
+    prefills and steps): True runs mHC in Triton (`nanoflash.kernels.mhc`) and a one-token step's routed experts
+    as batched GEMMs (`RoutedExperts.dense`), and a step of rows at their own positions (the engine's decode
+    forward) through `Block.decode_step` -- norms, rope and attention in few launches (`nanoflash.kernels.decode`),
+    the position data built once per forward (`DecodeStep`) -- so a step issues ~55 ops per block instead of ~600
+    (the reference's 20 Sinkhorn iterations on [B,4,4] tensors, one GEMM chain per expert and a host sync per
+    layer, ~70 ops per attention: `bench_rollout.py --part launches`). cfg.kernels "auto": on
+    CUDA; "triton": also on the CPU (under TRITON_INTERPRET=1: the tests, the launch count); "reference": never.
+    Without a cache (training, scoring) nothing changes here."""
     if cache is None or cfg.kernels == "reference":
         return False
     return cfg.kernels == "triton" or h.is_cuda
@@ -525,12 +650,42 @@ class Attention(nn.Module):
 
     def project_out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse rope, then out = wo_b( concat_g( wo_a[g] . o[heads of g] ) ). [B,S,H,Dh] -> [B,S,D]"""
+        return self.grouped_out(apply_rope(o, cos, sin, inverse=True))
+
+    def grouped_out(self, o: torch.Tensor) -> torch.Tensor:
+        """out = wo_b( concat_g( wo_a[g] . o[heads of g] ) ). [B,S,H,Dh] -> [B,S,D]"""
         cfg = self.cfg
-        o = apply_rope(o, cos, sin, inverse=True)
         o = o.flatten(2).unflatten(-1, (cfg.o_groups, -1))                              # [B,S,G,H*Dh/G]
         wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)                 # [G,r_o,H*Dh/G]
         z = torch.einsum("bsgd,grd->bsgr", o.to(wo_a.dtype), wo_a)                     # [B,S,G,r_o]
         return self.wo_b(z.flatten(2))
+
+    def decode_step(self, x: torch.Tensor, step: DecodeStep, cache: LayerCache) -> torch.Tensor:
+        """`forward` for one token per row at the rows' own positions, on the decode seam (`DecodeStep`): the same
+        math and cache in ~12 launches a sliding layer instead of ~70 -- each norm and rope one
+        `kernels.decode.rms_rope`, the window and the kept entries one `kernels.decode.decode_attention`, the
+        position data shared by every layer, the compressors' and the indexer's `decode_step`.
+        x [B,1,D] -> [B,1,D]"""
+        from nanoflash.kernels.decode import decode_attention, rms_rope
+        cfg = self.cfg
+        cos, sin = step.rope(self.ratio > 0)                                               # [B,1,R/2]
+        qr = rms_rope(self.wq_a(x), self.q_norm.weight, self.q_norm.eps)                  # [B,1,q_lora]
+        q = rms_rope(self.wq_b(qr).unflatten(-1, (cfg.n_heads, cfg.head_dim)), None, cfg.norm_eps, cos, sin)
+        kv = rms_rope(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)       # [B,1,Dh]
+        if cfg.qat:
+            kv = fp8_sim_nope(kv, cfg.rope_head_dim)
+        window = kv if cache.window is None else torch.cat([cache.window, kv], 1)          # [B,Lw,Dh]
+        comp = keep = None
+        if self.ratio:
+            new, cache.comp_state = self.compressor.decode_step(x, step, cache.comp_state)
+            comp = cache.comp = step_entries(cache.comp, new, step.windows(self.ratio))    # [B,C,Dh]
+            if self.ratio == 4:
+                keep, cache.index_keys, cache.index_state = self.indexer.decode_step(
+                    x, qr, step, cache.index_keys, cache.index_state)
+        o = decode_attention(q[:, 0], window, step.pos, self.attn_sink, cfg.head_dim ** -0.5, cfg.window_size,
+                             comp, None if keep is None else keep[:, 0], self.ratio)      # [B,H,Dh]
+        cache.window = window[:, -(cfg.window_size - 1):] if cfg.window_size > 1 else window[:, :0]
+        return self.grouped_out(rms_rope(o, cos=cos, sin=sin, inverse=True, norm=False)[:, None])
 
     def compressed_keys(self, x, qr, start_pos, cache: LayerCache, fast=False):
         """Compressed entries (cached + new) and which of them each query keeps. -> [B,C,Dh], [B|1,S,C] bool
@@ -737,16 +892,22 @@ class RoutedExperts(nn.Module):
 
             y_n = sum_e w2_e( swiglu(w13_e x_n) * rw[n,e] ),   rw[n,e] = sum_k weights[n,k] [indices[n,k] = e]
 
-        The same rounding steps per (token, expert) as `expert_ffn`, summed over experts instead of over k.
+        The same rounding steps per (token, expert) as `expert_ffn`, summed over experts instead of over k. Where
+        Triton runs (CUDA, or kernels="triton") and x has the weights' dtype, the SwiGLU is one launch
+        (`kernels.moe.fused_swiglu`, as `grouped_experts`) instead of five ops.
 
         Shapes: x [N,D], weights [N,K] fp32, indices [N,K] -> [N,D] fp32
         """
-        E, I, qat = self.w13.shape[0], self.w2.shape[2], self.cfg.qat
-        rw = weights.new_zeros(x.shape[0], E).scatter_add_(1, indices, weights)            # [N,E]
+        (N, _), E, I, qat = x.shape, self.w13.shape[0], self.w2.shape[2], self.cfg.qat
+        rw = weights.new_zeros(N, E).scatter_add_(1, indices, weights)                      # [N,E]
         h = x.to(self.w13.dtype)
         h = fp8_sim(h, qat_block(h.shape[-1], ACT_QAT_BLOCK)) if qat else h
         gu = F.linear(h, self.w13.flatten(0, 1)).unflatten(-1, (E, 2 * I))                 # [N,E,2I]
-        a = swiglu_as(gu[..., :I], gu[..., I:], self.cfg.swiglu_limit, rw[..., None], x.dtype, self.w2.dtype)
+        if (x.is_cuda or self.cfg.kernels == "triton") and x.dtype == gu.dtype:
+            from nanoflash.kernels.moe import fused_swiglu
+            a = fused_swiglu(gu.flatten(0, 1), rw.view(-1, 1), self.cfg.swiglu_limit).view(N, E, I).to(self.w2.dtype)
+        else:
+            a = swiglu_as(gu[..., :I], gu[..., I:], self.cfg.swiglu_limit, rw[..., None], x.dtype, self.w2.dtype)
         a = fp8_sim(a, qat_block(I, ACT_QAT_BLOCK)) if qat else a                           # [N,E,I]
         y = torch.bmm(a.transpose(0, 1), self.w2.transpose(1, 2))                           # [E,N,D]
         return y.sum(0, dtype=torch.float32)
@@ -928,6 +1089,18 @@ class Block(nn.Module):
         dense = decode and h.shape[1] == 1          # a decode step: one token per row
         return recomputed(mhc, post_fn, self.ffn(x, ids, replay, dense), h, post, comb)
 
+    def decode_step(self, h, ids, step: DecodeStep, cache: LayerCache, replay=None):
+        """`forward` for one token per row at the rows' own positions, on the decode seam (`DecodeStep`): fused mHC,
+        each norm one launch (`kernels.decode.rms_rope`), `Attention.decode_step`, dense experts."""
+        from nanoflash.kernels.decode import rms_rope
+        from nanoflash.kernels.mhc import hc_post_fused
+        x, post, comb = self.hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, fused=True)
+        a = self.attn.decode_step(rms_rope(x, self.attn_norm.weight, self.attn_norm.eps), step, cache)
+        h = hc_post_fused(a, h, post, comb)
+        x, post, comb = self.hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, fused=True)
+        y = self.ffn(rms_rope(x, self.ffn_norm.weight, self.ffn_norm.eps), ids, replay, dense=True)
+        return hc_post_fused(y, h, post, comb)
+
     def sublayer_input(self, h, fn, scale, base, norm: RMSNorm, fused: bool):
         """norm(hc_pre(h)) and hc_pre's post / comb. Recompute "mhc" and "norm": one region, only h kept;
         either alone: its own region.  h [B,S,M,D] -> x [B,S,D], post [B,S,M], comb [B,S,M,M]"""
@@ -1012,12 +1185,17 @@ class Transformer(nn.Module):
         """Run the layers this module holds, in id order. [B,S,M,D] -> [B,S,M,D]
 
         routed [B,S,n_layers,K] (optional): routing replay, the experts the rollout engine chose per position
-        and layer; layer i's slice is an input of that layer, so a recomputed forward replays it too."""
+        and layer; layer i's slice is an input of that layer, so a recomputed forward replays it too.
+        A decode step on the decode seam (per-row start_pos, one token per row) runs `Block.decode_step`, its
+        position data built once here (`DecodeStep`)."""
+        step = DecodeStep.of(self.cfg, h, start_pos, cache)
         for key in sorted(self.layers, key=int):
             layer = self.layers[key]
             c = None if cache is None else cache.setdefault(key, LayerCache())
             rx = None if routed is None else routed[:, :, int(key)].flatten(0, 1)     # [B*S,K]
-            if "layer" in self.recompute and self.training and torch.is_grad_enabled():
+            if step is not None:
+                h = layer.decode_step(h, input_ids, step, c, rx)
+            elif "layer" in self.recompute and self.training and torch.is_grad_enabled():
                 h = checkpoint(layer, h, input_ids, start_pos, c, rx, use_reentrant=False)
             else:
                 h = layer(h, input_ids, start_pos, c, rx)

@@ -141,6 +141,31 @@ def flash_launches(target, which: str):
             moe._SwiGLU.forward(ctx, torch.empty(T, 2 * I, **bf), torch.empty(T, 1, dtype=torch.float32, **meta),
                                 cfg.swiglu_limit)
             moe._SwiGLU.backward(ctx, torch.empty(T, I, **bf))
+        elif which == "decode":   # the decode seam's step kernels, at a 64-row step of the fp32 and bf16 engines
+            from nanoflash.kernels import decode as kd
+            B, R2, C = 64, cfg.rope_head_dim // 2, 512
+            pos = torch.empty(B, dtype=torch.int64, **meta)
+            cos = torch.empty(B, 1, R2, dtype=torch.float32, **meta)
+            for dt in (torch.float32, torch.bfloat16):
+                act = dict(meta, dtype=dt)
+                w = torch.empty(cfg.dim, **act)
+                kd.rms_rope(torch.empty(B, 1, cfg.dim, **act), w, cfg.norm_eps)                  # a layer norm
+                kd.rms_rope(torch.empty(B, 1, H, Dh, **act), None, cfg.norm_eps, cos, cos)     # q: RMS + rope
+                kd.rms_rope(torch.empty(B, 1, Dh, **act), w[:Dh], cfg.norm_eps, cos, cos)      # kv, entries
+                kd.rms_rope(torch.empty(B, H, Dh, **act), cos=cos, sin=cos, inverse=True, norm=False)   # o
+                q, win, comp = torch.empty(B, H, Dh, **act), torch.empty(B, W, Dh, **act), torch.empty(B, C, Dh, **act)
+                sink = torch.empty(H, dtype=torch.float32, **meta)
+                kd.decode_attention(q, win, pos, sink, Dh ** -0.5, W)                              # sliding
+                kd.decode_attention(q, win, pos, sink, Dh ** -0.5, W, comp, ratio=128)             # C128
+                kd.decode_attention(q, win, pos, sink, Dh ** -0.5, W, comp,                        # C4, top-k
+                                    torch.empty(B, C, dtype=torch.bool, **meta), 4)
+            f32 = dict(meta, dtype=torch.float32)
+            for m, c in ((4, 2 * Dh), (4, 2 * cfg.index_head_dim), (128, Dh)):                 # C4, indexer, C128
+                prev = torch.empty(B, m, c, **f32) if m == 4 else None
+                for pool in (True, False):
+                    kd.compress_step(torch.empty(B, m - 1, c, **f32), torch.empty(B, m - 1, c, **f32),
+                                     torch.empty(B, 1, c, **f32), torch.empty(B, 1, c, **f32),
+                                     torch.empty(m, c, **f32), pos, prev, prev, pool)
         elif which == "quant_fp8":
             from nanoflash import quant
             D = cfg.dim
@@ -151,7 +176,7 @@ def flash_launches(target, which: str):
     return calls
 
 
-LAUNCHERS = ("attention_fwd", "attention_bwd", "indexer", "mhc_pre", "mhc_post", "moe_swiglu", "quant_fp8")
+LAUNCHERS = ("attention_fwd", "attention_bwd", "indexer", "mhc_pre", "mhc_post", "moe_swiglu", "quant_fp8", "decode")
 # cuda:90 only (not in LAUNCHERS: AMD runs the fused backward, attention.AMD_BWD_CONFIG)
 WGMMA_LAUNCHERS = ("attention_bwd_wgmma",)
 

@@ -13,12 +13,15 @@
                   imported by its users directly, not re-exported here.
     mhc.py        hc_pre (mixes, 20-iteration Sinkhorn, collapse) and hc_post in Triton, forward and backward.
     matmul.py     bf16 GEMMs with fp32 results for the head, gate and compressor (fp32 in the official code).
+    decode.py     a decode step's attention in few launches (`model.Block.decode_step`): RMSNorm + rope fused,
+                  one query per row over its window and kept entries, a compressor's state update and pooling;
+                  imported by the model directly, not re-exported here.
 
 Which path runs is one config switch, `ModelConfig.kernels`:
     "auto"       attention + indexer kernels on CUDA for bf16/fp16 training forwards (no decode cache) and the
                  grouped experts for bf16 on CUDA, the reference elsewhere -- only kernels that have run inside
-                 a whole model on a GPU; in decoding (a cache) on CUDA the Triton mHC and dense experts
-                 (`model.decode_kernels`);
+                 a whole model on a GPU; in decoding (a cache) on CUDA the Triton mHC and dense experts,
+                 and in a decode step of rows at their own positions decode.py (`model.decode_kernels`);
     "reference"  always model.py (matched precision forces this: train.py sets it);
     "triton"     also the grouped experts (moe.py) in every dtype, the Triton mHC and the bf16 GEMMs on CUDA
                  (run inside the 8-layer real-geometry stack on the H200, B14b); attention kernels also on CPU under
