@@ -55,6 +55,7 @@ from nanoflash.kernels import target as tgt
 MIN_DOT = 16          # tl.dot needs every dimension >= 16
 WORD_BITS = 64        # one int64 word per (query, entry block): BLOCK_K of the entry pass is at most this
 DELTA_ROWS = 16       # rows of o . dO per program of _bwd_delta
+DELTA_COLS = 64       # head-dim slice of the dq pass's fused delta (fuse_delta=True; 16 also spills nothing)
 
 
 @triton.jit
@@ -98,8 +99,8 @@ def _dq_step(x, k, valid, lse, delta, dq, scale_log2, BH: tl.constexpr, BK: tl.c
 def _bwd_dq(Q, KV, COMP, SEL, NSEL, DO, O, LSE, DELTA, DQ,
             sq_b, sq_s, sq_h, skv_b, skv_s, sc_b, sc_c, ss_b, ss_s, sn_b,
             S, H, D, W, scale, scale_log2,
-            HAS_COMP: tl.constexpr, FUSE_DELTA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-            BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+            HAS_COMP: tl.constexpr, FUSE_DELTA: tl.constexpr, DELTA_COLS: tl.constexpr, BLOCK_H: tl.constexpr,
+            BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
     """Query-major dq: program (b * S + t, head block) holds X (its q, dO rows) and dq [BH, D], streams the
     window rows of kv and the selected rows of comp in blocks of BLOCK_K (as `attention._fwd`).
     FUSE_DELTA: delta = rows of o . dO is computed here (before the loop) and written to DELTA for the passes
@@ -113,11 +114,14 @@ def _bwd_dq(Q, KV, COMP, SEL, NSEL, DO, O, LSE, DELTA, DQ,
     base = b * sq_b + t * sq_s
     x = _rows(Q, DO, base, tl.arange(0, 2 * BLOCK_H), h0, H, sq_h, offs_d, mask_d)      # [2BH,BD]
     lse = tl.load(LSE + pid * H + offs_h, mask=mask_h, other=0.0)
-    if FUSE_DELTA:
-        off = base + offs_h[:, None] * sq_h + offs_d[None, :]
-        mask_hd = mask_h[:, None] & mask_d[None, :]
-        o = tl.load(O + off, mask=mask_hd, other=0.0).to(tl.float32)
-        delta = tl.sum(o * tl.load(DO + off, mask=mask_hd, other=0.0).to(tl.float32), 1)   # [BH]
+    if FUSE_DELTA:   # in head-dim slices of DELTA_COLS: whole [BH, BD] o and dO rows would spill registers
+        delta = tl.zeros([BLOCK_H], tl.float32)
+        offs_c = tl.arange(0, DELTA_COLS)
+        for d0 in range(0, D, DELTA_COLS):
+            off = base + offs_h[:, None] * sq_h + d0 + offs_c[None, :]
+            mask_hc = mask_h[:, None] & (d0 + offs_c < D)[None, :]
+            o = tl.load(O + off, mask=mask_hc, other=0.0).to(tl.float32)
+            delta += tl.sum(o * tl.load(DO + off, mask=mask_hc, other=0.0).to(tl.float32), 1)   # [BH]
         tl.store(DELTA + pid * H + offs_h, delta, mask=mask_h)
     else:
         delta = tl.load(DELTA + pid * H + offs_h, mask=mask_h, other=0.0)
@@ -302,8 +306,8 @@ def _kcfg(cfg: dict) -> dict:
 
 def attention_backward_wgmma(do, q, kv, comp, sel, n_sel, o, lse, scale: float, window: int, cfg: dict):
     """The passes of the module docstring. -> dq, dkv, dcomp (or None), delta [B,S,H]
-    cfg: dq=dict(BLOCK_H, BLOCK_K, num_warps, num_stages[, fuse_delta]), dkv=dict(BLOCK_K, BLOCK_R, num_warps, num_stages,
-    programs, min_chunk), comp=dict(BLOCK_K, BLOCK_R, num_warps, num_stages, chunk, comp_mode, keys_min_fill,
+    cfg: dq=dict(BLOCK_H, BLOCK_K, num_warps, num_stages[, fuse_delta]), dkv=dict(BLOCK_K, BLOCK_R, num_warps,
+    num_stages, programs, min_chunk), comp=dict(BLOCK_K, BLOCK_R, num_warps, num_stages, chunk, comp_mode, keys_min_fill,
     rows=dict(BLOCK_H, BLOCK_K, num_warps, num_stages))."""
     q, do, o = (t.contiguous() for t in (q, do, o))   # _bwd_delta and _rows index q, dO, o alike
     B, S, H, D = q.shape
@@ -338,9 +342,10 @@ def _dq_pass(do, q, kv, comp, sel, n_sel, lse, delta, scale, scale_log2, window,
     dq = torch.empty_like(q)
     _bwd_dq[(B * S, triton.cdiv(H, bh))](
         q, kv, comp if comp is not None else kv, sel if sel is not None else kv, n_sel if n_sel is not None else kv,
-        do, o if fuse else do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), *cs, *ss, *ns,
-        S, H, D, window, scale, scale_log2, HAS_COMP=comp is not None, FUSE_DELTA=fuse, PREC=prec,
-        **dict(_kcfg(qc), BLOCK_H=bh, BLOCK_D=BD))
+        do, o if fuse else do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+        *cs, *ss, *ns,
+        S, H, D, window, scale, scale_log2, HAS_COMP=comp is not None, FUSE_DELTA=fuse, DELTA_COLS=DELTA_COLS,
+        PREC=prec, **dict(_kcfg(qc), BLOCK_H=bh, BLOCK_D=BD))
     return dq
 
 
