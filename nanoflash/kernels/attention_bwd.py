@@ -307,8 +307,8 @@ def _kcfg(cfg: dict) -> dict:
 def attention_backward_wgmma(do, q, kv, comp, sel, n_sel, o, lse, scale: float, window: int, cfg: dict):
     """The passes of the module docstring. -> dq, dkv, dcomp (or None), delta [B,S,H]
     cfg: dq=dict(BLOCK_H, BLOCK_K, num_warps, num_stages[, fuse_delta]), dkv=dict(BLOCK_K, BLOCK_R, num_warps,
-    num_stages, programs, min_chunk), comp=dict(BLOCK_K, BLOCK_R, num_warps, num_stages, chunk, comp_mode, keys_min_fill,
-    rows=dict(BLOCK_H, BLOCK_K, num_warps, num_stages))."""
+    num_stages, programs, min_chunk), comp=dict(BLOCK_K, BLOCK_R, num_warps, num_stages, chunk, comp_mode,
+    keys_min_fill, rows=dict(BLOCK_H, BLOCK_K, num_warps, num_stages))."""
     q, do, o = (t.contiguous() for t in (q, do, o))   # _bwd_delta and _rows index q, dO, o alike
     B, S, H, D = q.shape
     prec = tgt.dot_precision(q.dtype, tgt.device_target(q.device))
