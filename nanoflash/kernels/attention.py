@@ -14,6 +14,9 @@ softmax that starts from the sink (m = sink, l = 1), so a query with no keys ret
 Dots run on the tensor cores in the input dtype (bf16) with fp32 accumulation; p is rounded to the input
 dtype for the p.v dot (as in FlashAttention). Only o and lse [B,S,H] are saved: activation memory is
 O(S (W + k)) (the index list) instead of the reference's O(S^2) masks and logits.
+`_fwd_keys` (a config with kind="keys", FWD_KEYS_CONFIG) is the same function with the keys on the MMA's M
+dimension: s^T = k q^T [BK, heads] and o^T += k^T p^T in two head-dim halves, so on Hopper no warpgroup repeats
+another's rows (`_fwd`'s 64-row s feeds the p.v dot, and Triton then puts all 8 warps on M). Not the default.
 
 Backward (`_bwd`), with delta_h = dO_h . o_h (computed in the kernel) and ds_j = p_j (dO . k_j - delta):
 
