@@ -7,9 +7,11 @@ the same run; peak memory; the indexer; the `small` preset's MFU with the refere
     python bench/bench_attention.py --bwd --out docs/results/attention_bwd_h200.json    # old vs wgmma backward
 
 --bwd (issue 43): for S = 4096, 8192 and each layer kind, the fused backward (ka.FUSED_BWD_CONFIG) against the wgmma
-backward (attention_bwd.py) in each of BWD_CANDIDATES: fwd+bwd and backward-only ms, fwd+bwd TFLOP/s and
-its ratio to the matmul ceiling measured in the same run, the gradients' largest difference to the fused
-backward's (relative to its largest value), and the fastest candidate per shape. ~2 min on an H200.
+backward (attention_bwd.py) in each of BWD_CANDIDATES (with its forward, FWD_CANDIDATES, where not the default):
+fwd+bwd and backward-only ms, fwd+bwd TFLOP/s and its ratio to the matmul ceiling measured in the same run, the
+gradients' largest difference to the fused backward's (relative to its largest value), the forward kernel's ms
+(fwd_kernel_ms) and its o's largest difference to the default forward's (o_max_rel_diff_vs_default), and the
+fastest candidate per shape. ~3 min on an H200.
 
 Shapes: 64 heads x 512, one shared K=V head, window 128, batch 1. Layer kinds: C4 (window + indexer top-512
 of S/4 entries; the selection is the top-512 of random scores), C128 (window + every visible of S/128 entries),
@@ -63,6 +65,16 @@ BWD_CANDIDATES = {
                            rows=dict(BLOCK_H=64, BLOCK_K=64, num_stages=1, **_W), **_W)),
     "dq64": dict(ka.WGMMA_BWD_CONFIG, dq=dict(BLOCK_H=64, BLOCK_K=64, num_stages=1, **_W)),
 }
+# Prepared, not yet measured (issue 43 item 1: fwd+bwd >= 0.25 of the ceiling at S = 8192 on C4): the Hopper
+# default with delta computed in the dq pass ("+delta", fuse_delta) and / or the keys-on-M forward ("+kfwd":
+# attention._fwd_keys, FWD_KEYS_CONFIG; "+kfwd32": 32 heads a program, fewer spills at C4 (152 B against 996 B,
+# ptxas sm_90a) but each key block read by two programs). FWD_CANDIDATES: the forward each candidate runs
+# (absent: ka.FWD_CONFIG, the default).
+_DELTA = dict(ka.HOPPER_BWD_CONFIG, dq=dict(ka.HOPPER_BWD_CONFIG["dq"], fuse_delta=True))
+BWD_CANDIDATES.update({"m128-rows+kfwd": ka.HOPPER_BWD_CONFIG, "m128-rows+kfwd32": ka.HOPPER_BWD_CONFIG,
+                       "m128-rows+delta": _DELTA, "m128-rows+kfwd+delta": _DELTA})
+FWD_CANDIDATES = {"m128-rows+kfwd": ka.FWD_KEYS_CONFIG, "m128-rows+kfwd+delta": ka.FWD_KEYS_CONFIG,
+                  "m128-rows+kfwd32": dict(ka.FWD_KEYS_CONFIG, BLOCK_H=32)}
 
 
 def ms(fn) -> float:
@@ -98,10 +110,11 @@ def useful_flops(S, sel) -> float:
     return 4.0 * H * DH * keys
 
 
-def kernel_fwd_ms(q, kv, sink, comp, sel) -> float:
-    """The forward kernel alone (selection compacted beforehand, no checks, no autograd)."""
+def kernel_fwd_ms(q, kv, sink, comp, sel, config=None) -> float:
+    """The forward kernel alone (selection compacted beforehand, no checks, no autograd); config None: the
+    current ka.FWD_CONFIG."""
     sel_c, n_sel = ka.compact_selection(sel, comp.shape[1]) if comp is not None else (None, None)
-    return ms(lambda: ka.attention_forward(q, kv, comp, sel_c, n_sel, sink, DH ** -0.5, W))
+    return ms(lambda: ka.attention_forward(q, kv, comp, sel_c, n_sel, sink, DH ** -0.5, W, config))
 
 
 def run_ours(q, kv, sink, comp, sel, do):
@@ -282,8 +295,9 @@ def grads(q, kv, sink, comp, sel, do):
 
 def compare_backward(seqs, g, out, save):
     """The fused backward vs each wgmma candidate at every (S, kind); see the module docstring."""
-    old, rows = ka.BWD_CONFIG, []
+    old, old_fwd, rows = ka.BWD_CONFIG, ka.FWD_CONFIG, []
     out["bwd_candidates"] = {"fused": ka.FUSED_BWD_CONFIG, **BWD_CANDIDATES}
+    out["fwd_candidates"] = {"default": ka.FWD_CONFIG, **FWD_CANDIDATES}
     for S in seqs:
         for kind in ("c4", "c128", "sliding"):
             q, kv, sink, comp, sel = make_inputs(S, kind, g)
@@ -295,9 +309,13 @@ def compare_backward(seqs, g, out, save):
             for name, cfg in {"fused": ka.FUSED_BWD_CONFIG, **BWD_CANDIDATES}.items():
                 if comp is None and name.endswith("-rows"):
                     continue   # no entries: the same passes as without the suffix
-                ka.BWD_CONFIG = cfg
+                ka.BWD_CONFIG, ka.FWD_CONFIG = cfg, FWD_CANDIDATES.get(name, old_fwd)
                 row = dict(S=S, kind=kind, config=name)
                 try:
+                    o_c = ka.attention_forward(q, kv, comp, sel_c, n_sel, sink, DH ** -0.5, W)[0]
+                    row["o_max_rel_diff_vs_default"] = ((o_c.float() - o.float()).abs().max()
+                                                        / o.float().abs().max()).item()
+                    row["fwd_kernel_ms"] = kernel_fwd_ms(q, kv, sink, comp, sel)
                     got = grads(q, kv, sink, comp, sel, do)
                     ref = got if ref is None else ref
                     row["max_rel_diff_vs_fused"] = max(
@@ -315,7 +333,7 @@ def compare_backward(seqs, g, out, save):
                     row["error"] = repr(e)[:300]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            ka.BWD_CONFIG = old
+            ka.BWD_CONFIG, ka.FWD_CONFIG = old, old_fwd
             save()
     out["bwd_rows"] = rows
     best = {}

@@ -11,7 +11,8 @@ Resources read back, per compiled kernel:
     AMD   the amdgcn's kernel metadata: .vgpr_count (arch VGPRs + AGPRs), .vgpr_spill_count, .sgpr_spill_count,
           .private_segment_fixed_size (scratch bytes a lane), .group_segment_fixed_size (LDS bytes)
     CUDA  `cuobjdump --dump-resource-usage` of the cubin: REG, STACK, LOCAL (spill) and SHARED; plus
-          metadata.shared (Triton's dynamic shared memory)
+          metadata.shared (Triton's dynamic shared memory); `ptxas_report`: ptxas -v on the PTX (registers,
+          spill stores / loads in bytes) with Triton's shared memory
 
 Used by tests/test_kernels_compile_targets.py; `python tests/compile_targets.py [hip:gfx950 ...]` prints the table.
 """
@@ -100,6 +101,22 @@ def flash_launches(target, which: str):
                 ka.attention_backward(q, q, kv, comp, sel, n_sel, q, lse, Dh ** -0.5, W,
                                       dict(wg, comp=dict(wg["comp"], comp_mode=mode)))
             ka.attention_backward(q, q, kv, None, None, None, q, lse, Dh ** -0.5, W, wg)
+        elif which in ("attention_fwd_keys", "attention_bwd_fused_delta"):   # prepared candidates (cuda:90)
+            from nanoflash.kernels import attention as ka
+            C = S // 4
+            q, kv, comp = torch.empty(1, S, H, Dh, **bf), torch.empty(1, S, Dh, **bf), torch.empty(1, C, Dh, **bf)
+            sel = torch.empty(1, S, cfg.index_topk, dtype=torch.int32, **meta)
+            n_sel = torch.empty(1, S, dtype=torch.int32, **meta)
+            lse = torch.empty(1, S, H, dtype=torch.float32, **meta)
+            sink = torch.empty(H, dtype=torch.float32, **meta)
+            for c, s_, n in ((comp, sel, n_sel), (None, None, None)):      # C4 / C128 layers, sliding layers
+                if which == "attention_fwd_keys":
+                    ka.attention_forward(q, kv, c, s_, n, sink, Dh ** -0.5, W, ka.FWD_KEYS_CONFIG)
+                else:   # the default (HOPPER_BWD_CONFIG) and the same with fuse_delta, to compare
+                    hop = ka.HOPPER_BWD_CONFIG
+                    for fuse in (False, True):
+                        ka.attention_backward(q, q, kv, c, s_, n, q, lse, Dh ** -0.5, W,
+                                              dict(hop, dq=dict(hop["dq"], fuse_delta=fuse)))
         elif which == "indexer":
             from nanoflash.kernels.indexer import index_scores
             HI, DI = cfg.index_n_heads, cfg.index_head_dim
@@ -179,6 +196,8 @@ def flash_launches(target, which: str):
 LAUNCHERS = ("attention_fwd", "attention_bwd", "indexer", "mhc_pre", "mhc_post", "moe_swiglu", "quant_fp8", "decode")
 # cuda:90 only (not in LAUNCHERS: AMD runs the fused backward, attention.AMD_BWD_CONFIG)
 WGMMA_LAUNCHERS = ("attention_bwd_wgmma",)
+# cuda:90 only, prepared but not default: the keys-on-M forward, the wgmma backward with delta in the dq pass
+CANDIDATE_LAUNCHERS = ("attention_fwd_keys", "attention_bwd_fused_delta")
 
 
 def _key(kernel, kwargs) -> str:
@@ -227,6 +246,41 @@ def resources(compiled, target) -> dict:
                 shared=max(shared, field("SHARED")), mfma="mma" in compiled.asm["ptx"],
                 wgmma="wgmma.mma_async" in compiled.asm["ptx"], mma_sync="mma.sync" in compiled.asm["ptx"],
                 duplicated=duplicated_rows(compiled.asm["ttgir"]))
+
+
+def ptxas_report(compiled, arch: str = "sm_90a") -> dict:
+    """ptxas -v of a CUDA kernel's PTX. -> {regs, spill_stores, spill_loads (bytes), shared (bytes: Triton's
+    dynamic shared memory, or ptxas's static if larger)}"""
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(compiled.asm["ptx"])
+        err = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+
+    def field(pattern):
+        m = re.search(pattern, err)
+        return int(m.group(1)) if m else 0
+    return dict(regs=field(r"Used (\d+) registers"), spill_stores=field(r"(\d+) bytes spill stores"),
+                spill_loads=field(r"(\d+) bytes spill loads"),
+                shared=max(compiled.metadata.shared, field(r"(\d+) bytes smem")))
+
+
+def check_launcher_ptxas(which: str, target_name: str = "cuda:90"):
+    """Compile every kernel the launcher makes for a CUDA target; -> [(key, ptxas_report | resources, seconds)]"""
+    target = gpu_target(target_name)
+    out, seen = [], set()
+    for kernel, args, kwargs in flash_launches(target, which):
+        key = _key(kernel, kwargs)
+        if key in seen:
+            continue
+        seen.add(key)
+        t0 = time.time()
+        compiled = compile_launch(kernel, args, kwargs, target)
+        out.append((key, dict(resources(compiled, target), **ptxas_report(compiled)), time.time() - t0))
+    return out
 
 
 def duplicated_rows(ttgir: str) -> list:

@@ -64,7 +64,11 @@ def interpreted(test_file: str, timeout_s: float) -> dict:
     """Pytest side: run `test_file` as a script under TRITON_INTERPRET=1 and return its results."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "results.json")
-        env = dict(os.environ, TRITON_INTERPRET="1")
+        # the repository root first: a script's sys.path starts at tests/, and an editable install of another
+        # checkout (a git worktree's main tree) would otherwise be the nanoflash the cases import
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, TRITON_INTERPRET="1",
+                   PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         proc = subprocess.run([sys.executable, os.path.abspath(test_file), path], env=env, capture_output=True,
                               text=True, timeout=timeout_s)
         if proc.returncode != 0 or not os.path.exists(path):

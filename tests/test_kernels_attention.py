@@ -56,7 +56,7 @@ def random_selection(B, S, C, K, g, p_none=0.3):
 
 
 # ------------------------------------------------------------------------------------------ interpreter cases
-def _attention_case(B, S, H, D, W, C, K, dtype, g, batch_sel=True, fused=None, prefix=False, bwd=None):
+def _attention_case(B, S, H, D, W, C, K, dtype, g, batch_sel=True, fused=None, prefix=False, bwd=None, fwd=None):
     from nanoflash.kernels import attention as ka
     from nanoflash.model import sink_attention
     q = torch.randn(B, S, H, D, generator=g).to(dtype).requires_grad_()
@@ -76,6 +76,8 @@ def _attention_case(B, S, H, D, W, C, K, dtype, g, batch_sel=True, fused=None, p
         ka.BWD_CONFIG = dict(fused=fused, dq=blocks, dkv=blocks)
     if bwd is not None:
         ka.BWD_CONFIG = bwd
+    if fwd is not None:
+        ka.FWD_CONFIG = fwd
     out = ka.sparse_attention(q, kv, sink, D ** -0.5, W, comp, sel, prefix=prefix)
     keys = kv if comp is None else torch.cat([kv, comp], 1)
     ref = sink_attention(q.double(), keys.double(), dense_mask(S, W, sel, C), sink.double(), D ** -0.5)
@@ -139,6 +141,50 @@ def case_wgmma_backward(g):
         _assert_all(_attention_case(2, 30, 4, 32, 8, 9, 5, torch.float32, g, prefix=True, bwd=_wgmma("rows")),
                     FP32_TOL, "wgmma: entries query-major (atomics)")
         _assert_all(_attention_case(2, 26, 4, 32, 8, 7, 4, torch.bfloat16, g, bwd=_wgmma()), BF16_TOL, "wgmma bf16")
+    finally:
+        ka.BWD_CONFIG = old
+
+
+def case_keys_forward(g):
+    """The keys-on-M forward (`_fwd_keys`, kind="keys") against the float64 reference: o and lse through the
+    gradients (the backward reads lse). Bugs it catches: the softmax max or sum taken over heads instead of keys
+    (axis 1 of s^T), the two head-dim halves swapped or one dropped, o^T stored untransposed, the sink left out
+    of a query with no keys. Window wider than a key block (two blocks, one partly masked), heads and head dim
+    not powers of two, fp32 and bf16."""
+    from nanoflash.kernels import attention as ka
+    old_f, old_b = ka.FWD_CONFIG, ka.BWD_CONFIG
+    keys = dict(kind="keys", BLOCK_H=16, BLOCK_K=16, num_warps=4, num_stages=1)
+    try:
+        _assert_all(_attention_case(2, 37, 5, 24, 20, 0, 0, torch.float32, g, fwd=keys), FP32_TOL,
+                    "keys forward: window only")
+        _assert_all(_attention_case(2, 30, 20, 32, 8, 9, 5, torch.float32, g, fwd=keys), FP32_TOL,
+                    "keys forward: window + selection, 2 head blocks")
+        _assert_all(_attention_case(2, 26, 4, 32, 8, 7, 4, torch.bfloat16, g, fwd=keys, bwd=_wgmma()), BF16_TOL,
+                    "keys forward bf16 (wgmma backward)")
+    finally:
+        ka.FWD_CONFIG, ka.BWD_CONFIG = old_f, old_b
+
+
+def case_fused_delta_backward(g):
+    """The wgmma backward with delta computed in the dq pass (fuse_delta=True), each entry mode, against the
+    float64 reference. Bugs it catches: a later pass (dkv, entries) reading delta before the dq pass wrote it
+    (the separate delta kernel skipped but the dq pass launched after them), delta summed over heads instead
+    of the head dim, the second head tile's delta not written (20 heads), dsink (reads delta) wrong."""
+    from nanoflash.kernels import attention as ka
+    old = ka.BWD_CONFIG
+
+    def fused(mode, programs=1, chunk=64):
+        cfg = _wgmma(mode, programs, chunk)
+        return dict(cfg, dq=dict(cfg["dq"], fuse_delta=True))
+    try:
+        _assert_all(_attention_case(2, 30, 20, 32, 8, 9, 5, torch.float32, g, bwd=fused("keys", 1000, 8)),
+                    FP32_TOL, "fused delta: entries key-major, 2 head tiles")
+        _assert_all(_attention_case(2, 30, 4, 32, 8, 9, 5, torch.float32, g, prefix=True, bwd=fused("rows")),
+                    FP32_TOL, "fused delta: entries query-major")
+        _assert_all(_attention_case(2, 37, 5, 24, 8, 0, 0, torch.float32, g, bwd=fused("auto")), FP32_TOL,
+                    "fused delta: window only")
+        _assert_all(_attention_case(2, 26, 4, 32, 8, 7, 4, torch.bfloat16, g, bwd=fused("auto")), BF16_TOL,
+                    "fused delta bf16")
     finally:
         ka.BWD_CONFIG = old
 

@@ -111,6 +111,24 @@ def test_wgmma_backward_real_geometry(kind, comp_mode, monkeypatch):
     assert all(v <= GRAD_TOL for k, v in errs.items() if k != "o"), f"{kind} wgmma backward: {errs}"
 
 
+@pytest.mark.parametrize("kind", ["c4", "c128", "sliding"])
+def test_keys_forward_and_fused_delta_real_geometry(kind, monkeypatch):
+    """The prepared candidates (bench/bench_attention.py --bwd "m128-rows+kfwd+delta"): the keys-on-M forward
+    (attention._fwd_keys, FWD_KEYS_CONFIG) and the Hopper backward with delta in the dq pass (fuse_delta) at
+    the real geometry, against the same reference and tolerances. Catches what the interpreter cannot: a
+    128 x 512 key block or the fused dq pass not fitting the H200 (shared memory, registers), the o^T store's
+    layout at 64 heads, the spills (996 B stored at C4, tests/test_kernels_compile_targets.py) costing
+    correctness nowhere."""
+    from nanoflash.kernels import attention as ka
+    hop = ka.HOPPER_BWD_CONFIG
+    monkeypatch.setattr(ka, "FWD_CONFIG", ka.FWD_KEYS_CONFIG)
+    monkeypatch.setattr(ka, "BWD_CONFIG", dict(hop, dq=dict(hop["dq"], fuse_delta=True)))
+    errs = _errors_vs_reference(kind)
+    print(f"\nMEASURED keys forward + fused delta {kind}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    assert errs["o"] <= FWD_TOL, f"{kind} keys forward: {errs}"
+    assert all(v <= GRAD_TOL for k, v in errs.items() if k != "o"), f"{kind} fused-delta backward: {errs}"
+
+
 def test_indexer_topk_real_geometry():
     """Scores within SCORE_TOL; the kept set is a top-k of the reference scores up to that tolerance."""
     from nanoflash.kernels import index_scores, topk_lower_index_wins

@@ -61,3 +61,62 @@ def test_wgmma_backward_fits_the_h200_on_wgmma_without_duplicated_rows():
         if not key.startswith("_bwd_delta"):
             assert r["wgmma"] and not r["mma_sync"], f"{key}: not every dot on wgmma"
             assert not r["duplicated"], f"{key}: dots whose rows two warpgroups compute: {r['duplicated']}"
+
+
+@pytest.mark.slow   # ~10 s on 2 cores: two kernels at 64 heads x 512, plus `_fwd` to compare
+def test_keys_forward_fits_the_h200_on_wgmma_without_duplicated_rows():
+    """attention._fwd_keys with FWD_KEYS_CONFIG (128 keys on M), compiled for cuda:90 (ptxas -v, sm_90a) at the
+    flash shapes, C4 and sliding. Bugs caught: a key block over the 227 KiB of shared memory (two stages of
+    128 x 512 keys: 344,064 B); a dot off wgmma or with rows two warpgroups compute (the point of the kernel:
+    `_fwd`'s s [64 heads, 64 keys] feeds the p.v dot, so its 8 warps sit on M = 64 -- asserted below, so a
+    Triton that stops duplicating is noticed); spills grown past 2 KiB (4 warps: 4,224 B stored).
+    Measured 2026-12-05 (Triton 3.6): C4 212,992 B, 255 regs, spills 996 / 916 B (stores / loads); sliding
+    412 / 292 B; `_fwd` 196,608 B, C4 spills 100 / 124 B. Printed with -s."""
+    limit = ct.SHARED_LIMIT[("cuda", 90)]
+    keys = ct.check_launcher_ptxas("attention_fwd_keys")
+    assert {k.split("(")[0] for k, _, _ in keys} == {"_fwd_keys"} and len(keys) == 2
+    for key, r, _ in keys + ct.check_launcher_ptxas("attention_fwd"):
+        print(f"cuda:90 {key}: regs {r['regs']}, spills {r['spill_stores']} / {r['spill_loads']} B, "
+              f"shared {r['shared']} B, duplicated {r['duplicated']}")
+        assert r["shared"] <= limit, f"{key}: {r['shared']} bytes of shared memory > {limit}"
+        assert r["wgmma"] and not r["mma_sync"], f"{key}: not every dot on wgmma"
+        if key.startswith("_fwd_keys"):
+            assert not r["duplicated"], f"{key}: dots whose rows two warpgroups compute: {r['duplicated']}"
+            assert r["spill_stores"] <= 2048, f"{key}: {r['spill_stores']} bytes of spill stores"
+        else:
+            assert r["duplicated"], f"{key}: _fwd no longer duplicates rows: the keys forward's reason is gone"
+
+
+@pytest.mark.slow   # ~15 s on 2 cores: the Hopper backward's passes, with and without fuse_delta
+def test_fused_delta_dq_pass_fits_the_h200_as_the_separate_one():
+    """The dq pass with fuse_delta=True (delta = rows of o . dO computed there) against the default dq pass,
+    compiled for cuda:90 at the flash shapes (ptxas -v, sm_90a). Bugs caught: o and dO loaded as whole
+    [64, 512] rows for delta (255 regs, 432 / 404 B of spills at C4), so the fused pass no longer fits
+    where the separate one does; fuse_delta still launching `_bwd_delta` (the launcher order); a dot off
+    wgmma. Measured 2026-12-05: fused C4 204,800 B, 240 regs, 0 spills (separate: 212,992 B, 233 regs, 0)."""
+    limit = ct.SHARED_LIMIT[("cuda", 90)]
+    res = {k: r for k, r, _ in ct.check_launcher_ptxas("attention_bwd_fused_delta")}
+    dq = {k: r for k, r in res.items() if k.startswith("_bwd_dq")}
+    assert len(dq) == 4, sorted(res)      # C4 / sliding x separate / fused
+    for key, r in sorted(dq.items()):
+        print(f"cuda:90 {key}: regs {r['regs']}, spills {r['spill_stores']} / {r['spill_loads']} B, "
+              f"shared {r['shared']} B")
+        assert r["shared"] <= limit, f"{key}: {r['shared']} bytes of shared memory > {limit}"
+        assert r["wgmma"] and not r["mma_sync"] and not r["duplicated"], f"{key}: {r}"
+        if "FUSE_DELTA=True" in key:
+            sep = dq[key.replace("FUSE_DELTA=True", "FUSE_DELTA=False")]
+            assert r["spill_stores"] <= sep["spill_stores"] and r["spill_loads"] <= sep["spill_loads"], \
+                f"{key}: spills {r['spill_stores']} / {r['spill_loads']} B, separate {sep}"
+
+
+def test_fuse_delta_skips_the_delta_kernel_and_the_dq_pass_runs_first():
+    """Launch order of the wgmma backward (recorded, not run): with fuse_delta the dq pass is the first
+    launch (every later pass reads the delta it writes) and `_bwd_delta` is not launched; without, the
+    delta kernel comes first. Bug caught: the dq pass moved after the dkv / entry passes with fuse_delta on
+    (they would read an uninitialised delta; on the GPU torch.empty is often zeros, so values look plausible)."""
+    from nanoflash.kernels import attention as ka
+    target = ct.gpu_target("cuda:90")
+    names = [k.fn.__name__ for k, _, _ in ct.flash_launches(target, "attention_bwd_fused_delta")]
+    sep, fused = ["_bwd_delta", "_bwd_dq", "_bwd_dkv"], ["_bwd_dq", "_bwd_dkv"]   # C4 adds the entry pass
+    assert names == sep + ["_bwd_dcomp_rows"] + fused + ["_bwd_dcomp_rows"] + sep + fused, names
+    assert ka.HOPPER_BWD_CONFIG["dq"].get("fuse_delta", False) is False, "the default changed unmeasured"

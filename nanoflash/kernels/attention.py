@@ -14,6 +14,9 @@ softmax that starts from the sink (m = sink, l = 1), so a query with no keys ret
 Dots run on the tensor cores in the input dtype (bf16) with fp32 accumulation; p is rounded to the input
 dtype for the p.v dot (as in FlashAttention). Only o and lse [B,S,H] are saved: activation memory is
 O(S (W + k)) (the index list) instead of the reference's O(S^2) masks and logits.
+`_fwd_keys` (a config with kind="keys", FWD_KEYS_CONFIG) is the same function with the keys on the MMA's M
+dimension: s^T = k q^T [BK, heads] and o^T += k^T p^T in two head-dim halves, so on Hopper no warpgroup repeats
+another's rows (`_fwd`'s 64-row s feeds the p.v dot, and Triton then puts all 8 warps on M). Not the default.
 
 Backward (`_bwd`), with delta_h = dO_h . o_h (computed in the kernel) and ds_j = p_j (dO . k_j - delta):
 
@@ -50,6 +53,11 @@ LOG2E = math.log2(math.e)
 # B operands), so 64 heads do not fit in 227 KB there: it runs on 32 heads per program (two programs per
 # query, each adding its share of dkv), fused (one pass) -- the split dq / dkv passes measured slower.
 FWD_CONFIG = dict(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2)
+# The keys-on-M forward (`_fwd_keys`, kind="keys"): 128 keys on the MMA's M dimension, s^T = k q^T, so no
+# warpgroup computes another's rows (`_fwd`'s s [64 heads, 64 keys] feeds the p.v dot, so all 8 warps sit on
+# M = 64 and both warpgroups compute the same rows). Head dim in two halves; one stage (the 128 x 512 key
+# block alone is 128 KiB). Prepared for the H200 (bench/bench_attention.py --bwd, "+kfwd"), not the default.
+FWD_KEYS_CONFIG = dict(kind="keys", BLOCK_H=64, BLOCK_K=128, num_warps=8, num_stages=1)
 FUSED_BWD_CONFIG = dict(fused=True, dq=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),
                         dkv=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2))
 # The wgmma backward (attention_bwd.py: a dq pass, a key-major dkv pass, an entry pass), selected by
@@ -138,6 +146,68 @@ def _fwd(Q, KV, COMP, SEL, NSEL, SINK, O, LSE,
 
 
 @triton.jit
+def _fwd_keys_step(q_lo, q_hi, k_lo, k_hi, valid, m, l, acc_lo, acc_hi, scale_log2, PREC: tl.constexpr):
+    """One block of keys (two head-dim halves [BK,BD/2]) with the keys on M: s^T = k q^T [BK,BH], then
+    o^T [BD/2,BH] += k^T p^T per half. -> (m, l, acc_lo, acc_hi) updated (m, l per head)"""
+    st = tl.dot(k_hi, tl.trans(q_hi), tl.dot(k_lo, tl.trans(q_lo), input_precision=PREC), input_precision=PREC)
+    st = tl.where(valid[:, None], st * scale_log2, float("-inf"))                      # [BK,BH] log2 units
+    m_new = tl.maximum(m, tl.max(st, 0))
+    alpha = tl.exp2(m - m_new)
+    pt = tl.exp2(st - m_new[None, :])
+    ptk = pt.to(k_lo.dtype)
+    acc_lo = tl.dot(tl.trans(k_lo), ptk, acc_lo * alpha[None, :], input_precision=PREC)
+    acc_hi = tl.dot(tl.trans(k_hi), ptk, acc_hi * alpha[None, :], input_precision=PREC)
+    return m_new, l * alpha + tl.sum(pt, 0), acc_lo, acc_hi
+
+
+@triton.jit
+def _fwd_keys(Q, KV, COMP, SEL, NSEL, SINK, O, LSE,
+              sq_b, sq_s, sq_h, skv_b, skv_s, sc_b, sc_c, ss_b, ss_s, sn_b,
+              S, H, D, W, scale_log2,
+              HAS_COMP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+              PREC: tl.constexpr):
+    """`_fwd` with the keys on the MMA's M dimension (same grid, same o and lse): the accumulator is o^T
+    [BD,BH] in two halves, the softmax statistics run down the key axis (axis 0)."""
+    HD: tl.constexpr = BLOCK_D // 2
+    pid = tl.program_id(0).to(tl.int64)
+    b, t = pid // S, pid % S
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_k, offs_lo = tl.arange(0, BLOCK_K), tl.arange(0, HD)
+    offs_hi = HD + offs_lo
+    mask_h, mask_lo, mask_hi = offs_h < H, offs_lo < D, offs_hi < D
+    q_row = Q + b * sq_b + t * sq_s + offs_h[:, None] * sq_h
+    q_lo = tl.load(q_row + offs_lo[None, :], mask=mask_h[:, None] & mask_lo[None, :], other=0.0)   # [BH,BD/2]
+    q_hi = tl.load(q_row + offs_hi[None, :], mask=mask_h[:, None] & mask_hi[None, :], other=0.0)
+    m = tl.load(SINK + offs_h, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
+    l = tl.full([BLOCK_H], 1.0, tl.float32)                                            # the sink's exp(0)
+    acc_lo = tl.zeros([HD, BLOCK_H], tl.float32)                                       # o^T, head-dim halves
+    acc_hi = tl.zeros([HD, BLOCK_H], tl.float32)
+    for start in range(tl.maximum(t - W + 1, 0), t + 1, BLOCK_K):                     # window: rows of kv
+        rows = start + offs_k
+        valid = rows <= t
+        row = KV + b * skv_b + rows.to(tl.int64)[:, None] * skv_s
+        k_lo = tl.load(row + offs_lo[None, :], mask=valid[:, None] & mask_lo[None, :], other=0.0)   # [BK,BD/2]
+        k_hi = tl.load(row + offs_hi[None, :], mask=valid[:, None] & mask_hi[None, :], other=0.0)
+        m, l, acc_lo, acc_hi = _fwd_keys_step(q_lo, q_hi, k_lo, k_hi, valid, m, l, acc_lo, acc_hi, scale_log2, PREC)
+    if HAS_COMP:
+        n_sel = tl.load(NSEL + b * sn_b + t)
+        for start in range(0, n_sel, BLOCK_K):                                         # selection: rows of comp
+            valid = start + offs_k < n_sel
+            j = tl.load(SEL + b * ss_b + t * ss_s + start + offs_k, mask=valid, other=0).to(tl.int64)
+            row = COMP + b * sc_b + j[:, None] * sc_c
+            k_lo = tl.load(row + offs_lo[None, :], mask=valid[:, None] & mask_lo[None, :], other=0.0)
+            k_hi = tl.load(row + offs_hi[None, :], mask=valid[:, None] & mask_hi[None, :], other=0.0)
+            m, l, acc_lo, acc_hi = _fwd_keys_step(q_lo, q_hi, k_lo, k_hi, valid, m, l, acc_lo, acc_hi, scale_log2,
+                                                  PREC)
+    o_col = O + b * sq_b + t * sq_s + offs_h[None, :] * sq_h                          # o^T: [d, h]
+    tl.store(o_col + offs_lo[:, None], (acc_lo / l[None, :]).to(O.dtype.element_ty),
+             mask=mask_lo[:, None] & mask_h[None, :])
+    tl.store(o_col + offs_hi[:, None], (acc_hi / l[None, :]).to(O.dtype.element_ty),
+             mask=mask_hi[:, None] & mask_h[None, :])
+    tl.store(LSE + pid * H + offs_h, m + tl.log2(l), mask=mask_h)                      # log2 units
+
+
+@triton.jit
 def _bwd_step(q, do, k, valid, kmask, lse, delta, dq, dst, scale, scale_log2, DO_DQ: tl.constexpr,
               DO_DKV: tl.constexpr, PREC: tl.constexpr):
     """One block of keys: dq += ds.k (returned); dkv rows at `dst` += p^T.dO + scale ds^T.q (atomics)."""
@@ -195,9 +265,11 @@ def _bwd(Q, KV, COMP, SEL, NSEL, O, DO, LSE, DQ, DKV, DCOMP, DELTA,
 
 
 def _blocks(H: int, D: int, cfg: dict) -> dict:
-    """The launch config, shrunk to the problem (tests use a few heads of small dim)."""
+    """The launch config, shrunk to the problem (tests use a few heads of small dim). A "keys" forward splits
+    the head dim in halves, each at least MIN_DOT wide."""
     bh = max(MIN_DOT, min(cfg["BLOCK_H"], triton.next_power_of_2(H)))
-    return dict(cfg, BLOCK_H=bh, BLOCK_D=max(MIN_DOT, triton.next_power_of_2(D)))
+    bd = max(MIN_DOT * (2 if cfg.get("kind") == "keys" else 1), triton.next_power_of_2(D))
+    return dict({k: v for k, v in cfg.items() if k != "kind"}, BLOCK_H=bh, BLOCK_D=bd)
 
 
 def _strides(q, kv, comp, sel, n_sel):
@@ -218,15 +290,18 @@ def launch_configs(target) -> tuple[dict, dict]:
 
 
 def attention_forward(q, kv, comp, sel, n_sel, sink, scale: float, window: int, config=None):
-    """Launch `_fwd`. -> o [B,S,H,Dh], lse [B,S,H] fp32 in log2 units"""
+    """Launch `_fwd` (or `_fwd_keys` for a config with kind="keys"). -> o [B,S,H,Dh], lse [B,S,H] fp32 in log2
+    units"""
     B, S, H, D = q.shape
     target = tgt.device_target(q.device)
-    cfg = _blocks(H, D, config or launch_configs(target)[0])
+    config = config or launch_configs(target)[0]
+    kernel = _fwd_keys if config.get("kind") == "keys" else _fwd
+    cfg = _blocks(H, D, config)
     o = torch.empty_like(q)
     lse = torch.empty(B, S, H, device=q.device, dtype=torch.float32)
     dummy = kv  # never read when there is no selection (HAS_COMP=False)
     grid = (B * S, triton.cdiv(H, cfg["BLOCK_H"]))
-    _fwd[grid](q, kv, comp if comp is not None else dummy, sel if sel is not None else dummy,
+    kernel[grid](q, kv, comp if comp is not None else dummy, sel if sel is not None else dummy,
                n_sel if n_sel is not None else dummy, sink, o, lse, *_strides(q, kv, comp, sel, n_sel),
                S, H, D, window, scale * LOG2E, HAS_COMP=comp is not None, PREC=tgt.dot_precision(q.dtype, target),
                **cfg)

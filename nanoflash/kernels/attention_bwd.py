@@ -11,7 +11,8 @@ dq [64 heads, 512] and a dkv [64 keys, 512] accumulator in fp32 registers (2 x 1
 and a query-major dkv contracts over only one query's 64 heads before each fp32 atomic write (2 KiB per key
 per query). So each pass owns one accumulator and every dot runs on wgmma (M = 64 rows per warpgroup):
 
-    _bwd_delta        delta = rows of o . dO (fp32).
+    _bwd_delta        delta = rows of o . dO (fp32). With cfg["dq"]["fuse_delta"] the dq pass (the first) computes
+                      and writes it instead, one launch and one read of dO fewer.
     _bwd_dq           QUERY-major, program = (query, 64 heads): dq [64,512] += ds k over the window rows and
                       the selected entries, keys streamed in blocks of BLOCK_K (the forward's loop).
     _bwd_dkv          KEY-major, program = (block of BLOCK_K keys, chunk of the queries that see them): the
@@ -54,6 +55,7 @@ from nanoflash.kernels import target as tgt
 MIN_DOT = 16          # tl.dot needs every dimension >= 16
 WORD_BITS = 64        # one int64 word per (query, entry block): BLOCK_K of the entry pass is at most this
 DELTA_ROWS = 16       # rows of o . dO per program of _bwd_delta
+DELTA_COLS = 64       # head-dim slice of the dq pass's fused delta (fuse_delta=True; 16 also spills nothing)
 
 
 @triton.jit
@@ -94,13 +96,15 @@ def _dq_step(x, k, valid, lse, delta, dq, scale_log2, BH: tl.constexpr, BK: tl.c
 
 
 @triton.jit
-def _bwd_dq(Q, KV, COMP, SEL, NSEL, DO, LSE, DELTA, DQ,
+def _bwd_dq(Q, KV, COMP, SEL, NSEL, DO, O, LSE, DELTA, DQ,
             sq_b, sq_s, sq_h, skv_b, skv_s, sc_b, sc_c, ss_b, ss_s, sn_b,
             S, H, D, W, scale, scale_log2,
-            HAS_COMP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-            PREC: tl.constexpr):
+            HAS_COMP: tl.constexpr, FUSE_DELTA: tl.constexpr, DELTA_COLS: tl.constexpr, BLOCK_H: tl.constexpr,
+            BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
     """Query-major dq: program (b * S + t, head block) holds X (its q, dO rows) and dq [BH, D], streams the
-    window rows of kv and the selected rows of comp in blocks of BLOCK_K (as `attention._fwd`)."""
+    window rows of kv and the selected rows of comp in blocks of BLOCK_K (as `attention._fwd`).
+    FUSE_DELTA: delta = rows of o . dO is computed here (before the loop) and written to DELTA for the passes
+    after this one, instead of read from `_bwd_delta`'s output (O has q's strides)."""
     pid = tl.program_id(0).to(tl.int64)
     b, t = pid // S, pid % S
     h0 = tl.program_id(1) * BLOCK_H
@@ -110,7 +114,17 @@ def _bwd_dq(Q, KV, COMP, SEL, NSEL, DO, LSE, DELTA, DQ,
     base = b * sq_b + t * sq_s
     x = _rows(Q, DO, base, tl.arange(0, 2 * BLOCK_H), h0, H, sq_h, offs_d, mask_d)      # [2BH,BD]
     lse = tl.load(LSE + pid * H + offs_h, mask=mask_h, other=0.0)
-    delta = tl.load(DELTA + pid * H + offs_h, mask=mask_h, other=0.0)
+    if FUSE_DELTA:   # in head-dim slices of DELTA_COLS: whole [BH, BD] o and dO rows would spill registers
+        delta = tl.zeros([BLOCK_H], tl.float32)
+        offs_c = tl.arange(0, DELTA_COLS)
+        for d0 in range(0, D, DELTA_COLS):
+            off = base + offs_h[:, None] * sq_h + d0 + offs_c[None, :]
+            mask_hc = mask_h[:, None] & (d0 + offs_c < D)[None, :]
+            o = tl.load(O + off, mask=mask_hc, other=0.0).to(tl.float32)
+            delta += tl.sum(o * tl.load(DO + off, mask=mask_hc, other=0.0).to(tl.float32), 1)   # [BH]
+        tl.store(DELTA + pid * H + offs_h, delta, mask=mask_h)
+    else:
+        delta = tl.load(DELTA + pid * H + offs_h, mask=mask_h, other=0.0)
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for start in range(tl.maximum(t - W + 1, 0), t + 1, BLOCK_K):                     # window: rows of kv
         rows = start + offs_k
@@ -292,17 +306,20 @@ def _kcfg(cfg: dict) -> dict:
 
 def attention_backward_wgmma(do, q, kv, comp, sel, n_sel, o, lse, scale: float, window: int, cfg: dict):
     """The passes of the module docstring. -> dq, dkv, dcomp (or None), delta [B,S,H]
-    cfg: dq=dict(BLOCK_H, BLOCK_K, num_warps, num_stages), dkv=dict(BLOCK_K, BLOCK_R, num_warps, num_stages,
-    programs, min_chunk), comp=dict(BLOCK_K, BLOCK_R, num_warps, num_stages, chunk, comp_mode, keys_min_fill,
-    rows=dict(BLOCK_H, BLOCK_K, num_warps, num_stages))."""
+    cfg: dq=dict(BLOCK_H, BLOCK_K, num_warps, num_stages[, fuse_delta]), dkv=dict(BLOCK_K, BLOCK_R, num_warps,
+    num_stages, programs, min_chunk), comp=dict(BLOCK_K, BLOCK_R, num_warps, num_stages, chunk, comp_mode,
+    keys_min_fill, rows=dict(BLOCK_H, BLOCK_K, num_warps, num_stages))."""
     q, do, o = (t.contiguous() for t in (q, do, o))   # _bwd_delta and _rows index q, dO, o alike
     B, S, H, D = q.shape
     prec = tgt.dot_precision(q.dtype, tgt.device_target(q.device))
     BD = max(MIN_DOT, triton.next_power_of_2(D))
     scale_log2 = scale * 1.4426950408889634
     delta = torch.empty(B, S, H, device=q.device, dtype=torch.float32)
-    _bwd_delta[(triton.cdiv(B * S * H, DELTA_ROWS),)](o, do, delta, B * S * H, D, BLOCK_R=DELTA_ROWS, BLOCK_D=BD)
-    dq = _dq_pass(do, q, kv, comp, sel, n_sel, lse, delta, scale, scale_log2, window, prec, BD, cfg["dq"])
+    fuse = cfg["dq"].get("fuse_delta", False)
+    if not fuse:
+        _bwd_delta[(triton.cdiv(B * S * H, DELTA_ROWS),)](o, do, delta, B * S * H, D, BLOCK_R=DELTA_ROWS, BLOCK_D=BD)
+    # the dq pass runs first: with fuse_delta it writes delta, which every later pass reads
+    dq = _dq_pass(do, q, kv, comp, sel, n_sel, lse, delta, scale, scale_log2, window, prec, BD, cfg["dq"], o)
     dkv = _key_major(q, do, lse, delta, kv, None, scale, scale_log2, window, prec, BD, cfg["dkv"])
     dcomp = None
     if comp is not None and comp_mode(cfg["comp"], sel, comp.shape[1]) == "keys":
@@ -312,8 +329,11 @@ def attention_backward_wgmma(do, q, kv, comp, sel, n_sel, o, lse, scale: float, 
     return dq, dkv, dcomp, delta
 
 
-def _dq_pass(do, q, kv, comp, sel, n_sel, lse, delta, scale, scale_log2, window, prec, BD, qc):
-    """Launch `_bwd_dq`. -> dq in q's dtype"""
+def _dq_pass(do, q, kv, comp, sel, n_sel, lse, delta, scale, scale_log2, window, prec, BD, qc, o=None):
+    """Launch `_bwd_dq`; with qc["fuse_delta"] it also writes delta from o (contiguous, as q). -> dq in q's dtype"""
+    fuse = qc.get("fuse_delta", False)
+    if fuse and o is None:
+        raise ValueError("attention backward: the dq pass needs o to compute delta (fuse_delta=True)")
     B, S, H, D = q.shape
     bh = max(MIN_DOT, min(qc["BLOCK_H"], triton.next_power_of_2(H)))
     cs = (comp.stride(0), comp.stride(1)) if comp is not None else (0, 0)
@@ -322,9 +342,10 @@ def _dq_pass(do, q, kv, comp, sel, n_sel, lse, delta, scale, scale_log2, window,
     dq = torch.empty_like(q)
     _bwd_dq[(B * S, triton.cdiv(H, bh))](
         q, kv, comp if comp is not None else kv, sel if sel is not None else kv, n_sel if n_sel is not None else kv,
-        do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), *cs, *ss, *ns,
-        S, H, D, window, scale, scale_log2, HAS_COMP=comp is not None, PREC=prec,
-        **dict(_kcfg(qc), BLOCK_H=bh, BLOCK_D=BD))
+        do, o if fuse else do, lse, delta, dq, q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+        *cs, *ss, *ns,
+        S, H, D, window, scale, scale_log2, HAS_COMP=comp is not None, FUSE_DELTA=fuse, DELTA_COLS=DELTA_COLS,
+        PREC=prec, **dict(_kcfg(qc), BLOCK_H=bh, BLOCK_D=BD))
     return dq
 
 
