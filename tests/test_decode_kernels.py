@@ -58,7 +58,7 @@ ATTN_REL = 2e-6
 # softmax then a weighted sum, then the same norm + rope: measured <= 2.7e-7 of the max (5 seeds). A slot of the
 # wrong window, ape of another slot or a stale prev moves it by O(1).
 COMPRESS_REL = 2e-6
-INTERP_TIMEOUT_S = 600   # the cases take ~90 s on the 2-core CI box (the engine's two generations are most of it)
+INTERP_TIMEOUT_S = 600   # the cases take ~45 s together on the 2-core box (alone); 10x for a loaded CI box
 
 
 def rel(a, b) -> float:
