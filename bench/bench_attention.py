@@ -67,7 +67,7 @@ BWD_CANDIDATES = {
 }
 # Prepared, not yet measured (issue 43 item 1: fwd+bwd >= 0.25 of the ceiling at S = 8192 on C4): the Hopper
 # default with delta computed in the dq pass ("+delta", fuse_delta) and / or the keys-on-M forward ("+kfwd":
-# attention._fwd_keys, FWD_KEYS_CONFIG; "+kfwd32": 32 heads a program, fewer spills at C4 (152 B against 996 B,
+# attention._fwd_keys, FWD_KEYS_CONFIG; "+kfwd32": 32 heads a program, fewer spills at C4 (84 B against 808 B,
 # ptxas sm_90a) but each key block read by two programs). FWD_CANDIDATES: the forward each candidate runs
 # (absent: ka.FWD_CONFIG, the default).
 _DELTA = dict(ka.HOPPER_BWD_CONFIG, dq=dict(ka.HOPPER_BWD_CONFIG["dq"], fuse_delta=True))
