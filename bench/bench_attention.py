@@ -67,7 +67,7 @@ BWD_CANDIDATES = {
 }
 # Prepared, not yet measured (issue 43 item 1: fwd+bwd >= 0.25 of the ceiling at S = 8192 on C4): the Hopper
 # default with delta computed in the dq pass ("+delta", fuse_delta) and / or the keys-on-M forward ("+kfwd":
-# attention._fwd_keys, FWD_KEYS_CONFIG; "+kfwd32": 32 heads a program, fewer spills at C4 (152 B against 996 B,
+# attention._fwd_keys, FWD_KEYS_CONFIG; "+kfwd32": 32 heads a program, fewer spills at C4 (84 B against 808 B,
 # ptxas sm_90a) but each key block read by two programs). FWD_CANDIDATES: the forward each candidate runs
 # (absent: ka.FWD_CONFIG, the default).
 _DELTA = dict(ka.HOPPER_BWD_CONFIG, dq=dict(ka.HOPPER_BWD_CONFIG["dq"], fuse_delta=True))
@@ -270,12 +270,18 @@ def table(out):
 
 
 def pass_ms(cfg, q, kv, comp, sel_c, n_sel, o, lse, do) -> dict:
-    """ms of each pass of the wgmma backward under `cfg` (the entry pass both ways, and its lists)."""
+    """ms of each pass of the wgmma backward under `cfg`: the separate delta pass, the dq pass (with delta in
+    it under fuse_delta: "m128-rows+delta" is timed so too), the dkv pass, the entry pass both ways and its
+    lists."""
     from nanoflash.kernels import attention_bwd as kb
     scale, prec, BD = DH ** -0.5, "tf32", triton.next_power_of_2(DH)
     delta = kb.attention_backward_wgmma(do, q, kv, comp, sel_c, n_sel, o, lse, scale, W, cfg)[3]
     sl = scale * 1.4426950408889634
-    t = dict(dq=ms(lambda: kb._dq_pass(do, q, kv, comp, sel_c, n_sel, lse, delta, scale, sl, W, prec, BD, cfg["dq"])),
+    R = delta.numel()
+    t = dict(delta=ms(lambda: kb._bwd_delta[(triton.cdiv(R, kb.DELTA_ROWS),)](o, do, delta, R, DH,
+                                                                               BLOCK_R=kb.DELTA_ROWS, BLOCK_D=BD)),
+             dq=ms(lambda: kb._dq_pass(do, q, kv, comp, sel_c, n_sel, lse, delta, scale, sl, W, prec, BD, cfg["dq"],
+                                       o)),
              dkv=ms(lambda: kb._key_major(q, do, lse, delta, kv, None, scale, sl, W, prec, BD, cfg["dkv"])))
     if comp is not None:
         c = cfg["comp"]
@@ -327,7 +333,7 @@ def compare_backward(seqs, g, out, save):
                                fwdbwd_of_ceiling=tb / out["ceiling_tflops"], peak_mib=mem)
                     if cfg.get("kind") == "wgmma" and comp is not None:
                         row["comp_mode"] = comp_mode(cfg["comp"], sel_c, comp.shape[1])
-                    if name == "m128-keys":   # where the time goes, pass by pass
+                    if name in ("m128-keys", "m128-rows+delta"):   # where the time goes, pass by pass
                         row["pass_ms"] = pass_ms(cfg, q, kv, comp, sel_c, n_sel, o, lse, do)
                 except Exception as e:   # out of resources on this GPU: recorded, the next candidate runs
                     row["error"] = repr(e)[:300]

@@ -238,6 +238,17 @@ def case_model_seam(g):
             assert rel_err(mine, ref) <= FP32_TOL, f"layer {lid} {n}: relative error {rel_err(mine, ref):.2e}"
 
 
+def case_the_tree_under_test(g):
+    """The subprocess imports the nanoflash of this checkout (tests/interp.py puts it first on PYTHONPATH).
+    Bug caught (planted: the PYTHONPATH line removed, run from a git worktree): the script's sys.path starts
+    at tests/, so the editable install's checkout was imported and every case above tested that one."""
+    import os
+    import nanoflash
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    got = os.path.dirname(os.path.dirname(os.path.abspath(nanoflash.__file__)))
+    assert got == root, f"the interpreter cases import nanoflash from {got}, not from this tree {root}"
+
+
 CASES = {n: f for n, f in dict(globals()).items() if n.startswith("case_")}
 
 

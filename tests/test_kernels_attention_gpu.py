@@ -117,7 +117,7 @@ def test_keys_forward_and_fused_delta_real_geometry(kind, monkeypatch):
     (attention._fwd_keys, FWD_KEYS_CONFIG) and the Hopper backward with delta in the dq pass (fuse_delta) at
     the real geometry, against the same reference and tolerances. Catches what the interpreter cannot: a
     128 x 512 key block or the fused dq pass not fitting the H200 (shared memory, registers), the o^T store's
-    layout at 64 heads, the spills (996 B stored at C4, tests/test_kernels_compile_targets.py) costing
+    layout at 64 heads, the spills (808 B stored at C4, tests/test_kernels_compile_targets.py) costing
     correctness nowhere."""
     from nanoflash.kernels import attention as ka
     hop = ka.HOPPER_BWD_CONFIG
