@@ -245,10 +245,14 @@ def _check_compressor_step(cfg, B: int, device, gen):
             fin = torch.isfinite(b)
             assert a.shape == b.shape and torch.equal(fin, torch.isfinite(a)), (ratio, name)
             assert rel(a[fin], b[fin]) <= COMPRESS_REL, (ratio, rotate, name, rel(a[fin], b[fin]))
-        with torch.no_grad():                       # no row's window ends: no entry, prev kept
+        with torch.no_grad():                       # no row's window ends: no entry, prev kept, the state shifted
             pos = torch.tensor([ratio * k for k in range(B)])
+            _, want_state = comp.step_rows(x, pos, state)
             got, got_state = comp.decode_step(x, DecodeStep(cfg, pos, device), state)
         assert got is None and got_state.prev_kv is state.prev_kv, (ratio, "no window ends")
+        for name in ("kv", "score"):
+            a, b = getattr(got_state, name), getattr(want_state, name)
+            assert a.shape == b.shape and rel(a, b) <= COMPRESS_REL, (ratio, rotate, name, "no window ends")
 
 
 def case_compressor_step_equals_step_rows(gen):
@@ -348,7 +352,7 @@ def case_decode_steps_with_rows_leaving_and_joining(gen):
     compressor state or entry written for a row whose window did not end, the C4 "Ca" window not carried per
     row, entries appended in the wrong slot, the cache's window not cut to W-1 (each shows in the caches before
     the logits), the top-k skipped when the batch holds more entries than index_topk, the `ape` row of the
-    slot after the token's (`WindowEnds.slot`)."""
+    slot after the token's."""
     built, real, top_k, real_top = [0], DecodeStep.__init__, [0], Indexer.top_k
 
     def counted(self, *a, **k):

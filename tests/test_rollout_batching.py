@@ -34,9 +34,9 @@ GPU_DLOGP_TOL, GPU_SAME_SAMPLES = 1e-3, 0.9
 # other GEMM shapes leave room to 1e-4 of the logits' max, while a wrong comb, weight or row moves them by > 1e-2.
 GPU_DECODE_REL = 1e-4
 # Device ops (kernels, copies) of a decode step, seam / reference: 0.093 of the aten ops + Triton launches on the
-# CPU profile with the one-token step path (`Block.decode_step`: 452 / 4883), 0.34 with only the fused mHC and
-# dense experts (docs/results/launches_small_cpu.json); 0.25 leaves the step's extra device copies (einsum's
-# permutes, index_put, pad) 2.5x while a step that left the step path fails.
+# CPU profile with the one-token step path (`Block.decode_step`: 452 / 4883, docs/results/launches_small_cpu.json),
+# 0.34 with only the fused mHC and dense experts (1,643, docs/benchmarks.md); 0.25 leaves the step's extra device
+# copies (einsum's permutes, index_put, pad) 2.5x while a step that left the step path fails.
 GPU_DECODE_KERNELS = 0.25
 
 

@@ -61,7 +61,7 @@ from nanoflash.rl import collector, data, trainer
 from nanoflash.sglang.buckets import optimizer_storage
 import importlib
 
-from experiments.h200 import synth
+from experiments.h200 import curriculum, synth
 from nanoflash import grpo
 from nanoflash.checkpoint import save_hf_checkpoint
 from nanoflash.cli import parse_args
@@ -147,7 +147,8 @@ def cmd_sft(a, overrides):
     """Phase 1 (`worked`): worked demonstrations only, until validation pass@1 reaches --target or --max-seconds
     pass. Phase 2 (`glance`, at --glance-lr): demonstrations worked with probability --glance-share, else at a
     glance (synth.sft_pairs), until P(worked) on the validation prompts is at most --worked-max, checked every step
-    (at most --glance-steps): a warm start that can work sums out but seldom does (synth's docstring)."""
+    (at most --glance-steps, and --glance-seconds when given): a warm start that can work sums out but seldom does
+    (synth's docstring)."""
     cfg = parse_args(["--recipe", RECIPE, *overrides])
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -181,7 +182,7 @@ def cmd_sft(a, overrides):
         print(json.dumps(curve[-1]), flush=True)
         return row
 
-    def step(share: float, lr: float, probs: list = None, k: int = 0, at: int = 0) -> float:
+    def step(share: float, lr: float, probs: list | None = None, k: int = 0, at: int = 0) -> float:
         probs, k, at = probs or sft_train, k or i, at or i               # k: the step within `probs`' phase
         opt.lr = lr * min(1.0, at / SFT_LR_WARMUP)
         batch = [probs[((k - 1) * a.batch + j) % len(probs)] for j in range(a.batch)]
@@ -189,7 +190,7 @@ def cmd_sft(a, overrides):
 
     cur = None
     if a.curriculum:                                                     # phase 1 as a curriculum of families
-        cur, sft_train = run_curriculum(a, module, actor, tok, step, curve, t0, cfg.train.seed)
+        cur, sft_train, nll = run_curriculum(a, module, actor, tok, step, curve, t0, cfg.train.seed)
         i = sum(r["steps"] for r in cur)
         last = next(r for r in reversed(cur) if r["ended"] != "not_reached")
         why["worked"] = f"curriculum: {last['family']} {last['why']}"
@@ -201,20 +202,26 @@ def cmd_sft(a, overrides):
         elif time.time() - t0 > a.max_seconds:
             why["worked"] = f"time limit {a.max_seconds}s at step {i}"
     why.setdefault("worked", f"max steps {a.max_steps}")
+    t_glance = time.time()
     for _ in range(a.glance_steps):                                      # phase 2: mostly at a glance
         i += 1
         nll = step(a.glance_share, a.glance_lr)
         if check("glance", False)["p_worked"] <= a.worked_max:
             why["glance"] = f"P(worked) <= {a.worked_max} at step {i}"
             break
+        if a.glance_seconds and time.time() - t_glance >= a.glance_seconds:
+            why["glance"] = f"glance seconds {a.glance_seconds:g} spent at step {i}"
+            break
     why.setdefault("glance", f"max glance steps {a.glance_steps}")
     final = check("final", True)
     t1 = time.time()
     info = save_hf_checkpoint(actor.model, a.out, weights="fp8", experts="fp8")
-    res = {"steps": i, "stopped": why, "final": final, "sft_s": round(t1 - t0, 1), "save_s": round(time.time() - t1, 1),
-           "lr": a.lr, "glance_lr": a.glance_lr, "batch": a.batch, "target": a.target, "glance_share": a.glance_share,
-           "worked_max": a.worked_max, "val_problems": a.val_problems, "check_every": a.check_every,
-           **({"curriculum_spec": a.curriculum, "curriculum": cur} if cur is not None else {}), "curve": curve, "params": actor.model.full_params, "files": info.get("files")}
+    res = {"steps": i, "stopped": why, "final": final, "sft_s": round(t1 - t0, 1),
+           "save_s": round(time.time() - t1, 1), "lr": a.lr, "glance_lr": a.glance_lr, "batch": a.batch,
+           "glance_share": a.glance_share, "glance_seconds": a.glance_seconds, "worked_max": a.worked_max,
+           "val_problems": a.val_problems, "check_every": a.check_every,
+           **({"curriculum_spec": a.curriculum, "curriculum": cur} if cur is not None else {"target": a.target}),
+           "curve": curve, "params": actor.model.full_params, "files": info.get("files")}
     with open(os.path.join(a.out, "sft.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps({k: v for k, v in res.items() if k != "curve"}), flush=True)
@@ -224,8 +231,8 @@ def run_curriculum(a, module, actor, tok, step, curve: list, t0: float, seed: in
     """Phase 1 of `cmd_sft` as `--curriculum` schedules it (experiments/h200/curriculum.py): each phase's worked
     demonstrations from its family's train split, its checks on --val-problems of that family's val split,
     teacher-forced (`forced_accuracy`). `step(share, lr, probs, k, at)`: cmd_sft's step k of `probs`, the SFT's
-    step `at` (the learning-rate warm-up). -> (the phases' records, the last phase's train problems: phase 2's)."""
-    from experiments.h200 import curriculum
+    step `at` (the learning-rate warm-up). -> (the phases' records, the last phase's train problems: phase 2's,
+    the last step's loss)."""
     phases = curriculum.parse(a.curriculum, getattr(module, "FAMILIES", {}))
     train = {ph.family: module.problems(ph.family, "train", seed=seed) for ph in phases}
     val = {ph.family: module.problems(ph.family, "val")[:a.val_problems] for ph in phases}
@@ -242,10 +249,12 @@ def run_curriculum(a, module, actor, tok, step, curve: list, t0: float, seed: in
         print(json.dumps(curve[-1]), flush=True)
         return acc["all"]
 
-    log = lambda rec: print(json.dumps({"curriculum_phase": rec}), flush=True)  # noqa: E731
+    def log(rec):
+        print(json.dumps({"curriculum_phase": rec}), flush=True)
+
     recs = curriculum.run(phases, train_step, accuracy, a.max_seconds, a.max_steps, a.check_every, log=log)
     last = next(r for r in reversed(recs) if r["ended"] != "not_reached")
-    return recs, train[last["family"]]
+    return recs, train[last["family"]], state["nll"]
 
 
 def cmd_calibrate(a, overrides):
@@ -416,6 +425,8 @@ def main(argv=None):
                     "0.088, with worked chains right at most 0.42 of the time after phase 2 (run 5); 0.6 aims at "
                     "~0.15-0.2 (experiments/h200/README.md, run 5)")
     ap.add_argument("--glance-steps", type=int, default=60, help="phase 2: at most this many steps")
+    ap.add_argument("--glance-seconds", type=float, default=0.0, help="phase 2: at most this long (0: no limit; "
+                    "the long run's glance checks 32 long prompts a step, ~2.4 s a step in its first hold)")
     ap.add_argument("--glance-lr", type=float, default=3e-5, help="phase 2's learning rate: at 1e-4 (run 4) P(worked) "
                     "went 0.99 -> 0.47 -> 0.085 in two steps, past --worked-max")
     ap.add_argument("--sft-data", default="", help="the SFT's problems (py:experiments.h200.<module>:<family>:"
@@ -426,7 +437,7 @@ def main(argv=None):
     ap.add_argument("--check-every", type=int, default=CHECK_EVERY, help="SFT steps between validation checks")
     ap.add_argument("--val-problems", type=int, default=VAL_PROBLEMS, help="validation problems per check")
     ap.add_argument("--curriculum", default="", help="phase 1 as a schedule of families, e.g. "
-                    "factsnear:acc=0.6:s=100,factsmid:acc=0.5:s=70,factssft:acc=0.5 (experiments/h200/curriculum.py);"
+                    "factsnear:acc=0.6:s=90,factsmid:acc=0.5:s=60,factssft (experiments/h200/curriculum.py);"
                     " --sft-data names the module, --max-seconds caps the whole schedule")
     ap.add_argument("--task", default="py:experiments.h200.synth:sum4:train", help="warmup: whose prompts")
     ap.add_argument("--max-steps", type=int, default=400)

@@ -13,8 +13,8 @@
 #   bash experiments/h200/grpo_h200.sh dry
 # The long-context run (issue 42) is the same pipeline with H20_TASK=long (go, dry, collect alike): the task of
 # experiments/h200/longctx.py (two facts at the start of a 2-4K-token prompt, ~2/3 of the scored tokens at
-# positions >= 2048), its short-heavy SFT with a teacher-forced stopping rule, 40 GRPO steps of 4 prompts x 8
-# (lr 1e-5 after 5 steps of warm-up), the live checks of instruments.live:LiveChecksLong (the FP8 floor with
+# positions >= 2048), its curriculum SFT (near -> mid -> the short-heavy mix, teacher-forced checks), 40 GRPO
+# steps of 4 prompts x 8 (lr 1e-5 after 5 steps of warm-up), the live checks of instruments.live:LiveChecksLong (the FP8 floor with
 # SGLang's FP8 index scores, the floor per position band, the C4 top-k agreement), evals of 64 held-out problems
 # x 8 at steps 0 / 20 / 40, then the parity table on 2-4K prompts of the same task. `diagnose` (H20_DIAGNOSE=1 runs it after the parity) restarts
 # SGLang with its tensor dump and top-k report on the warm start and names the module where it leaves nanoflash
@@ -237,9 +237,9 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3 --glance-steps 2"
   if [ "$LONG" = 1 ]; then   # a curriculum of families, easy to hard (curriculum.py), teacher-forced checks
     local fam=${H20_FAMILY:-facts} sftfam=factssft; [ "$MODE" = dry ] && fam=factsdry sftfam=factsdry
-    local cur=${H20_CURRICULUM:-factsnear:acc=0.6:s=100,factsmid:acc=0.5:s=70,factssft:acc=0.5}
     [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-240} --batch ${H20_SFT_BATCH:-64} --val-problems 32"
-    [ "$MODE" = gpu ] && sft="$sft --check-every 10 --curriculum $cur"
+    # the glance phase checks 32 long prompts a step (~2.4 s a step in the first hold): capped at 40 s
+    [ "$MODE" = gpu ] && sft="$sft --check-every 10 --curriculum $(curriculum_spec) --glance-seconds 40"
     # the phases' seconds end the SFT, not the default 400 steps: a near-only step is a fraction of a factssft one
     [ "$MODE" = gpu ] && sft="$sft --max-steps 2000"
     [ "$MODE" = dry ] && sft="$sft --curriculum factscpu:acc=1:steps=2,factscpumid:acc=1 --check-every 2 --val-problems 4"
@@ -249,6 +249,9 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   [ "$MODE" = gpu ] && [ "$LONG" = 1 ] && { server_up || { echo "FAILED server start"; touch $W/DONE; exit 1; }; }
   stamp sft; $PY experiments/h200/grpo_h200.py sft --out $W/warm $sft $(overrides) || { echo "FAILED sft"; touch $W/DONE; exit 1; }
   touch $W/SFT_DONE
+  # the sums task's SFT ran beside the booting server: a server that died at boot is started once more now,
+  # not found by the warm-up's 900 s wait and then train.py's health timeout
+  [ "$MODE" = gpu ] && [ "$LONG" = 0 ] && { server_up || { echo "FAILED server start"; touch $W/DONE; exit 1; }; }
   # $W/HOLD: another job shares the GPU while SGLang boots (bench/gpu_round3.sh); GRPO starts once it is gone
   local end=$((SECONDS + ${H20_HOLD_MAX:-600})); while [ -e $W/HOLD ] && [ $SECONDS -lt $end ]; do sleep 2; done
   end=$((SECONDS + ${H20_WARMUP_MAX:-900})); while [ ! -e $W/WARMUP_DONE ] && [ $SECONDS -lt $end ]; do sleep 2; done
@@ -257,11 +260,11 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   if [ "${H20_COMPARE:-0}" = 1 ]; then compare_runs; touch $W/DONE; stamp done; return; fi
   stamp train; $PY train.py --recipe experiments/h200/h200.txt --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
     $(overrides) & local tp=$!
-  # H20_GRPO_DEADLINE_S (the long run: 870, README's budget + 30 s): Ctrl-C for train.py that long after it
-  # started, so a run slower than the budget still leaves the hold time for the report and the parity (its
-  # steps so far are all logged; the last eval point may then be missing)
-  local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=870
-  [ -n "$dl" ] && ( sleep $dl; kill -0 $tp 2>/dev/null && { echo "=== $(date +%T) GRPO deadline ${dl}s: SIGINT"; kill -INT $tp; } ) &
+  # the long run's deadline: Ctrl-C for train.py once the hold (H20_HOLD_S from `go`) has only the report, the
+  # parity and the collect left (150 s), whatever ran late before it, so they still run (its steps so far are all
+  # logged; the last eval point may then be missing); H20_GRPO_DEADLINE_S: seconds from train.py's start instead
+  local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=$(hold_left 150)
+  [ -n "$dl" ] && deadline $tp $dl
   wait $tp || echo "FAILED train (or stopped at the deadline)"
   touch $W/TRAIN_DONE; stamp report
   report
@@ -312,7 +315,10 @@ compare_runs() {  # issue 41: synchronous, then one step off, from the same warm
   for mode in sync async; do
     local extra=""; [ $mode = async ] && extra="--rollout.async true --eval.before_train false"
     stamp "train $mode"; echo "$mode $(date +%s.%N)" >> $W/windows.txt
-    $PY train.py --recipe experiments/h200/h200.txt --out $W/run_$mode $common $(overrides) $extra || echo "FAILED train $mode"
+    $PY train.py --recipe experiments/h200/h200.txt --out $W/run_$mode $common $(overrides) $extra & local tp=$!
+    # on the GPU each run ends, at the latest, where the hold has only the comparison and the collect left
+    [ "$MODE" = gpu ] && deadline $tp $(hold_left 60)
+    wait $tp || echo "FAILED train $mode (or stopped at the deadline)"
     echo "$mode $(date +%s.%N)" >> $W/windows.txt
   done
   touch $W/TRAIN_DONE; stamp compare
@@ -326,6 +332,23 @@ gpu_sampler() {  # GPU utilisation and memory every second while the compared ru
   done
 }
 stamp() { echo "=== $(date +%T) $1"; }  # the pipeline's phases, timed in pipeline.log
+# the hold: H20_HOLD_S (1,440 s: README's budget of one hold) from `go` ($W/T0); the GPU runs end by it
+hold_left() {  # seconds of the hold left after reserving $1 (never below 1)
+  local t0; t0=$(cat $W/T0 2> /dev/null || date +%s)
+  local left=$(( t0 + ${H20_HOLD_S:-1440} - $1 - $(date +%s) )); [ $left -lt 1 ] && left=1; echo $left
+}
+deadline() {  # Ctrl-C for pid $1 after $2 seconds, if it still runs (train.py stops at once, its steps logged)
+  ( sleep $2; kill -0 $1 2> /dev/null && { echo "=== $(date +%T) deadline ${2}s: SIGINT"; kill -INT $1; } ) &
+}
+# the long run's SFT schedule (experiments/h200/curriculum.py: a phase's seconds count from the end of its first
+# step, whose compiles are not the phase's; the last phase runs to --max-seconds, H20_SFT_S)
+curriculum_spec() { echo "${H20_CURRICULUM:-factsnear:acc=0.6:s=90,factsmid:acc=0.5:s=60,factssft}"; }
+check_spec() {  # a bad H20_CURRICULUM fails in seconds at `go` (and in the dry run), not 4-5 minutes into a hold
+  [ "$LONG" = 1 ] || return 0
+  local spec; spec=$(curriculum_spec)
+  (cd "$R" && $PY -c "import sys; from experiments.h200 import curriculum as c, longctx as l
+c.parse(sys.argv[1], l.FAMILIES)" "$spec") || { echo "FAILED: H20_CURRICULUM $spec" >&2; exit 1; }
+}
 report() {
   $PY "$R/experiments/h200/grpo_h200.py" report --run $W/run --out $W/report --sft $W/warm/sft.json --parity $W/parity.json \
     || echo "FAILED report"
@@ -372,7 +395,7 @@ jit_only() {  # $1: seconds; a hold that only fills the compile caches (no SFT, 
 }
 case "${1:-}" in
   go) snapshot && exec bash $W/repo/experiments/h200/grpo_h200.sh go_here ;;
-  go_here) gpu_env; install && start ;;
+  go_here) gpu_env; date +%s > $W/T0; check_spec && install && start ;;
   pipeline_gpu) gpu_env; pipeline ;;
   pipeline_dry) dry_env; pipeline ;;
   poll) poll "${2:-540}" ;;
@@ -380,7 +403,7 @@ case "${1:-}" in
   diagnose) [ -d $W/repo ] && R=$W/repo; cd "$R"; gpu_env; diagnose ;;
   collect) [ -d $W/repo ] && R=$W/repo; [ -d /tmp/site ] && gpu_env || dry_env; collect ;;
   dry) snapshot checkout && exec bash $W/repo/experiments/h200/grpo_h200.sh dry_here "${2:-1800}" ;;
-  dry_here) dry_env; rm -rf $W/DONE $W/TRAIN_DONE $W/SFT_DONE $W/watchdog.log $W/run $W/run_sync $W/run_async $W/warm $W/report
+  dry_here) dry_env; check_spec; rm -rf $W/DONE $W/TRAIN_DONE $W/SFT_DONE $W/watchdog.log $W/run $W/run_sync $W/run_async $W/warm $W/report
        start && poll "${2:-1800}"
        kill "$(cat $W/server.pid)" 2>/dev/null; tail -n 30 $W/pipeline.log ;;
   *) echo "usage: [H20_TASK=long] $0 go|poll SECONDS|collect|dry [SECONDS]|jit_only SECONDS|diagnose" >&2; exit 2 ;;

@@ -3,6 +3,10 @@ stub trainer: the spec's parsing, each way a phase ends, and the record sft.json
 long dry run (`H20_TASK=long bash experiments/h200/grpo_h200.sh dry`) runs it with one.
 """
 import json
+import os
+import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -11,20 +15,22 @@ from experiments.h200 import curriculum, grpo_h200, longctx
 
 STEP_S = 1.5             # the fake clock's seconds per training step (the first hold: ~1.75 s a step)
 CHECK_S = 0.5            # and per accuracy check
+COMPILE_S = 40.0         # and the first step on a family, with `Stub(compile_s=COMPILE_S)` (its compiles)
 
 
 class Stub:
     """A fake clock, a trainer that only counts (family, step within phase) and a check that reads its accuracy
     from `accs[family]` (a list, one value per check; the last repeats)."""
 
-    def __init__(self, accs=None):
+    def __init__(self, accs=None, compile_s=0.0):
         self.t, self.trained, self.accs, self.checked = 0.0, [], accs or {}, []
+        self.compile_s = compile_s
 
     def clock(self):
         return self.t
 
     def train_step(self, ph, k):
-        self.t += STEP_S
+        self.t += STEP_S + (self.compile_s if k == 1 else 0.0)
         self.trained.append((ph.family, k))
 
     def accuracy(self, ph):
@@ -78,12 +84,14 @@ def test_a_phase_ends_when_its_check_reaches_acc_and_the_next_one_starts():
 
 def test_a_phase_ends_when_its_steps_or_seconds_are_spent_to_the_step():
     """Bugs caught: a steps budget off by one either way; a seconds budget read as the whole SFT's time instead of
-    the phase's (the second phase would end at once); `>` for `>=` on the seconds."""
-    s = Stub()
+    the phase's (the second phase would end at once); `>` for `>=` on the seconds; the first step's compiles
+    charged to the phase's seconds (a 40 s compile would end a 6 s phase after one step)."""
+    s = Stub(compile_s=COMPILE_S)
     recs = s.run("factscpu:acc=1:steps=3,factsnear:acc=1:s=6,factscpumid:acc=1:steps=2", check_every=100)
     assert [(r["family"], r["steps"], r["ended"]) for r in recs] == \
-        [("factscpu", 3, "steps"), ("factsnear", 4, "s"), ("factscpumid", 2, "steps")]  # 4 x 1.5 s = 6 s: spent
-    assert recs[1]["seconds"] == pytest.approx(6.0) and recs[0]["checks"] == []
+        [("factscpu", 3, "steps"), ("factsnear", 5, "s"), ("factscpumid", 2, "steps")]  # then 4 x 1.5 s = 6 s
+    assert recs[1]["seconds"] == pytest.approx(COMPILE_S + 5 * STEP_S) and recs[0]["checks"] == []
+    assert [r["first_step_s"] for r in recs] == [COMPILE_S + STEP_S] * 3
     s = Stub()
     recs = s.run("factscpu:s=10:steps=3,factsnear:steps=2", check_every=100)                 # the first of the two
     assert [r["steps"] for r in recs] == [3, 2]
@@ -107,12 +115,26 @@ def test_the_last_phase_runs_to_max_seconds_and_phases_not_reached_are_recorded(
     assert [(r["ended"], r["steps"]) for r in recs] == [("steps", 2), ("max_steps", 3)]
 
 
+def test_no_phase_starts_once_the_overall_limit_is_spent():
+    """Bug caught: a phase that ends on its own budget at the moment the overall limit is spent hands over to a
+    next phase that trains a step anyway (and, on the GPU, pays that family's compiles past --max-seconds)."""
+    s = Stub()
+    recs = s.run("factscpu:s=6,factsnear:s=5,factscpumid", max_seconds=7.5, check_every=100)  # both at 7.5 s
+    assert [(r["family"], r["ended"], r["steps"]) for r in recs] == \
+        [("factscpu", "s", 5), ("factsnear", "not_reached", 0), ("factscpumid", "not_reached", 0)]
+    assert s.t == pytest.approx(5 * STEP_S)
+    s = Stub()
+    recs = s.run("factscpu:steps=2,factscpumid", max_steps=2, check_every=100)
+    assert [(r["ended"], r["steps"]) for r in recs] == [("steps", 2), ("not_reached", 0)] and len(s.trained) == 2
+
+
 # ---------------------------------------------------------------------------------------------- sft.json
 def test_run_curriculum_trains_each_phases_family_and_records_it_for_sft_json(monkeypatch):
     """Bugs caught (grpo_h200.run_curriculum, what cmd_sft writes to sft.json): a phase trained on another
     family's problems or checked on another family's val split, the batch index restarting at the SFT's step
     instead of the phase's, the learning-rate warm-up reading the phase's step, a record that is not JSON, the
-    curve's rows not naming the phase, phase 2 handed the wrong family."""
+    curve's rows not naming the phase, phase 2 handed the wrong family, the last loss lost (sft.json's rows after the curriculum read
+    NaN)."""
     seen, checked = [], []
 
     def step(share, lr, probs, k, at):
@@ -126,7 +148,8 @@ def test_run_curriculum_trains_each_phases_family_and_records_it_for_sft_json(mo
     a = SimpleNamespace(curriculum="factscpu:acc=0.7:steps=10,factscpumid:acc=0.9:steps=3", val_problems=4,
                         max_seconds=1e9, max_steps=400, check_every=2, lr=1e-3)
     curve = []
-    recs, train = grpo_h200.run_curriculum(a, longctx, SimpleNamespace(model=None), None, step, curve, 0.0, 0)
+    recs, train, nll = grpo_h200.run_curriculum(a, longctx, SimpleNamespace(model=None), None, step, curve, 0.0, 0)
+    assert nll == pytest.approx(1 / 5)                     # the last step's loss (sft.json's final row reads it)
     assert seen == [("factscpu", 1, 1), ("factscpu", 2, 2), ("factscpumid", 1, 3), ("factscpumid", 2, 4),
                     ("factscpumid", 3, 5)]
     assert checked == [{"factscpu", 4}, {"factscpumid", 4}]
@@ -136,3 +159,22 @@ def test_run_curriculum_trains_each_phases_family_and_records_it_for_sft_json(mo
         [("factscpu", 2, "acc", [0.75]), ("factscpumid", 3, "steps", [0.0])]
     assert [(c["step"], c["phase"], c["val_pass@1"]) for c in curve] == \
         [(2, "curriculum:factscpu", 0.75), (4, "curriculum:factscpumid", 0.0)]
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline's spec
+SH = os.path.join(os.path.dirname(__file__), "grpo_h200.sh")
+
+
+def test_the_pipelines_default_spec_parses_and_a_bad_one_stops_the_run_before_anything_starts(tmp_path):
+    """Bugs caught: a default H20_CURRICULUM the parser rejects (found 4-5 minutes into a GPU hold), a last phase
+    with an accuracy target (its val problems are mostly near and mid: it could end the SFT with no far answer
+    learned), a bad spec that the dry run / `go` does not refuse before it starts the server and the SFT."""
+    spec = re.search(r"H20_CURRICULUM:-([^}]*)}", open(SH).read()).group(1)
+    phases = curriculum.parse(spec, longctx.FAMILIES)
+    assert [p.family for p in phases] == ["factsnear", "factsmid", "factssft"]
+    assert all(p.seconds for p in phases[:-1]) and phases[-1] == curriculum.Phase("factssft")
+    env = {**os.environ, "H20_WORK": str(tmp_path), "H20_TASK": "long", "PY": sys.executable,
+           "H20_CURRICULUM": "factsnear:s=5,factsfar:acc=0.5", "H20_PORT": "30977"}
+    r = subprocess.run(["bash", SH, "dry", "5"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "unknown family 'factsfar'" in r.stderr, (r.returncode, r.stderr[-800:])
+    assert "FAILED: H20_CURRICULUM" in r.stderr and not os.path.exists(tmp_path / "server.pid"), r.stdout[-800:]

@@ -364,23 +364,26 @@ def test_forced_accuracy_counts_a_problem_right_only_when_every_number_is_the_ar
     assert grpo_h200.task_module("py:experiments.h200.longctx:facts:val")[1:] == ("facts", "val")
 
 
-def test_curriculum_families_are_easy_to_hard_and_hold_no_heldout_problem():
+def test_curriculum_families_are_easy_to_hard_and_hold_no_heldout_problem(tok):
     """Bugs caught: a curriculum family whose train split holds one of its own val or held-out problems, or one
     of the eval families' (facts, factsdry) held-out problems; a family reaching further back than its step
-    (factsnear with a mid problem, factsmid or the CPU ones with a far one); a family missing from FAMILIES."""
+    (factsnear with a mid problem, factsmid or the CPU ones with a far one); a family missing from FAMILIES; a
+    factsnear problem whose first fact falls out of the 128-token window before its worked response ends."""
     reach = {"factsnear": {"near"}, "factsmid": {"near", "sft_mid"}, "factscpu": {"dry_near"},
              "factscpumid": {"dry_near", "dry_mid"}}
     assert set(longctx.CURRICULUM_FAMILIES) == set(reach)
     held = {p.prompt for fam in ("facts", "factsdry") for s in ("val", "heldout") for p in longctx.problems(fam, s)}
     for fam, classes in reach.items():
-        assert longctx.FAMILIES[fam] == longctx.CURRICULUM_FAMILIES[fam]
+        assert fam in longctx.FAMILIES, fam
         splits = {s: longctx.problems(fam, s) for s in longctx.SPLITS}
         train = {p.prompt for p in splits["train"]}
         assert not train & {p.prompt for s in ("val", "heldout") for p in splits[s]}, fam
         assert not train & held, fam
         for s, ps in splits.items():
             assert {longctx.length_class(p) for p in ps} == classes, (fam, s)
-    near_max = longctx.PROMPT_BASE + 4 * longctx.CLASSES["near"][1]            # prompts inside the window
-    assert max(len(p.prompt) for p in longctx.problems("factsnear", "val")) < \
-        min(len(p.prompt) for p in longctx.problems("factsmid", "val") if longctx.length_class(p) == "sft_mid")
-    assert near_max <= 80
+    window = preset("small").window_size            # the long run's (h200.txt: small's geometry): 128, self included
+    for p in longctx.problems("factsnear", "val") + longctx.problems("factsnear", "train")[:256]:
+        seq = len(tok.encode_chat(p)) + len(tok.encode(longctx.solution(p.prompt))) + 1     # + EOS
+        assert seq - 4 <= window, (p.id, seq)       # the first fact (token 4) in the last position's window
+    mid = [p for p in longctx.problems("factsmid", "val") if longctx.length_class(p) == "sft_mid"]
+    assert min(len(tok.encode_chat(p)) for p in mid) > window, "sft_mid: the facts behind every query's window"

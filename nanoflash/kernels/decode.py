@@ -2,8 +2,9 @@
 
 A step of the rollout engine (64 rows, one token each, each row at its own position) is launch-bound: every op
 costs the host tens of microseconds whatever its size, and the readable path (`model.Attention.forward`) issues
-~70 ops per attention layer -- a norm is 6 ops, a rope 8, the masked sink softmax ~15. `model.Attention.decode_step`
-runs the same math through two kernels:
+~70 ops per attention layer -- a norm is 6 ops, a rope 8, the masked sink softmax ~15, and a compressor's state
+shift and pooling tens more. `model.Attention.decode_step` and `model.Compressor.decode_step` run the same math
+through three kernels:
 
     rms_rope(x, weight, eps, cos, sin)      per row of D:  y = rope( w * x / sqrt(mean(x^2) + eps) ),
                                             `model.RMSNorm` then `model.apply_rope` on the last R dims
@@ -20,15 +21,22 @@ runs the same math through two kernels:
                                             the indexer keeps every entry) -- in one online softmax that starts
                                             from the per-head sink (as `attention._fwd`). One program per (row,
                                             block of heads).
+    compress_step(state, kv, score, ape,    `model.Compressor.step_rows` for one token per row: ape[p mod m]
+                  pos, prev, pool)          added to its score, the per-row state shifted by one slot, and
+                                            (pool) each row's window softmax-pooled per channel over its m
+                                            slots (C4: 2m slots, the previous window's first d channels with
+                                            this one's last d), the window kept as `prev` where it ends. One
+                                            program per (row, block of channels).
 
 Numerics: everything in fp32 (loads upcast, dots as exact fp32 FMAs: input_precision "ieee"), rounded once to
 the output dtype where the reference rounds (the norm's output is cast to the activation dtype before the rope,
-as `RMSNorm` returns it). What differs from the reference is the order of fp32 operations only: the softmax
-online in exp2, FMA contraction, the dot's summation order (~1e-7 relative; bf16 activations: q's per-head RMS,
-which the reference computes in bf16, here in fp32 then rounded once).
+as `RMSNorm` returns it). What differs from the reference is the order of fp32 operations only: the attention's
+softmax online in exp2 (the pooling's online in exp), FMA contraction, the dot's summation order (~1e-7
+relative; bf16 activations: q's per-head RMS, which the reference computes in bf16, here in fp32 then rounded
+once).
 
-Tests: `pytest tests/test_decode_kernels.py` (the interpreter cases against model.py; `-m gpu`: the same on CUDA
-at the `small` geometry).
+Tests: `pytest tests/test_decode_kernels.py` (the interpreter cases against model.py -- each kernel, the
+compressor step against `step_rows`, a whole decode; `-m gpu`: the same on CUDA at the `small` geometry).
 """
 from __future__ import annotations
 
@@ -261,8 +269,8 @@ def compress_step(state_kv, state_score, kv, score, ape, pos, prev_kv=None, prev
     cfg = dict(config or COMPRESS_CONFIG)
     cfg["BLOCK_D"] = min(cfg["BLOCK_D"], triton.next_power_of_2(d))
     cfg["BLOCK_S"] = min(cfg["BLOCK_S"], triton.next_power_of_2(m))
-    tensors = [t.contiguous() if t.stride(-1) != 1 else t for t in (state_kv, state_score, kv, score)]
-    skv, ssc, kv, score = tensors
+    skv, ssc = (t.contiguous() if t.stride(-1) != 1 else t for t in (state_kv, state_score))
+    kv, score = kv.contiguous(), score.contiguous()          # one batch stride serves both (the kernel's sx_b)
     ape = ape.float().contiguous()
     f32 = dict(device=kv.device, dtype=torch.float32)
     new_kv, new_score = torch.empty(B, m1, c, **f32), torch.empty(B, m1, c, **f32)
