@@ -90,17 +90,26 @@ def numbers_at(ids: list, tok) -> list:
 
 
 @torch.no_grad()
+def forced_hits(model, prompt: list, resp: list, at: list) -> list:
+    """One teacher-forced forward of prompt + resp: for each position of `at`, is the argmax there resp's token?"""
+    x = torch.tensor([prompt + resp[:-1]], device=next(model.parameters()).device)
+    h = model.run_layers(model.embed_streams(x), x)[:, len(prompt) - 1:]                  # [1,R,M,D]
+    pred = model.logits(h)[0].argmax(-1).tolist()                                       # [R]
+    return [pred[i] == resp[i] for i in at]
+
+
+def forced_right(model, prompt: list, resp: list, at: list) -> bool:
+    return all(forced_hits(model, prompt, resp, at))
+
+
 def forced_accuracy(model, tok, module, probs: list) -> dict:
     """Teacher-forced greedy check of the canonical worked response (`module.solution(prompt)`): a problem is
     right when the argmax at every number token of it is that token. One forward per problem (prompts differ in
     length). -> {"all": share, <class>: share, ...} (classes by `length_class`, when the module names them)."""
-    dev, right = next(model.parameters()).device, []
+    right = []
     for p in probs:
         prompt, resp = tok.encode_chat(p), tok.encode(module.solution(p.prompt)) + [tok.eos_id]
-        x = torch.tensor([prompt + resp[:-1]], device=dev)
-        h = model.run_layers(model.embed_streams(x), x)[:, len(prompt) - 1:]              # [1,R,M,D]
-        pred = model.logits(h)[0].argmax(-1).tolist()                                   # [R]
-        right.append(all(pred[i] == resp[i] for i in numbers_at(resp, tok)))
+        right.append(forced_right(model, prompt, resp, numbers_at(resp, tok)))
     out = {"all": sum(right) / len(right)}
     if hasattr(module, "length_class"):
         for cls in sorted({module.length_class(p) for p in probs}):
@@ -294,6 +303,95 @@ def cmd_calibrate(a, overrides):
                    "curve": curve}, f, indent=1)
 
 
+LONG_GEOMETRY = ("--model.window_size", "128", "--model.index_topk", "512", "--model.original_seq_len", "65536",
+                 "--model.rope_factor", "16", "--model.max_seq_len", "4096")   # tiny, with the h200 attention's geometry
+LONG_ARMS = ("mix", "curriculum")
+
+
+def compact_vocab(seqs) -> tuple:
+    """The ids `seqs` use, renumbered 0..n-1: -> (used: compact id -> V4 id, rid: V4 id -> compact id)."""
+    used = sorted({t for s in seqs for t in s})
+    return used, {t: i for i, t in enumerate(used)}
+
+
+def forced_items(module, probs: list, tok) -> list:
+    """(prompt ids, canonical worked response ids + EOS, its number positions) per problem: what
+    `forced_accuracy` scores, in V4 ids."""
+    out = []
+    for p in probs:
+        resp = tok.encode(module.solution(p.prompt)) + [tok.eos_id]
+        out.append((tok.encode_chat(p), resp, numbers_at(resp, tok)))
+    return out
+
+
+def cmd_calibrate_long(a, overrides):
+    """Does the long task's lookup learn, and does a near-first curriculum beat the mix from the start? On the CPU,
+    `tiny` with the h200 attention geometry (LONG_GEOMETRY on top of the recipe's 4 layers, C4/C128/C4, 1 hash
+    layer, no MTP; index_topk 512 keeps every C4 entry at these lengths), the V4 ids renumbered as in
+    `cmd_calibrate`. Each arm of --arms trains from the same seeded init, batch, lr schedule and --max-steps:
+    `mix` on --mix-family (factsmid: 1/3 near, 2/3 sft_mid) throughout, `curriculum` on factsnear for the first
+    --near-share of the steps, then on the same mix (from its first batch). Every --check-every steps: the SFT
+    loss and the teacher-forced accuracy of the worked chain (`forced_right`, as `forced_accuracy`) on
+    --val-problems near (factsnear val) and sft_mid (factsmid val) problems, and `<class>_lookup`: the share
+    whose two looked-up values (the chain's first two numbers) are both the argmax, chance ~1/81. Writes the
+    curves as JSON."""
+    from experiments.h200 import longctx
+    tok, arms = _tokenizer(), a.arms.split(",")
+    if not set(arms) <= set(LONG_ARMS):
+        raise ValueError(f"--arms {a.arms!r}: expected a comma-separated subset of {LONG_ARMS}")
+    base = ["--recipe", RECIPE, "--train.preset", "tiny", "--parallel.device", "cpu", "--train.dtype", "fp32",
+            *LONG_GEOMETRY, *overrides]
+    seed = parse_args(base).train.seed
+    n_near = round(a.near_share * a.max_steps)
+    train = {f: longctx.problems(f, "train", seed=seed) for f in ("factsnear", a.mix_family)}
+    plan = {"mix": [(a.mix_family, k) for k in range(1, a.max_steps + 1)],       # (family, step within it)
+            "curriculum": [("factsnear", k) for k in range(1, n_near + 1)]
+            + [(a.mix_family, k) for k in range(1, a.max_steps - n_near + 1)]}
+    pairs = {}                                        # arm -> the batches of its steps (drawn phrasings, one rng)
+    for arm in arms:
+        rng = random.Random(seed)
+        pairs[arm] = [longctx.sft_pairs([train[f][((k - 1) * a.batch + j) % len(train[f])] for j in range(a.batch)],
+                                        tok, 1.0, rng) for f, k in plan[arm]]
+    val = {"near": longctx.problems("factsnear", "val")[:a.val_problems],
+           "mid": [p for p in longctx.problems("factsmid", "val") if longctx.length_class(p) == "sft_mid"][:a.val_problems]}
+    items = {c: forced_items(longctx, ps, tok) for c, ps in val.items()}
+    used, rid = compact_vocab([s for arm in arms for batch in pairs[arm] for pr in batch for s in pr]
+                              + [s for its in items.values() for p, r, _ in its for s in (p, r)])
+    ren = lambda ids: [rid[t] for t in ids]                                      # noqa: E731
+    items = {c: [(ren(p), ren(r), at) for p, r, at in its] for c, its in items.items()}
+    cfg = parse_args([*base, "--model.vocab_size", str(len(used))])
+    torch.set_num_threads(cfg.train.threads or 1)
+    mcfg, eos = run_preset(cfg), rid[tok.eos_id]
+    res = {"vocab": len(used), "lr": a.lr, "batch": a.batch, "steps": a.max_steps, "near_steps": n_near,
+           "mix_family": a.mix_family, "val_problems": {c: len(v) for c, v in val.items()},
+           "model": {k: getattr(mcfg, k) for k in ("dim", "n_layers", "window_size", "compress_ratios",
+                                                     "index_topk", "n_hash_layers", "n_mtp_layers", "kernels")},
+           "threads": cfg.train.threads, "arms": {}}
+    for arm in arms:
+        torch.manual_seed(seed)
+        actor = trainer.Trainer(cfg, mcfg, init_distributed(1, 1, None), served_storage=optimizer_storage(cfg, mcfg))
+        opt = trainer.make_optimizer(actor.model, cfg.optim, lr=a.lr)
+        res["params"], curve, train_s, losses = actor.model.full_params, [], 0.0, []
+        for i, ((fam, _), batch) in enumerate(zip(plan[arm], pairs[arm]), 1):
+            opt.lr = a.lr * min(1.0, i / SFT_LR_WARMUP)
+            t = time.time()
+            losses.append(sft_batch_step(actor, [(ren(p), ren(r)) for p, r in batch], opt, eos))
+            train_s += time.time() - t
+            if i % a.check_every == 0 or i == len(plan[arm]):
+                hits = {c: [forced_hits(actor.model, *it) for it in its] for c, its in items.items()}
+                acc = {c: sum(map(all, hs)) / len(hs) for c, hs in hits.items()}      # the worked chain, all right
+                acc.update({f"{c}_lookup": sum(all(h[:2]) for h in hs) / len(hs) for c, hs in hits.items()})
+                curve.append({"step": i, "family": fam, "nll": losses[-1],
+                              "nll_mean": sum(losses) / len(losses), **acc, "train_s": round(train_s, 1)})
+                losses = []
+                print(json.dumps({"arm": arm, **curve[-1]}), flush=True)
+            if train_s > a.max_seconds:
+                break
+        res["arms"][arm] = {"steps": i, "train_s": round(train_s, 1), "curve": curve}
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def cmd_warmup(a):
     """Rollout-shaped requests at a just-started server, timed (see the module docstring): the first `prompts`
     training prompts of the task in the V4 chat format, `n` samples each."""
@@ -414,7 +512,7 @@ def cmd_compare(a):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("phase", choices=["sft", "calibrate", "report", "warmup", "compare"])
+    ap.add_argument("phase", choices=["sft", "calibrate", "calibrate_long", "report", "warmup", "compare"])
     ap.add_argument("--out", default="/tmp/warm")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--batch", type=int, default=128)
@@ -439,6 +537,10 @@ def main(argv=None):
     ap.add_argument("--curriculum", default="", help="phase 1 as a schedule of families, e.g. "
                     "factsnear:acc=0.6:s=90,factsmid:acc=0.5:s=60,factssft (experiments/h200/curriculum.py);"
                     " --sft-data names the module, --max-seconds caps the whole schedule")
+    ap.add_argument("--arms", default="mix,curriculum", help="calibrate_long: which arms (mix, curriculum)")
+    ap.add_argument("--near-share", type=float, default=0.4, help="calibrate_long: the curriculum arm's share of "
+                    "steps on factsnear")
+    ap.add_argument("--mix-family", default="factsmid", help="calibrate_long: the mix both arms end on")
     ap.add_argument("--task", default="py:experiments.h200.synth:sum4:train", help="warmup: whose prompts")
     ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--max-seconds", type=float, default=240.0)
@@ -462,6 +564,8 @@ def main(argv=None):
         cmd_warmup(a)
     elif a.phase == "calibrate":
         cmd_calibrate(a, overrides)
+    elif a.phase == "calibrate_long":
+        cmd_calibrate_long(a, overrides)
     elif a.phase == "compare":
         cmd_compare(a)
     else:

@@ -387,3 +387,22 @@ def test_curriculum_families_are_easy_to_hard_and_hold_no_heldout_problem(tok):
         assert seq - 4 <= window, (p.id, seq)       # the first fact (token 4) in the last position's window
     mid = [p for p in longctx.problems("factsmid", "val") if longctx.length_class(p) == "sft_mid"]
     assert min(len(tok.encode_chat(p)) for p in mid) > window, "sft_mid: the facts behind every query's window"
+
+
+def test_calibrate_long_compact_vocabulary_round_trips_the_task(tok):
+    """grpo_h200.calibrate_long's renumbering (the CPU study of the curriculum): every id of the long task's
+    prompts, drawn worked responses and canonical checks maps to a compact id below the vocabulary's size and back
+    to itself, so the study trains and scores the very sequences the GPU run does. Bugs caught: a map that is not
+    one-to-one, an id outside the vocabulary, number positions that are not the worked chain's numbers."""
+    from experiments.h200 import grpo_h200
+    near = longctx.problems("factsnear", "val")[:3]
+    mid = [p for p in longctx.problems("factsmid", "val") if longctx.length_class(p) == "sft_mid"][:3]
+    items = grpo_h200.forced_items(longctx, near + mid, tok)
+    pairs = longctx.sft_pairs(longctx.problems("factsmid", "train")[:6], tok, 1.0, random.Random(0))
+    seqs = [s for p, r, _ in items for s in (p, r)] + [s for pr in pairs for s in pr]
+    used, rid = grpo_h200.compact_vocab(seqs)
+    assert sorted(rid.values()) == list(range(len(used))) and len(used) < 2000
+    for s in seqs:
+        assert [used[rid[t]] for t in s] == s
+    for p, r, at in items:
+        assert len(at) == 9 and all(tok.decode([r[i]]).strip().isdigit() for i in at)
