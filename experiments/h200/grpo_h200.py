@@ -3,6 +3,7 @@
     python experiments/h200/grpo_h200.py sft --out /tmp/warm [train.py overrides ...]    # GPU (or --parallel.device cpu)
     python experiments/h200/grpo_h200.py report --run runs/h200 --out experiments/h200          # stats + figures, no GPU
     python experiments/h200/grpo_h200.py warmup --url http://127.0.0.1:30000             # while the SFT runs
+    python experiments/h200/grpo_h200.py calibrate_long --out /tmp/cl.json --arms curriculum --near-share 1.0  # CPU
 
 `sft` trains the model the recipe `h200.txt` (beside this file) describes (same preset, dtype, optimizer, device) from its seeded init in
 two phases (`cmd_sft`): worked demonstrations of the training split until validation pass@1 reaches --target (the
@@ -34,6 +35,10 @@ family, steps, seconds, the accuracy at each check, why it ended). Without it no
 each, all at once) as soon as its HTTP server answers: SGLang compiles its kernels (DeepGEMM,
 flashinfer, tilelang, Triton) in the first forwards -- 4.6 minutes before /health answered, then ~2 more in the
 first eval's shapes, in 2026-12-01's run 3 -- so they overlap the SFT instead of delaying GRPO.
+
+`calibrate_long` (CPU, `tiny` with the h200 attention geometry, a compact vocabulary) trains the long task's
+SFT and records, per check, the teacher-forced accuracy of the worked chain, of its two looked-up values and of
+the two fact letters it copies from the question (`cmd_calibrate_long`; experiments/h200/README.md, "A CPU study").
 
 `report` reads metrics.jsonl (and parity.json, sft.json when present) and writes summary.json and the figures
 (`instruments.runstats`).
@@ -87,6 +92,13 @@ def task_module(spec: str):
 def numbers_at(ids: list, tok) -> list:
     """Indices of the tokens of `ids` that are numbers (the values a worked response must get right)."""
     return [i for i, t in enumerate(ids) if tok.decode([t]).strip().isdigit()]
+
+
+def letters_at(ids: list, tok) -> list:
+    """Indices of the tokens of a worked long-task response that name a fact (`a` of `a=5`: a lone letter
+    followed by `=`), the tokens copied from the question rather than looked up."""
+    text = [tok.decode([t]).strip() for t in ids]
+    return [i for i in range(len(ids) - 1) if len(text[i]) == 1 and text[i].isalpha() and text[i + 1] == "="]
 
 
 @torch.no_grad()
@@ -332,9 +344,14 @@ def cmd_calibrate_long(a, overrides):
     `mix` on --mix-family (factsmid: 1/3 near, 2/3 sft_mid) throughout, `curriculum` on factsnear for the first
     --near-share of the steps, then on the same mix (from its first batch). Every --check-every steps: the SFT
     loss and the teacher-forced accuracy of the worked chain (`forced_right`, as `forced_accuracy`) on
-    --val-problems near (factsnear val) and sft_mid (factsmid val) problems, and `<class>_lookup`: the share
-    whose two looked-up values (the chain's first two numbers) are both the argmax, chance ~1/81. Writes the
-    curves as JSON."""
+    --val-problems near (factsnear val) and sft_mid (factsmid val) problems, `<class>_lookup`: the share
+    whose two looked-up values (the chain's first two numbers) are both the argmax, chance ~1/81,
+    `<class>_value_tok`: the same two tokens' per-token argmax accuracy, and `<class>_letters`: the share whose
+    two fact letters (`a` and `c` of `a=5, c=2`, copied from the question: `letters_at`) are both the argmax,
+    `<class>_pos`: per-token accuracy at the two letters, then at each number of the chain in order (the two
+    values, then the chain's terms, partial sums and the answer) -- all from the same forward. Near only:
+    `--arms curriculum --near-share 1.0`; width etc. by `--model.<field>` overrides (after LONG_GEOMETRY).
+    Writes the curves as JSON."""
     from experiments.h200 import longctx
     tok, arms = _tokenizer(), a.arms.split(",")
     if not set(arms) <= set(LONG_ARMS):
@@ -358,7 +375,9 @@ def cmd_calibrate_long(a, overrides):
     used, rid = compact_vocab([s for arm in arms for batch in pairs[arm] for pr in batch for s in pr]
                               + [s for its in items.values() for p, r, _ in its for s in (p, r)])
     ren = lambda ids: [rid[t] for t in ids]                                      # noqa: E731
-    items = {c: [(ren(p), ren(r), at) for p, r, at in its] for c, its in items.items()}
+    lets = {c: [letters_at(r, tok) for _, r, _ in its] for c, its in items.items()}          # 2 per response
+    assert all(len(x) == 2 for ls in lets.values() for x in ls), "a worked response names two facts"
+    items = {c: [(ren(p), ren(r), l + at) for (p, r, at), l in zip(its, lets[c])] for c, its in items.items()}
     cfg = parse_args([*base, "--model.vocab_size", str(len(used))])
     torch.set_num_threads(cfg.train.threads or 1)
     mcfg, eos = run_preset(cfg), rid[tok.eos_id]
@@ -372,15 +391,20 @@ def cmd_calibrate_long(a, overrides):
         actor = trainer.Trainer(cfg, mcfg, init_distributed(1, 1, None), served_storage=optimizer_storage(cfg, mcfg))
         opt = trainer.make_optimizer(actor.model, cfg.optim, lr=a.lr)
         res["params"], curve, train_s, losses = actor.model.full_params, [], 0.0, []
+        print(json.dumps({"arm": arm, "params": res["params"], "dim": mcfg.dim, "vocab": len(used)}), flush=True)
         for i, ((fam, _), batch) in enumerate(zip(plan[arm], pairs[arm]), 1):
             opt.lr = a.lr * min(1.0, i / SFT_LR_WARMUP)
             t = time.time()
             losses.append(sft_batch_step(actor, [(ren(p), ren(r)) for p, r in batch], opt, eos))
             train_s += time.time() - t
             if i % a.check_every == 0 or i == len(plan[arm]):
-                hits = {c: [forced_hits(actor.model, *it) for it in its] for c, its in items.items()}
+                both = {c: [forced_hits(actor.model, *it) for it in its] for c, its in items.items()}
+                hits = {c: [h[2:] for h in hs] for c, hs in both.items()}                 # the numbers
                 acc = {c: sum(map(all, hs)) / len(hs) for c, hs in hits.items()}      # the worked chain, all right
                 acc.update({f"{c}_lookup": sum(all(h[:2]) for h in hs) / len(hs) for c, hs in hits.items()})
+                acc.update({f"{c}_value_tok": sum(sum(h[:2]) for h in hs) / (2 * len(hs)) for c, hs in hits.items()})
+                acc.update({f"{c}_letters": sum(all(h[:2]) for h in hs) / len(hs) for c, hs in both.items()})
+                acc.update({f"{c}_pos": [round(sum(col) / len(col), 3) for col in zip(*hs)] for c, hs in both.items()})
                 curve.append({"step": i, "family": fam, "nll": losses[-1],
                               "nll_mean": sum(losses) / len(losses), **acc, "train_s": round(train_s, 1)})
                 losses = []
@@ -539,7 +563,7 @@ def main(argv=None):
                     " --sft-data names the module, --max-seconds caps the whole schedule")
     ap.add_argument("--arms", default="mix,curriculum", help="calibrate_long: which arms (mix, curriculum)")
     ap.add_argument("--near-share", type=float, default=0.4, help="calibrate_long: the curriculum arm's share of "
-                    "steps on factsnear")
+                    "steps on factsnear (1.0 with --arms curriculum: near only)")
     ap.add_argument("--mix-family", default="factsmid", help="calibrate_long: the mix both arms end on")
     ap.add_argument("--task", default="py:experiments.h200.synth:sum4:train", help="warmup: whose prompts")
     ap.add_argument("--max-steps", type=int, default=400)

@@ -393,7 +393,8 @@ def test_calibrate_long_compact_vocabulary_round_trips_the_task(tok):
     """grpo_h200.calibrate_long's renumbering (the CPU study of the curriculum): every id of the long task's
     prompts, drawn worked responses and canonical checks maps to a compact id below the vocabulary's size and back
     to itself, so the study trains and scores the very sequences the GPU run does. Bugs caught: a map that is not
-    one-to-one, an id outside the vocabulary, number positions that are not the worked chain's numbers."""
+    one-to-one, an id outside the vocabulary, number positions that are not the worked chain's numbers, letter
+    positions that are not the question's two facts in its order."""
     from experiments.h200 import grpo_h200
     near = longctx.problems("factsnear", "val")[:3]
     mid = [p for p in longctx.problems("factsmid", "val") if longctx.length_class(p) == "sft_mid"][:3]
@@ -406,3 +407,7 @@ def test_calibrate_long_compact_vocabulary_round_trips_the_task(tok):
         assert [used[rid[t]] for t in s] == s
     for p, r, at in items:
         assert len(at) == 9 and all(tok.decode([r[i]]).strip().isdigit() for i in at)
+        lets = grpo_h200.letters_at(r, tok)                   # the fact letters the chain copies from the question
+        assert len(lets) == 2 and lets[0] == 0 and lets[1] < at[0] + 3
+        question = tok.decode(p).split("Add ")[-1].split(".")[0]              # "h + a + 4"
+        assert [tok.decode([r[i]]).strip() for i in lets] == [c for c in question if c.isalpha()]
