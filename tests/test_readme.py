@@ -193,6 +193,10 @@ def test_the_suite_size_is_suite_json():
                   r"commit (\w+)", flat(README))
     assert m, "the README's suite line changed shape: update this test with it"
     assert (int(m.group(1).replace(",", "")), suite["commit"].startswith(m.group(2))) == (suite["selected"], True)
+    if "wall_s" in suite:                                   # the run's outcome and time, when the file has them
+        run = re.search(r"all ([\d,]+) passed in ([\d,]+) s", flat(README))
+        assert run and (int(run.group(1).replace(",", "")), int(run.group(2).replace(",", ""))) == \
+            (suite["passed"], round(suite["wall_s"])) and suite["failed"] == 0, (run and run.groups(), suite)
 
 
 def test_demo_md_dry_run_is_the_commands_output():
