@@ -342,7 +342,8 @@ deadline() {  # Ctrl-C for pid $1 after $2 seconds, if it still runs (train.py s
 }
 # the long run's SFT schedule (experiments/h200/curriculum.py: a phase's seconds count from the end of its first
 # step, whose compiles are not the phase's; the last phase runs to --max-seconds, H20_SFT_S)
-curriculum_spec() { echo "${H20_CURRICULUM:-factsnear:acc=0.6:s=90,factsmid:acc=0.5:s=60,factssft}"; }
+# (near 150 s: the CPU study's lookup was learned only after ~32K demonstrations, experiments/h200/README.md)
+curriculum_spec() { echo "${H20_CURRICULUM:-factsnear:acc=0.6:s=150,factsmid:acc=0.5:s=60,factssft}"; }
 check_spec() {  # a bad H20_CURRICULUM fails in seconds at `go` (and in the dry run), not 4-5 minutes into a hold
   [ "$LONG" = 1 ] || return 0
   local spec; spec=$(curriculum_spec)
