@@ -266,6 +266,7 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=$(hold_left 150)
   [ -n "$dl" ] && deadline $tp $dl
   wait $tp || echo "FAILED train (or stopped at the deadline)"
+  kill ${DEADLINE_PID:-} 2> /dev/null   # a deadline left waiting would signal whatever process gets the pid next
   touch $W/TRAIN_DONE; stamp report
   report
   # parity last (2026-12-01's run measured it first: 4 of the budget's minutes before any GRPO step); the
@@ -319,6 +320,7 @@ compare_runs() {  # issue 41: synchronous, then one step off, from the same warm
     # on the GPU each run ends, at the latest, where the hold has only the comparison and the collect left
     [ "$MODE" = gpu ] && deadline $tp $(hold_left 60)
     wait $tp || echo "FAILED train $mode (or stopped at the deadline)"
+    kill ${DEADLINE_PID:-} 2> /dev/null
     echo "$mode $(date +%s.%N)" >> $W/windows.txt
   done
   touch $W/TRAIN_DONE; stamp compare
@@ -337,8 +339,11 @@ hold_left() {  # seconds of the hold left after reserving $1 (never below 1)
   local t0; t0=$(cat $W/T0 2> /dev/null || date +%s)
   local left=$(( t0 + ${H20_HOLD_S:-1440} - $1 - $(date +%s) )); [ $left -lt 1 ] && left=1; echo $left
 }
-deadline() {  # Ctrl-C for pid $1 after $2 seconds, if it still runs (train.py stops at once, its steps logged)
+deadline() {  # Ctrl-C for pid $1 after $2 seconds, if it still runs (train.py stops at once, its steps logged);
+  # DEADLINE_PID: the waiting subshell, for the caller to cancel once pid $1 has ended. A background job of this
+  # script starts with SIGINT ignored; train.py installs its own handler (nanoflash/rl/interrupt.py), so it stops
   ( sleep $2; kill -0 $1 2> /dev/null && { echo "=== $(date +%T) deadline ${2}s: SIGINT"; kill -INT $1; } ) &
+  DEADLINE_PID=$!
 }
 # the long run's SFT schedule (experiments/h200/curriculum.py: a phase's seconds count from the end of its first
 # step, whose compiles are not the phase's; the last phase runs to --max-seconds, H20_SFT_S)
