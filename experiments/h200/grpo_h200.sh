@@ -383,6 +383,21 @@ collect() {  # <= 8 files back: one tarball of the results + the logs (a run sti
   [ "$MODE" = gpu ] && jit_save "$out/jit"
   ls -la "$out" "$out/jit" 2> /dev/null
 }
+# issue 42: can the h200 model learn the long task's lookup in a hold's SFT? The near phase alone (H20_PROBE:
+# factsnear until its teacher-forced check reaches 0.9), no SGLang, $1 seconds; the curve into $OUT/sft_probe.json
+# (experiments/h200/README.md, "What it means for the next hold"). On the GPU only the four wheels are installed.
+sft_probe() {
+  if [ "$MODE" = gpu ]; then
+    local w; for w in $WHEELS; do ls $PACK/$w-*.whl > /dev/null 2>&1 || { echo "PROBE FAILED: $PACK lacks $w-*.whl" >&2; exit 1; }; done
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 $PACK/*.whl || exit 1
+  fi
+  cd "$R"; rm -rf $W/probe
+  local fam=facts; [ "$MODE" = dry ] && fam=factsdry
+  $PY experiments/h200/grpo_h200.py sft --out $W/probe --max-seconds $1 --max-steps 100000 --glance-steps 0 \
+    --batch ${H20_SFT_BATCH:-64} --val-problems 32 --check-every 10 --curriculum ${H20_PROBE:-factsnear:acc=0.9} \
+    --sft-data $LT:factssft:train --val-data $LT:$fam:val --val forced $(overrides) || echo "PROBE FAILED: sft"
+  mkdir -p ${OUT:-/tmp/out} && cp $W/probe/sft.json ${OUT:-/tmp/out}/sft_probe.json
+}
 snapshot() {  # everything from here on runs from its own copy: a later command that re-syncs the checkout (and bash
   # reads scripts as it goes); .h20src (git archive of a tested commit, experiments/h200/README.md) before the checkout
   # (the dry run copies the checkout itself: it tests the code as it is)
@@ -406,11 +421,14 @@ case "${1:-}" in
   pipeline_dry) dry_env; pipeline ;;
   poll) poll "${2:-540}" ;;
   jit_only) gpu_env; jit_only "${2:-300}" ;;
+  sft_probe) LONG=1; gpu_env; sft_probe "${2:-240}" ;;          # the GPU: H20_PACK with the wheels
+  sft_probe_dry) LONG=1; dry_env; sft_probe "${2:-20}" ;;       # the CPU check of the same (H20_PROBE=factscpu:...)
   diagnose) [ -d $W/repo ] && R=$W/repo; cd "$R"; gpu_env; diagnose ;;
   collect) [ -d $W/repo ] && R=$W/repo; [ -d /tmp/site ] && gpu_env || dry_env; collect ;;
   dry) snapshot checkout && exec bash $W/repo/experiments/h200/grpo_h200.sh dry_here "${2:-1800}" ;;
   dry_here) dry_env; check_spec; rm -rf $W/DONE $W/TRAIN_DONE $W/SFT_DONE $W/watchdog.log $W/run $W/run_sync $W/run_async $W/warm $W/report
        start && poll "${2:-1800}"
        kill "$(cat $W/server.pid)" 2>/dev/null; tail -n 30 $W/pipeline.log ;;
-  *) echo "usage: [H20_TASK=long] $0 go|poll SECONDS|collect|dry [SECONDS]|jit_only SECONDS|diagnose" >&2; exit 2 ;;
+  *) echo "usage: [H20_TASK=long] $0 go|poll SECONDS|collect|dry [SECONDS]|jit_only SECONDS|diagnose|sft_probe[_dry] SECONDS" >&2
+     exit 2 ;;
 esac
