@@ -287,8 +287,7 @@ def cmd_calibrate(a, overrides):
     tok = _tokenizer()
     train, val = synth.problems("sum4", "train"), synth.problems("sum4", "val")[:VAL_PROBLEMS]
     pairs, vpairs = synth.sft_pairs(train, tok), synth.sft_pairs(val, tok)
-    used = sorted({t for p, r in pairs + vpairs for t in p + r})
-    rid = {t: i for i, t in enumerate(used)}                                      # V4 id -> compact id
+    used, rid = compact_vocab([s for pr in pairs + vpairs for s in pr])          # V4 id <-> compact id
     pairs = [([rid[t] for t in p], [rid[t] for t in r]) for p, r in pairs]
     cfg = parse_args(["--recipe", RECIPE, "--train.preset", "tiny", "--model.vocab_size", str(len(used)),
                       "--parallel.device", "cpu", "--train.dtype", "fp32", *overrides])

