@@ -65,7 +65,7 @@ BWD_CANDIDATES = {
                            rows=dict(BLOCK_H=64, BLOCK_K=64, num_stages=1, **_W), **_W)),
     "dq64": dict(ka.WGMMA_BWD_CONFIG, dq=dict(BLOCK_H=64, BLOCK_K=64, num_stages=1, **_W)),
 }
-# Prepared, not yet measured (issue 43 item 1: fwd+bwd >= 0.25 of the ceiling at S = 8192 on C4): the Hopper
+# Measured slower than the default (H100, 2026-12-07, docs/benchmarks.md; issue 43 item 1): the Hopper
 # default with delta computed in the dq pass ("+delta", fuse_delta) and / or the keys-on-M forward ("+kfwd":
 # attention._fwd_keys, FWD_KEYS_CONFIG; "+kfwd32": 32 heads a program, fewer spills at C4 (84 B against 808 B,
 # ptxas sm_90a) but each key block read by two programs). FWD_CANDIDATES: the forward each candidate runs

@@ -82,3 +82,26 @@ def test_what_the_prose_says_of_the_results():
     assert f"{gl['decode_max_rel_diff']:.1e}" == "1.3e-06"
     g = load(mod, "grpo_step")
     assert round(g["time_s"]["step_s"], 1) == 3.4 and g["profile"]["outside_kernels_frac"] < 0.015
+
+
+def test_what_the_prose_says_of_the_h100_candidates():
+    """The paragraph on the prepared candidates (keys-on-M forward, delta in the dq pass), measured on an H100:
+    every number it quotes, and its claim that each is slower than the default at every shape."""
+    with open(os.path.join(ROOT, "docs", "results", "attention_bwd_8192_h100.json")) as f:
+        att = json.load(f)
+    by = {(r["kind"], r["config"]): r for r in att["bwd_rows"]}
+    c4 = lambda name, key, nd=3: round(by["c4", name][key], nd)                          # noqa: E731
+    assert round(att["ceiling_tflops"]) == 773 and "H100" in att["device"]
+    assert (c4("m128-rows", "fwdbwd_of_ceiling"), c4("m128-rows", "fwdbwd_ms", 2)) == (0.222, 12.58)
+    assert [c4(n, "fwdbwd_of_ceiling") for n in ("m128-rows+delta", "m128-rows+kfwd", "m128-rows+kfwd+delta",
+                                                 "m128-rows+kfwd32")] == [0.214, 0.201, 0.195, 0.189]
+    keys, delta = by["c4", "m128-keys"]["pass_ms"], by["c4", "m128-rows+delta"]["pass_ms"]
+    assert [round(delta["dq"], 2), round(keys["dq"], 2), round(keys["delta"], 2)] == [3.52, 2.61, 0.35]
+    assert [c4("m128-rows+kfwd", "fwd_kernel_ms", 2), c4("m128-rows", "fwd_kernel_ms", 2)] == [4.19, 2.8]
+    assert round(by["c4", "m128-rows"]["bwd_ms"], 1) == 9.2
+    assert [round(keys[k], 2) for k in ("comp_rows", "comp_keys", "dkv", "comp_lists")] == [4.41, 8.79, 1.81, 0.52]
+    for kind in ("c4", "c128", "sliding"):
+        default = by[kind, "m128-rows" if kind != "sliding" else "m128-keys"]["fwdbwd_ms"]
+        assert all(by[kind, n]["fwdbwd_ms"] > default for n in ("m128-rows+delta", "m128-rows+kfwd",
+                                                                 "m128-rows+kfwd+delta", "m128-rows+kfwd32")), kind
+        assert all(r["max_rel_diff_vs_fused"] <= 0.005 for (k, _), r in by.items() if k == kind), kind

@@ -56,7 +56,8 @@ FWD_CONFIG = dict(BLOCK_H=64, BLOCK_K=64, num_warps=8, num_stages=2)
 # The keys-on-M forward (`_fwd_keys`, kind="keys"): 128 keys on the MMA's M dimension, s^T = k q^T, so no
 # warpgroup computes another's rows (`_fwd`'s s [64 heads, 64 keys] feeds the p.v dot, so all 8 warps sit on
 # M = 64 and both warpgroups compute the same rows). Head dim in two halves; one stage (the 128 x 512 key
-# block alone is 128 KiB). Prepared for the H200 (bench/bench_attention.py --bwd, "+kfwd"), not the default.
+# block alone is 128 KiB). Not the default: measured slower (H100, 2026-12-07: 4.19 ms against `_fwd`'s 2.80 at
+# S = 8192 on C4, its spills costing more than the rows it saves; docs/benchmarks.md).
 FWD_KEYS_CONFIG = dict(kind="keys", BLOCK_H=64, BLOCK_K=128, num_warps=8, num_stages=1)
 FUSED_BWD_CONFIG = dict(fused=True, dq=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2),
                         dkv=dict(BLOCK_H=32, BLOCK_K=32, num_warps=8, num_stages=2))
