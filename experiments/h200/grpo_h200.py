@@ -95,10 +95,10 @@ def numbers_at(ids: list, tok) -> list:
 
 
 def letters_at(ids: list, tok) -> list:
-    """Indices of the tokens of a worked long-task response that name a fact (`a` of `a=5`: a lone letter
-    followed by `=`), the tokens copied from the question rather than looked up."""
+    """Indices of the tokens of a worked long-task response that name a fact (`a` of `a5`: a lone letter
+    followed by a digit), the tokens copied from the question rather than looked up."""
     text = [tok.decode([t]).strip() for t in ids]
-    return [i for i in range(len(ids) - 1) if len(text[i]) == 1 and text[i].isalpha() and text[i + 1] == "="]
+    return [i for i in range(len(ids) - 1) if len(text[i]) == 1 and text[i].isalpha() and text[i + 1].isdigit()]
 
 
 @torch.no_grad()
@@ -346,7 +346,7 @@ def cmd_calibrate_long(a, overrides):
     --val-problems near (factsnear val) and sft_mid (factsmid val) problems, `<class>_lookup`: the share
     whose two looked-up values (the chain's first two numbers) are both the argmax, chance ~1/81,
     `<class>_value_tok`: the same two tokens' per-token argmax accuracy, and `<class>_letters`: the share whose
-    two fact letters (`a` and `c` of `a=5, c=2`, copied from the question: `letters_at`) are both the argmax,
+    two fact letters (`a` and `c` of `a5\\nc2`, copied from the question: `letters_at`) are both the argmax,
     `<class>_pos`: per-token accuracy at the two letters, then at each number of the chain in order (the two
     values, then the chain's terms, partial sums and the answer) -- all from the same forward. Near only:
     `--arms curriculum --near-share 1.0`; width etc. by `--model.<field>` overrides (after LONG_GEOMETRY).
@@ -558,7 +558,7 @@ def main(argv=None):
     ap.add_argument("--check-every", type=int, default=CHECK_EVERY, help="SFT steps between validation checks")
     ap.add_argument("--val-problems", type=int, default=VAL_PROBLEMS, help="validation problems per check")
     ap.add_argument("--curriculum", default="", help="phase 1 as a schedule of families, e.g. "
-                    "factsnear:acc=0.6:s=150,factsmid:acc=0.5:s=60,factssft (experiments/h200/curriculum.py);"
+                    "factsnear:acc=0.6:s=180,factsmid:acc=0.5:s=60,factssft (experiments/h200/curriculum.py);"
                     " --sft-data names the module, --max-seconds caps the whole schedule")
     ap.add_argument("--arms", default="mix,curriculum", help="calibrate_long: which arms (mix, curriculum)")
     ap.add_argument("--near-share", type=float, default=0.4, help="calibrate_long: the curriculum arm's share of "

@@ -246,7 +246,7 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
     # the glance phase checks 32 long prompts a step (~2.4 s a step in the first hold): capped at 40 s
     [ "$MODE" = gpu ] && sft="$sft --check-every 10 --curriculum $(curriculum_spec) --glance-seconds 40"
     # the phases' seconds end the SFT, not the default 400 steps: a near-only step is a fraction of a factssft one
-    [ "$MODE" = gpu ] && sft="$sft --max-steps 2000"
+    [ "$MODE" = gpu ] && sft="$sft --max-steps 2000${H20_SFT_LR:+ --lr $H20_SFT_LR}"   # H20_SFT_LR: the SFT's lr (6e-4)
     [ "$MODE" = dry ] && sft="$sft --curriculum factscpu:acc=1:steps=2,factscpumid:acc=1 --check-every 2 --val-problems 4"
     sft="$sft --sft-data $LT:$sftfam:train --val-data $LT:$fam:val --val forced"
   fi
@@ -352,8 +352,9 @@ deadline() {  # Ctrl-C for pid $1 after $2 seconds, if it still runs (train.py s
 }
 # the long run's SFT schedule (experiments/h200/curriculum.py: a phase's seconds count from the end of its first
 # step, whose compiles are not the phase's; the last phase runs to --max-seconds, H20_SFT_S)
-# (near 150 s: the CPU study's lookup was learned only after ~32K demonstrations, experiments/h200/README.md)
-curriculum_spec() { echo "${H20_CURRICULUM:-factsnear:acc=0.6:s=150,factsmid:acc=0.5:s=60,factssft}"; }
+# (near 180 s, ~330 steps of 64 on the GPU: the CPU study's `#a5` lookup was learned at ~300 steps of 64,
+# experiments/h200/README.md; the SFT's total stays H20_SFT_S, so a near phase that runs long shortens the next)
+curriculum_spec() { echo "${H20_CURRICULUM:-factsnear:acc=0.6:s=180,factsmid:acc=0.5:s=60,factssft}"; }
 check_spec() {  # a bad H20_CURRICULUM fails in seconds at `go` (and in the dry run), not 4-5 minutes into a hold
   [ "$LONG" = 1 ] || return 0
   local spec; spec=$(curriculum_spec)
@@ -396,7 +397,7 @@ sft_probe() {
   cd "$R"; rm -rf $W/probe
   local fam=facts; [ "$MODE" = dry ] && fam=factsdry
   $PY experiments/h200/grpo_h200.py sft --out $W/probe --max-seconds $1 --max-steps 100000 --glance-steps 0 \
-    --batch ${H20_SFT_BATCH:-64} --val-problems 32 --check-every 10 --curriculum ${H20_PROBE:-factsnear:acc=0.9} \
+    --batch ${H20_SFT_BATCH:-64} --val-problems 32 --check-every 10 --curriculum ${H20_PROBE:-factsnear:acc=0.9} ${H20_SFT_LR:+--lr $H20_SFT_LR} \
     --sft-data $LT:factssft:train --val-data $LT:$fam:val --val forced $(overrides) || echo "PROBE FAILED: sft"
   mkdir -p ${OUT:-/tmp/out} && cp $W/probe/sft.json ${OUT:-/tmp/out}/sft_probe.json
 }

@@ -2,22 +2,23 @@
 needed at its end (issue 42).
 
     user:      Given:
-               a=5
-               b=3
-               ...                       (8 facts, a..h, each a digit 1..9)
-               h=8
+               #a5
+               #b3
+               ...                       (8 facts, a..h, each a digit 1..9 right after its letter)
+               #h8
                Log of noise:
                417:5
                203:8
                ...                       (n records: a key 100..999, a digit; none of them is asked for)
                Add a + 4 + c. Put the final answer in \\boxed{}.
-    assistant: a=5, c=2. 5+4=9, 9+2=11.</think>\\boxed{11}<｜end▁of▁sentence｜>
+    assistant: a5
+               c2. 5+4=9, 9+2=11.</think>\\boxed{11}<｜end▁of▁sentence｜>
 
-The worked response looks the two letters up, then writes the running sum (synth.chain: each step one
-addition fact). Its value tokens ("5" after "a=") depend on tokens thousands of positions back: at n records
-the facts sit 4n + 24 to 4n + 56 tokens before the first response token.
+The worked response looks the two letters up, one per line as the facts are written, then writes the running
+sum (synth.chain: each step one addition fact). Its value tokens ("5" after "a") depend on tokens thousands of
+positions back: at n records the facts sit 4n + 24 to 4n + 56 tokens before the first response token.
 
-**Positions by construction.** Every line after "Given:" is exactly 4 tokens of the V4 tokenizer ("a", "=",
+**Positions by construction.** Every line after "Given:" is exactly 4 tokens of the V4 tokenizer ("#", "a",
 "5", "\\n"; "417", ":", "5", "\\n"; tested), BOS + "<｜User｜>" + "Given:\\n" is 4 and "Log of noise:\\n" 4,
 so facts and records each fill one C4 window (positions 4w..4w+3: one compressed entry each), and the prompt
 (question and "<｜Assistant｜><think>" included) is PROMPT_BASE + 4n tokens. Problems come in three length
@@ -61,7 +62,12 @@ here working it out means copying two facts from thousands of tokens back, so GR
 context. Facts at fixed places (a..h in order, the first 36 tokens) rather than scattered keys, one digit
 operand and two additions: the retrieval a 4-layer model must learn in a ~3-minute SFT is one content match
 per fact among 8 letters (not among ~900 numeric keys), and the arithmetic is sum3's, learned in run 9's SFT
-within its first 100 steps. The filler is records of numbers, never asked for: the model reads past them.
+within its first 100 steps. Each value follows its letter directly ("#a5", not "a=5"): the lookup is then the one an induction head does
+(attend to the token after the earlier copy of this one), and the response writes each lookup on a line of its
+own, so both letters are the facts' own tokens ("c" after a newline, not " c"). In the CPU study
+(experiments/h200/README.md) dim 128 learned this form's near lookup at ~700 steps of 16 against 1,750-2,500 for
+"a=5" (which needs the token two back), and the 1.24B model had not learned "a=5" in 500 steps of 64 on a GPU.
+The filler is records of numbers, never asked for: the model reads past them.
 The reward is the project's math reward (the last \\boxed{} after </think>), nothing task-specific.
 
 Splits: a problem is a candidate of its class's stream (`random.Random(f"{family}-{class}-{j}")`: facts,
@@ -70,7 +76,7 @@ no seed can put a held-out problem into training.
 
     longctx.problems("facts", "heldout")        # -> [data.Problem], classes interleaved as FAMILIES says
     longctx.rows("facts:train")                 # for train.data=py:experiments.h200.longctx:facts:train
-    longctx.solution(prompt, rng)               # "a=5, c=2. 5+4=9, 9+2=11.</think>\\boxed{11}"
+    longctx.solution(prompt, rng)               # "a5\\nc2. 5+4=9, 9+2=11.</think>\\boxed{11}"
     longctx.glance(prompt, rng)                 # "</think>\\boxed{12}"
     longctx.sft_pairs(problems, tok, worked_share, rng)
     longctx.prompt_of_length(L, seed)           # a far-class problem whose prompt is about L tokens (parity)
@@ -112,8 +118,7 @@ FAMILIES = {                    # the class of problem i of a split is pattern[i
 SPLIT_SIZES = {"train": 4096, "val": 256, "heldout": 512}
 HELDOUT_PERCENT, VAL_PERCENT = 10, 5
 SPLITS = ("train", "val", "heldout")
-LOOKUP_SEPARATORS = (", ", "; ", " and ")     # between the two lookups, drawn (the reward never sees it)
-PROMPT_RE = re.compile(r"^Given:\n((?:[a-h]=[1-9]\n){8})Log of noise:\n((?:\d{3}:[1-9]\n)*)"
+PROMPT_RE = re.compile(r"^Given:\n((?:#[a-h][1-9]\n){8})Log of noise:\n((?:\d{3}:[1-9]\n)*)"
                        r"Add ([a-h1-9](?: \+ [a-h1-9])+)\. Put the final answer in \\boxed\{\}\.$")
 
 
@@ -142,7 +147,7 @@ def candidate(family: str, cls: str, j: int) -> tuple:
 
 def prompt_text(facts: tuple, terms: tuple, n: int, filler_seed: int) -> str:
     rng = random.Random(filler_seed)
-    head = "Given:\n" + "".join(f"{c}={v}\n" for c, v in zip(LETTERS, facts)) + "Log of noise:\n"
+    head = "Given:\n" + "".join(f"#{c}{v}\n" for c, v in zip(LETTERS, facts)) + "Log of noise:\n"
     log = "".join(f"{rng.randint(100, 999)}:{rng.randint(1, 9)}\n" for _ in range(n))
     return head + log + "Add " + " + ".join(terms) + ". Put the final answer in \\boxed{}."
 
@@ -152,7 +157,7 @@ def parse_prompt(prompt: str) -> tuple:
     m = PROMPT_RE.match(prompt)
     if not m:
         raise ValueError(f"not a long-context facts prompt: {prompt[:60]!r} ... {prompt[-60:]!r}")
-    facts = {line[0]: int(line[2]) for line in m.group(1).splitlines()}
+    facts = {line[1]: int(line[2]) for line in m.group(1).splitlines()}
     return facts, m.group(3).split(" + "), m.group(2).count("\n")
 
 
@@ -208,13 +213,12 @@ def rows(spec: str) -> list[dict]:
 
 
 def solution(prompt: str, rng: random.Random | None = None) -> str:
-    """The worked response: both letters looked up (in the question's order), then the running sum of the
-    operands (`synth.chain`), then the answer. Without `rng` the canonical phrasing, with it a drawn one."""
+    """The worked response: both letters looked up (in the question's order), each on its own line as a fact
+    is written ("a5"), then the running sum of the operands (`synth.chain`), then the answer. Without `rng` the
+    canonical phrasing of the chain, with it a drawn one."""
     facts, terms, _ = parse_prompt(prompt)
-    letters = [t for t in terms if t in facts]
-    sep = LOOKUP_SEPARATORS[0] if rng is None else rng.choice(LOOKUP_SEPARATORS)
     vals = values(prompt)
-    return (sep.join(f"{c}={facts[c]}" for c in letters) + ". " + synth.chain(tuple(vals), rng)
+    return ("\n".join(f"{c}{facts[c]}" for c in terms if c in facts) + ". " + synth.chain(tuple(vals), rng)
             + ".</think>\\boxed{" + str(sum(vals)) + "}")
 
 

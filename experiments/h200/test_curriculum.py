@@ -178,3 +178,46 @@ def test_the_pipelines_default_spec_parses_and_a_bad_one_stops_the_run_before_an
     r = subprocess.run(["bash", SH, "dry", "5"], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "unknown family 'factsfar'" in r.stderr, (r.returncode, r.stderr[-800:])
     assert "FAILED: H20_CURRICULUM" in r.stderr and not os.path.exists(tmp_path / "server.pid"), r.stdout[-800:]
+
+
+def test_readme_probe_table_is_the_probes_files():
+    """README.md's table of the GPU probes (`sft_probe` at three learning rates): every number from
+    docs/results/sft_probe_h100/; a row edited by hand or left from an older run fails here."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = open(os.path.join(root, "experiments", "h200", "README.md")).read()
+    rows = re.findall(r"^\| ([\d.e-]+) \| (\d+) \| ([\d,]+) \| (\d+) \| (\d+) of (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$",
+                      text.split("**The probe, run", 1)[1].split("\n\n", 2)[1], re.M)
+    assert len(rows) == 3, rows
+    for lr, steps, demos, secs, pos, n, best, last, loss in rows:
+        with open(os.path.join(root, "docs", "results", "sft_probe_h100", f"sft_probe_lr{lr}.json")) as f:
+            d = json.load(f)
+        phase, acc = d["curriculum"][0], [c["acc"] for c in d["curriculum"][0]["checks"]]
+        assert float(lr) == d["lr"] and int(steps) == phase["steps"] == d["steps"]
+        assert int(demos.replace(",", "")) == phase["steps"] * d["batch"] and int(secs) == round(phase["seconds"])
+        assert (int(pos), int(n)) == (sum(a > 0 for a in acc), len(acc))
+        assert f"{max(acc):.2f}" == best and f"{sum(acc[-10:]) / 10:.2f}" == last
+        assert f"{d['final']['nll']:.3f}" == loss
+
+
+def test_readme_task_form_table_is_calibrate_long_json():
+    """README.md's table of the near lookup by task form (`a=5` vs `#a5`): every "value (step)" it quotes is
+    that run's check in calibrate_long.json; "(a-b)": every check from a to b."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = open(os.path.join(root, "experiments", "h200", "README.md")).read()
+    with open(os.path.join(root, "experiments", "h200", "calibrate_long.json")) as f:
+        runs = json.load(f)["runs"]
+    names = {("`a=5`", "16", "1234"): "near_dim128_lr1e-3_b16_2500",
+             ("`a=5` (rerun)", "16", "1234"): "transfer_dim128_lr1e-3_b16",
+             ("`#a5`", "16", "1234"): "oneback_transfer_dim128_lr1e-3_b16",
+             ("`#a5`", "16", "1"): "oneback_near_dim128_lr1e-3_b16_seed1",
+             ("`#a5`", "64", "1234"): "oneback_near_dim128_lr1e-3_b64"}
+    rows = re.findall(r"^\| (`[^|]+) \| (\d+) \| (\d+) \| ([^|]+) \| [^|]+ \|$", text, re.M)
+    assert {r[:3] for r in rows} == set(names), rows
+    for form, batch, seed, quoted in rows:
+        run = runs[names[form, batch, seed]]
+        assert run["batch"] == int(batch) and run.get("seed", 1234) == int(seed)
+        at = {c["step"]: c["near_lookup"] for c in run["arms"]["curriculum"]["curve"]}
+        for value, a, b in re.findall(r"([\d.]+) \(([\d,]+)(?:-([\d,]+))?\)", quoted):
+            lo, hi = int(a.replace(",", "")), int((b or a).replace(",", ""))
+            got = [v for s, v in at.items() if lo <= s <= hi]
+            assert got and all(f"{v:.2f}" == value for v in got), (form, batch, seed, value, lo, hi, got)

@@ -55,7 +55,7 @@ def test_long_prompts_are_exact_length_aligned_and_their_queries_in_their_band(t
         assert len(ids) == longctx.PROMPT_BASE + 4 * n, cls
         text = [tok.decode([i]) for i in ids]
         for i, c in enumerate(longctx.LETTERS):                                # fact i fills window 1 + i
-            assert text[4 + 4 * i: 8 + 4 * i] == [c, "=", str(facts[i]), "\n"]
+            assert text[4 + 4 * i: 8 + 4 * i] == ["#", c, str(facts[i]), "\n"]
         for j in range(n):                                                      # record j fills window 10 + j
             k, col, v, nl = text[40 + 4 * j: 44 + 4 * j]
             assert re.fullmatch(r"\d{3}", k) and col == ":" and re.fullmatch(r"[1-9]", v) and nl == "\n"
@@ -75,12 +75,12 @@ def test_long_splits_disjoint_interleaved_and_solutions_right(tok):
     rng = random.Random(0)
     for p in splits["heldout"][:30]:
         m = re.search(r"Given:\n(.*?)Log of noise", p.prompt, re.S)
-        facts = dict(line.split("=") for line in m.group(1).split())
+        facts = {line[1]: line[2] for line in m.group(1).split()}                  # "#a5" -> a: 5
         terms = re.search(r"Add (.*)\. Put", p.prompt).group(1).split(" + ")
         vals = [int(facts.get(t, t)) for t in terms]
         assert p.answer == str(sum(vals))
         sol = longctx.solution(p.prompt, rng)
-        looked = re.findall(r"([a-h])=(\d)", sol.split(". ")[0])
+        looked = re.findall(r"^([a-h])(\d)$", sol.split(". ")[0], re.M)            # one lookup a line
         assert looked == [(t, facts[t]) for t in terms if t in facts], sol
         steps = re.findall(r"(\d+)\+(\d+)=(\d+)", sol)
         assert len(steps) == len(vals) - 1 and all(int(a) + int(b) == int(c) for a, b, c in steps), sol
