@@ -62,11 +62,12 @@ here working it out means copying two facts from thousands of tokens back, so GR
 context. Facts at fixed places (a..h in order, the first 36 tokens) rather than scattered keys, one digit
 operand and two additions: the retrieval a 4-layer model must learn in a ~3-minute SFT is one content match
 per fact among 8 letters (not among ~900 numeric keys), and the arithmetic is sum3's, learned in run 9's SFT
-within its first 100 steps. Each value follows its letter directly ("#a5", not "a=5"): the lookup is then the one an induction head does
-(attend to the token after the earlier copy of this one), and the response writes each lookup on a line of its
-own, so both letters are the facts' own tokens ("c" after a newline, not " c"). In the CPU study
-(experiments/h200/README.md) dim 128 learned this form's near lookup at ~700 steps of 16 against 1,750-2,500 for
-"a=5" (which needs the token two back), and the 1.24B model had not learned "a=5" in 500 steps of 64 on a GPU.
+within its first 100 steps. Each value follows its letter directly ("#a5", not "a=5"): the lookup is then
+the one an induction head does (attend to the token after the earlier copy of this one), and the response
+writes each lookup on a line of its own, so both letters are the facts' own tokens ("c" after a newline, not
+" c"). In the CPU study (experiments/h200/README.md) dim 128 learned this form's near lookup at ~500-700 steps
+of 16 against ~2,000-2,500 for "a=5" (which needs the token two back), and the 1.24B model had not learned
+"a=5" in 500 steps of 64 on a GPU.
 The filler is records of numbers, never asked for: the model reads past them.
 The reward is the project's math reward (the last \\boxed{} after </think>), nothing task-specific.
 
