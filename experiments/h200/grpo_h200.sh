@@ -397,7 +397,8 @@ sft_probe() {
   cd "$R"; rm -rf $W/probe
   local fam=facts; [ "$MODE" = dry ] && fam=factsdry
   $PY experiments/h200/grpo_h200.py sft --out $W/probe --max-seconds $1 --max-steps 100000 --glance-steps 0 \
-    --batch ${H20_SFT_BATCH:-64} --val-problems 32 --check-every 10 --curriculum ${H20_PROBE:-factsnear:acc=0.9} ${H20_SFT_LR:+--lr $H20_SFT_LR} \
+    --batch ${H20_SFT_BATCH:-64} --val-problems 32 --check-every 10 --curriculum ${H20_PROBE:-factsnear:acc=0.9} \
+    ${H20_SFT_LR:+--lr $H20_SFT_LR} \
     --sft-data $LT:factssft:train --val-data $LT:$fam:val --val forced $(overrides) || echo "PROBE FAILED: sft"
   mkdir -p ${OUT:-/tmp/out} && cp $W/probe/sft.json ${OUT:-/tmp/out}/sft_probe.json
 }

@@ -67,9 +67,8 @@ the one an induction head does (attend to the token after the earlier copy of th
 writes each lookup on a line of its own, so both letters are the facts' own tokens ("c" after a newline, not
 " c"). In the CPU study (experiments/h200/README.md) dim 128 learned this form's near lookup at ~500-700 steps
 of 16 against ~2,000-2,500 for "a=5" (which needs the token two back), and the 1.24B model had not learned
-"a=5" in 500 steps of 64 on a GPU.
-The filler is records of numbers, never asked for: the model reads past them.
-The reward is the project's math reward (the last \\boxed{} after </think>), nothing task-specific.
+"a=5" in 500 steps of 64 on a GPU. The filler is records of numbers, never asked for: the model reads past
+them. The reward is the project's math reward (the last \\boxed{} after </think>), nothing task-specific.
 
 Splits: a problem is a candidate of its class's stream (`random.Random(f"{family}-{class}-{j}")`: facts,
 question, n, the filler's seed), assigned to train / val / heldout by a hash of that tuple (`split_of`), so
