@@ -322,8 +322,10 @@ compare_runs() {  # issue 41: synchronous, then one step off, from the same warm
     local extra=""; [ $mode = async ] && extra="--rollout.async true --eval.before_train false"
     stamp "train $mode"; echo "$mode $(date +%s.%N)" >> $W/windows.txt
     $PY train.py --recipe experiments/h200/h200.txt --out $W/run_$mode $common $(overrides) $extra & local tp=$!
-    # on the GPU each run ends, at the latest, where the hold has only the comparison and the collect left
-    [ "$MODE" = gpu ] && deadline $tp $(hold_left 60)
+    # on the GPU each run ends, at the latest, where the hold has only the comparison and the collect left; the
+    # synchronous run at 3/5 of what is left then, so a slow first run leaves the second its 20 steps
+    local dl; dl=$(hold_left 60); [ $mode = sync ] && dl=$((dl * 3 / 5))
+    [ "$MODE" = gpu ] && deadline $tp $dl
     wait $tp || echo "FAILED train $mode (or stopped at the deadline)"
     kill ${DEADLINE_PID:-} 2> /dev/null
     echo "$mode $(date +%s.%N)" >> $W/windows.txt
