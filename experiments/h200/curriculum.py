@@ -1,10 +1,11 @@
 """The SFT warm start's curriculum (issue 42): parse a phase schedule and run it.
 
-    factsnear:acc=0.6:s=180,factsmid:acc=0.5:s=60,factssft
+    factsnear:look=0.9:s=180,factsmid:look=0.6:s=60,factssft
 
 is three phases. Each trains on its family (longctx.FAMILIES) until the accuracy its check measures (the
 teacher-forced accuracy of the worked chain on that family's validation problems, `grpo_h200.forced_accuracy`)
-reaches `acc`, or its budget is spent -- `s=` seconds, or `steps=` steps, the first of the two when both are
+reaches `acc` -- or its lookup share (both looked-up values right, the same check) reaches `look`; with both
+given, both must -- or its budget is spent -- `s=` seconds, or `steps=` steps, the first of the two when both are
 given -- and then the next phase starts. A phase's seconds count from the end of its first step: the first step
 on a family pays the compiles of its shapes (~1 minute on the H200 in the first hold), which would otherwise eat
 the first phase's budget; that step's time is recorded (`first_step_s`). The last phase needs no budget: it runs
@@ -20,9 +21,9 @@ attention window (`factsnear`), then moved behind the window (`factsmid`), then 
     records = curriculum.run(phases, train_step, accuracy, max_seconds=240, max_steps=400, check_every=10)
 
 `train_step(phase, k)` runs step k (1-based, within the phase) on the phase's family; `accuracy(phase)` checks
-it, every `check_every` steps of the phase. `run` takes a `clock` so the tests drive it with a fake one. Each
-record (sft.json's "curriculum") holds the family, its steps and seconds, the accuracy at each check, and why it
-ended (`ended`: one of ENDINGS, `why`: in words).
+it, every `check_every` steps of the phase, and returns {"acc": share right, "look": share looked up}. `run`
+takes a `clock` so the tests drive it with a fake one. Each record (sft.json's "curriculum") holds the family,
+its steps and seconds, both shares at each check, and why it ended (`ended`: one of ENDINGS, `why`: in words).
 
 Tests: `pytest experiments/h200/test_curriculum.py -q`.
 """
@@ -31,8 +32,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-KEYS = ("acc", "s", "steps")          # a phase's settings: target accuracy, seconds budget, steps budget
-ENDINGS = ("acc", "steps", "s", "max_seconds", "max_steps", "not_reached")
+KEYS = ("acc", "look", "s", "steps")  # a phase's settings: target accuracy, target lookup share, seconds, steps
+TARGETS = ("acc", "look")             # the keys that end a phase by its check (every one given must be reached)
+ENDINGS = ("target", "steps", "s", "max_seconds", "max_steps", "not_reached")
 
 
 @dataclass(frozen=True)
@@ -41,16 +43,18 @@ class Phase:
     acc: float | None = None          # ends when a check reaches this (None: never on accuracy)
     seconds: float | None = None      # its budget in seconds (None: none)
     steps: int | None = None          # its budget in steps (None: none)
+    look: float | None = None         # ends when a check's lookup share reaches this (with acc: both)
 
 
 def _number(text: str, key: str, where: str) -> float | int:
-    """The value of `key=text`: a float in [0, 1] for acc, a positive float for s, a positive int for steps."""
+    """The value of `key=text`: a float in [0, 1] for acc and look, a positive float for s, a positive int for
+    steps."""
     try:
         v = int(text) if key == "steps" else float(text)
     except ValueError:
         raise ValueError(f"{where}: bad number {key}={text!r}") from None
-    if (key == "acc" and not 0.0 <= v <= 1.0) or (key != "acc" and not v > 0):
-        want = "in [0, 1]" if key == "acc" else "> 0"
+    if (key in TARGETS and not 0.0 <= v <= 1.0) or (key not in TARGETS and not v > 0):
+        want = "in [0, 1]" if key in TARGETS else "> 0"
         raise ValueError(f"{where}: bad number {key}={text!r} (must be {want})")
     return v
 
@@ -67,11 +71,11 @@ def _phase(part: str, n: int, families) -> Phase:
     for kv in fields[1:]:
         key, eq, text = kv.partition("=")
         if key not in KEYS or not eq:
-            raise ValueError(f"{where}: unknown key {kv!r}, expected acc=, s= or steps=")
+            raise ValueError(f"{where}: unknown key {kv!r}, expected acc=, look=, s= or steps=")
         if key in got:
             raise ValueError(f"{where}: {key}= given twice")
         got[key] = _number(text, key, where)
-    return Phase(fields[0], got.get("acc"), got.get("s"), got.get("steps"))
+    return Phase(fields[0], got.get("acc"), got.get("s"), got.get("steps"), got.get("look"))
 
 
 def parse(spec: str, families) -> list[Phase]:
@@ -100,9 +104,17 @@ def _ending(ph: Phase, k: int, phase_s: float, all_s: float, total: int, limits:
     return None
 
 
+def _reached(ph: Phase, got: dict, k: int) -> tuple | None:
+    """("target", why) when the check `got` reaches every target the phase gives (acc=, look=); else None."""
+    want = {key: getattr(ph, key) for key in TARGETS if getattr(ph, key) is not None}
+    if not want or any(got[key] < v for key, v in want.items()):
+        return None
+    return "target", " and ".join(f"{key} {got[key]:g} >= {v:g}" for key, v in want.items()) + f" at step {k}"
+
+
 def _record(ph: Phase) -> dict:
     """A phase's record before it runs (also the record of a phase never reached)."""
-    return {"family": ph.family, "acc_target": ph.acc, "s_budget": ph.seconds, "steps_budget": ph.steps,
+    return {"family": ph.family, "acc_target": ph.acc, "look_target": ph.look, "s_budget": ph.seconds, "steps_budget": ph.steps,
             "steps": 0, "seconds": 0.0, "first_step_s": None, "checks": [], "ended": None, "why": None}
 
 
@@ -119,10 +131,10 @@ def _run_phase(ph: Phase, train_step, accuracy, clock, t0: float, total: int, li
             budget_from = clock()
             rec["first_step_s"] = round(budget_from - start, 1)
         if k % check_every == 0:
-            acc = accuracy(ph)
-            rec["checks"].append({"step": k, "acc": acc, "time_s": round(clock() - start, 1)})
-            if ph.acc is not None and acc >= ph.acc:
-                end = "acc", f"accuracy {acc:g} >= {ph.acc:g} at step {k}"
+            got = accuracy(ph)
+            rec["checks"].append({"step": k, "acc": got["acc"], "look": got["look"],
+                                  "time_s": round(clock() - start, 1)})
+            end = _reached(ph, got, k)
         end = end or _ending(ph, k, clock() - budget_from, clock() - t0, total + k, limits)
     rec.update(steps=k, seconds=round(clock() - start, 1), ended=end[0], why=end[1])
     return rec

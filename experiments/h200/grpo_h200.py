@@ -110,23 +110,23 @@ def forced_hits(model, prompt: list, resp: list, at: list) -> list:
     return [pred[i] == resp[i] for i in at]
 
 
-def forced_right(model, prompt: list, resp: list, at: list) -> bool:
-    return all(forced_hits(model, prompt, resp, at))
-
-
 def forced_accuracy(model, tok, module, probs: list) -> dict:
     """Teacher-forced greedy check of the canonical worked response (`module.solution(prompt)`): a problem is
-    right when the argmax at every number token of it is that token. One forward per problem (prompts differ in
-    length). -> {"all": share, <class>: share, ...} (classes by `length_class`, when the module names them)."""
-    right = []
+    right when the argmax at every number token of it is that token; its lookup is right when the first two
+    (the values looked up in the prompt, `a5\\nc2` of the long task) are. One forward per problem (prompts differ
+    in length). -> {"all": share right, "lookup": share looked up, <class>: ..., <class>_lookup: ...} (classes by
+    `length_class`, when the module names them)."""
+    hits = []
     for p in probs:
         prompt, resp = tok.encode_chat(p), tok.encode(module.solution(p.prompt)) + [tok.eos_id]
-        right.append(forced_right(model, prompt, resp, numbers_at(resp, tok)))
-    out = {"all": sum(right) / len(right)}
+        hits.append(forced_hits(model, prompt, resp, numbers_at(resp, tok)))
+    right, look = [all(h) for h in hits], [all(h[:2]) for h in hits]
+    out = {"all": sum(right) / len(right), "lookup": sum(look) / len(look)}
     if hasattr(module, "length_class"):
         for cls in sorted({module.length_class(p) for p in probs}):
-            r = [ok for ok, p in zip(right, probs) if module.length_class(p) == cls]
-            out[cls] = sum(r) / len(r)
+            idx = [i for i, p in enumerate(probs) if module.length_class(p) == cls]
+            out[cls] = sum(right[i] for i in idx) / len(idx)
+            out[f"{cls}_lookup"] = sum(look[i] for i in idx) / len(idx)
     return out
 
 
@@ -268,7 +268,7 @@ def run_curriculum(a, module, actor, tok, step, curve: list, t0: float, seed: in
         curve.append({"step": state["at"], "phase": f"curriculum:{ph.family}", "nll": state["nll"],
                       "val_pass@1": acc["all"], "val_forced_by_class": acc, "time_s": round(time.time() - t0, 1)})
         print(json.dumps(curve[-1]), flush=True)
-        return acc["all"]
+        return {"acc": acc["all"], "look": acc["lookup"]}
 
     def log(rec):
         print(json.dumps({"curriculum_phase": rec}), flush=True)
@@ -342,7 +342,7 @@ def cmd_calibrate_long(a, overrides):
     `cmd_calibrate`. Each arm of --arms trains from the same seeded init, batch, lr schedule and --max-steps:
     `mix` on --mix-family (factsmid: 1/3 near, 2/3 sft_mid) throughout, `curriculum` on factsnear for the first
     --near-share of the steps, then on the same mix (from its first batch). Every --check-every steps: the SFT
-    loss and the teacher-forced accuracy of the worked chain (`forced_right`, as `forced_accuracy`) on
+    loss and the teacher-forced accuracy of the worked chain (`forced_hits`, as `forced_accuracy`) on
     --val-problems near (factsnear val) and sft_mid (factsmid val) problems, `<class>_lookup`: the share
     whose two looked-up values (the chain's first two numbers) are both the argmax, chance ~1/81,
     `<class>_value_tok`: the same two tokens' per-token argmax accuracy, and `<class>_letters`: the share whose
@@ -558,7 +558,7 @@ def main(argv=None):
     ap.add_argument("--check-every", type=int, default=CHECK_EVERY, help="SFT steps between validation checks")
     ap.add_argument("--val-problems", type=int, default=VAL_PROBLEMS, help="validation problems per check")
     ap.add_argument("--curriculum", default="", help="phase 1 as a schedule of families, e.g. "
-                    "factsnear:acc=0.6:s=180,factsmid:acc=0.5:s=60,factssft (experiments/h200/curriculum.py);"
+                    "factsnear:look=0.9:s=180,factsmid:look=0.6:s=60,factssft (experiments/h200/curriculum.py);"
                     " --sft-data names the module, --max-seconds caps the whole schedule")
     ap.add_argument("--arms", default="mix,curriculum", help="calibrate_long: which arms (mix, curriculum)")
     ap.add_argument("--near-share", type=float, default=0.4, help="calibrate_long: the curriculum arm's share of "

@@ -20,11 +20,12 @@ COMPILE_S = 40.0         # and the first step on a family, with `Stub(compile_s=
 
 class Stub:
     """A fake clock, a trainer that only counts (family, step within phase) and a check that reads its accuracy
-    from `accs[family]` (a list, one value per check; the last repeats)."""
+    from `accs[family]` and its lookup share from `looks[family]` (lists, one value per check; the last
+    repeats; no lookups given: each check's lookup share is 0)."""
 
-    def __init__(self, accs=None, compile_s=0.0):
+    def __init__(self, accs=None, compile_s=0.0, looks=None):
         self.t, self.trained, self.accs, self.checked = 0.0, [], accs or {}, []
-        self.compile_s = compile_s
+        self.compile_s, self.looks = compile_s, looks or {}
 
     def clock(self):
         return self.t
@@ -35,9 +36,10 @@ class Stub:
 
     def accuracy(self, ph):
         self.t += CHECK_S
-        seq = self.accs.get(ph.family, [0.0])
         self.checked.append(ph.family)
-        return seq[min(sum(f == ph.family for f in self.checked) - 1, len(seq) - 1)]
+        n = sum(f == ph.family for f in self.checked) - 1
+        acc, look = self.accs.get(ph.family, [0.0]), self.looks.get(ph.family, [0.0])
+        return {"acc": acc[min(n, len(acc) - 1)], "look": look[min(n, len(look) - 1)]}
 
     def run(self, spec, max_seconds=1e9, max_steps=10_000, check_every=2):
         phases = curriculum.parse(spec, longctx.FAMILIES)
@@ -52,12 +54,15 @@ def test_parse_reads_each_key_and_names_the_culprit_of_a_bad_spec():
     got = curriculum.parse("factsnear:acc=0.6:s=100,factsmid:acc=0.5:steps=70,factssft:acc=0.5", longctx.FAMILIES)
     assert got == [curriculum.Phase("factsnear", 0.6, 100.0, None), curriculum.Phase("factsmid", 0.5, None, 70),
                    curriculum.Phase("factssft", 0.5, None, None)]
+    assert curriculum.parse("factsnear:look=0.9:s=5,factssft", longctx.FAMILIES)[0] == \
+        curriculum.Phase("factsnear", None, 5.0, None, 0.9)
     assert isinstance(got[1].steps, int)
     assert curriculum.parse(" factscpu ", longctx.FAMILIES) == [curriculum.Phase("factscpu")]
     bad = {"": "empty spec", "factsnear:s=5,,factssft": "phase 2 is empty", ":acc=0.5": "phase 1 is empty",
            "factsnear:s=5,factsfar:acc=1": "unknown family 'factsfar'",
            "factsnear:secs=5,factssft": "unknown key 'secs=5'", "factsnear:acc,factssft": "unknown key 'acc'",
            "factsnear:acc=high:s=5,factssft": "bad number acc='high'", "factsnear:acc=1.5:s=5,factssft": "acc='1.5'",
+           "factsnear:look=2:s=5,factssft": "look='2' \\(must be in \\[0, 1\\]\\)",
            "factsnear:steps=2.5,factssft": "bad number steps='2.5'", "factsnear:s=-1,factssft": "bad number s='-1'",
            "factsnear:s=1:s=2,factssft": "s= given twice",
            "factsnear:acc=0.6,factssft": "phase 1 \\(factsnear\\): only the last phase may run without"}
@@ -72,14 +77,31 @@ def test_a_phase_ends_when_its_check_reaches_acc_and_the_next_one_starts():
     the previous family, the check counted over the whole SFT instead of the phase."""
     s = Stub({"factscpu": [0.2, 0.6], "factscpumid": [0.1, 0.3, 0.5]})
     recs = s.run("factscpu:acc=0.6:steps=50,factscpumid:acc=0.5", check_every=3)
-    assert [(r["family"], r["steps"], r["ended"]) for r in recs] == [("factscpu", 6, "acc"), ("factscpumid", 9, "acc")]
+    assert [(r["family"], r["steps"], r["ended"]) for r in recs] == [("factscpu", 6, "target"), ("factscpumid", 9, "target")]
     assert [c["step"] for c in recs[0]["checks"]] == [3, 6] and [c["acc"] for c in recs[1]["checks"]] == [0.1, 0.3, 0.5]
     assert s.trained == [("factscpu", k) for k in range(1, 7)] + [("factscpumid", k) for k in range(1, 10)]
     assert recs[0]["seconds"] == pytest.approx(6 * STEP_S + 2 * CHECK_S, abs=0.1)
     s = Stub({"factscpumid": [0.1, 0.5]})                       # a phase before it ends off the check grid
     recs = s.run("factscpu:acc=0.6:steps=4,factscpumid:acc=0.5", check_every=3)
     assert [(r["steps"], r["ended"], [c["step"] for c in r["checks"]]) for r in recs] == \
-        [(4, "steps", [3]), (6, "acc", [3, 6])]
+        [(4, "steps", [3]), (6, "target", [3, 6])]
+
+
+def test_a_lookup_target_ends_a_phase_alone_or_together_with_acc():
+    """Bugs caught (the `look=` key, issue 42: the near phase hands over once the lookup is learned, not the whole
+    chain, which the CPU learned ~300 steps later): the lookup share compared with the acc target or not at all,
+    a phase with both targets ending on the first one reached, the checks not recording both shares."""
+    s = Stub({"factscpu": [0.0, 0.1, 0.2]}, looks={"factscpu": [0.5, 0.9, 0.95]})
+    recs = s.run("factscpu:look=0.9:steps=50,factscpumid:steps=1", check_every=2)
+    assert (recs[0]["steps"], recs[0]["ended"], recs[0]["look_target"]) == (4, "target", 0.9)
+    assert recs[0]["checks"][1] == {"step": 4, "acc": 0.1, "look": 0.9, "time_s": recs[0]["checks"][1]["time_s"]}
+    assert recs[0]["why"] == "look 0.9 >= 0.9 at step 4"
+    s = Stub({"factscpu": [0.0, 0.1, 0.2, 0.3]}, looks={"factscpu": [0.5, 0.9, 0.95]})
+    recs = s.run("factscpu:acc=0.3:look=0.9:steps=50,factscpumid:steps=1", check_every=2)
+    assert (recs[0]["steps"], recs[0]["ended"]) == (8, "target") and "acc 0.3 >= 0.3 and look" in recs[0]["why"]
+    s = Stub({"factscpu": [0.9]}, looks={"factscpu": [0.1]})
+    recs = s.run("factscpu:look=0.5:steps=6,factscpumid:steps=1", check_every=2)
+    assert (recs[0]["steps"], recs[0]["ended"]) == (6, "steps")                  # acc alone is not the target
 
 
 def test_a_phase_ends_when_its_steps_or_seconds_are_spent_to_the_step():
@@ -143,7 +165,8 @@ def test_run_curriculum_trains_each_phases_family_and_records_it_for_sft_json(mo
 
     def forced(model, tok, module, probs):
         checked.append({p.id.split("-")[0] for p in probs} | {len(probs)})
-        return {"all": 0.75 if probs[0].id.startswith("factscpu-") else 0.0}
+        first = probs[0].id.startswith("factscpu-")
+        return {"all": 0.75 if first else 0.0, "lookup": 0.8 if first else 0.1}
     monkeypatch.setattr(grpo_h200, "forced_accuracy", forced)
     a = SimpleNamespace(curriculum="factscpu:acc=0.7:steps=10,factscpumid:acc=0.9:steps=3", val_problems=4,
                         max_seconds=1e9, max_steps=400, check_every=2, lr=1e-3)
@@ -156,7 +179,8 @@ def test_run_curriculum_trains_each_phases_family_and_records_it_for_sft_json(mo
     assert train == longctx.problems("factscpumid", "train")
     rec = json.loads(json.dumps(recs))
     assert [(r["family"], r["steps"], r["ended"], [c["acc"] for c in r["checks"]]) for r in rec] == \
-        [("factscpu", 2, "acc", [0.75]), ("factscpumid", 3, "steps", [0.0])]
+        [("factscpu", 2, "target", [0.75]), ("factscpumid", 3, "steps", [0.0])]
+    assert [c["look"] for r in rec for c in r["checks"]] == [0.8, 0.1]
     assert [(c["step"], c["phase"], c["val_pass@1"]) for c in curve] == \
         [(2, "curriculum:factscpu", 0.75), (4, "curriculum:factscpumid", 0.0)]
 
@@ -221,3 +245,35 @@ def test_readme_task_form_table_is_calibrate_long_json():
             lo, hi = int(a.replace(",", "")), int((b or a).replace(",", ""))
             got = [v for s, v in at.items() if lo <= s <= hi]
             assert got and all(f"{v:.2f}" == value for v in got), (form, batch, seed, value, lo, hi, got)
+
+
+def test_readme_gpu_near_phase_is_its_sft_json():
+    """README.md's paragraph on the near phase's first GPU run quotes the comparison hold's warm/sft.json (steps,
+    seconds, checks, the mid phase, the final check) and the CPU run it is read against (calibrate_long.json):
+    a number edited by hand, or left from another run, fails here."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = open(os.path.join(root, "experiments", "h200", "README.md")).read()
+    para = text.split("**The near phase on a GPU (2026-12-07", 1)[1].split("\n\n", 1)[0]
+    with open(os.path.join(root, "docs", "results", "async_compare_long_h100", "warm", "sft.json")) as f:
+        d = json.load(f)
+    near, mid, sft = d["curriculum"]
+    acc = [c["acc"] for c in near["checks"]]
+    fin = d["final"]["val_forced_by_class"]
+    quoted = [f"{near['steps']}\nsteps in {near['seconds']} s**", f"(the first {near['first_step_s']} s",
+              f"at {sum(a > 0 for a in acc)} of {len(acc)} checks", f"**{max(acc):.2f} at best** and {acc[-1]:.2f} at the last",
+              f"got the {mid['seconds']} s left", f"{mid['steps']}\nsteps (its first {mid['first_step_s']} s), check "
+              f"{mid['checks'][-1]['acc']:.2f}", f"0.03\n(far {fin['far']:.2f}, mid {fin['mid']:.2f}, near {fin['near']:.2f}), "
+              f"P(worked) {d['final']['p_worked']:.2f}", f"lr {d['lr']:.0e}, batch {d['batch']}".replace("e-04", "e-4")]
+    flat = " ".join(para.split())
+    missing = [q for q in quoted if " ".join(q.split()) not in flat]
+    assert not missing, missing
+    assert f"{fin['all']:.2f}" == "0.03" and sft["ended"] == "not_reached" and d["curriculum_spec"] in flat
+    with open(os.path.join(root, "experiments", "h200", "calibrate_long.json")) as f:
+        cpu = {c["step"]: c for c in json.load(f)["runs"]["oneback_near_dim128_lr1e-3_b64"]["arms"]["curriculum"]["curve"]}
+    cpu_quoted = (f"{cpu[300]['near']:.2f} at step 300 and {cpu[350]['near']:.2f} at 350, while its lookup share was "
+                  f"already {cpu[300]['near_lookup']:.2f} and {cpu[350]['near_lookup']:.2f}; its whole chain reached "
+                  f"{cpu[600]['near']:.2f} only at step 600")
+    assert cpu_quoted in flat, cpu_quoted
+    with open(os.path.join(root, "docs", "results", "async_compare_long_h100", "run_sync", "metrics.jsonl")) as f:
+        ev0 = next(r for r in map(json.loads, f) if r.get("kind") == "eval" and r["step"] == 0)
+    assert f"pass@1 at step 0 was {ev0['pass@1']:.3f}" in flat

@@ -789,3 +789,49 @@ def test_rollouts_md_quotes_the_h200_comparison_as_measured(tmp_path):
     missing = [q for q in quoted if q not in doc]
     assert not missing, missing
     assert y["steps_timed"] == 3 and res["bars"]["complete"] is False
+
+
+def test_rollouts_md_quotes_the_h100_comparison_as_measured(tmp_path):
+    """docs/rollouts.md's table of the 2026-12-07 H100 comparison (the first complete one) is what `grpo_h200.py
+    compare` makes of the runs' metrics today: the stored compare.json regenerated, then each row of the table
+    rebuilt from it and found in the doc, and the bars as the prose states them (ratio <= 0.7, within 2 SE)."""
+    from experiments.h200 import grpo_h200
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    d = os.path.join(root, "docs", "results", "async_compare_long_h100")
+    a = argparse.Namespace(sync=os.path.join(d, "run_sync"), async_run=os.path.join(d, "run_async"),
+                           gpu=os.path.join(d, "gpu.csv"), windows=os.path.join(d, "windows.txt"),
+                           out=str(tmp_path / "c.json"))
+    grpo_h200.cmd_compare(a)
+    res = json.load(open(tmp_path / "c.json"))
+    assert res == json.load(open(os.path.join(d, "compare.json")))
+    s, y, bars = res["sync"], res["async"], res["bars"]
+    doc = open(os.path.join(root, "docs", "rollouts.md")).read()
+    sec = lambda x: f"{x:.2f} s"                                                  # noqa: E731
+    rows = [("step", f"**{sec(s['step_s_mean'])}**", f"**{sec(y['step_s_mean'])}**"),
+            ("rollout (one step off: beside the training)", sec(s["rollout_s"]), sec(y["rollout_s"])),
+            ("waiting for the rollout", sec(s["rollout_wait_s"]), sec(y["rollout_wait_s"])),
+            ("trainer: old log-probs, forward + backward, optimizer", sec(s["train_s"]), sec(y["train_s"])),
+            ("push (FP8, verified by SGLang's checksums)", sec(s["sync_s"]), sec(y["sync_s"])),
+            ("waiting at the boundary", sec(s["boundary_wait_s"]), sec(y["boundary_wait_s"])),
+            ("pushes verified", f"{s['pushes_verified']} of {s['pushes']}", f"{y['pushes_verified']} of {y['pushes']}"),
+            ("gap, mean \\|dlogp\\| SGLang vs trainer", f"{s['gap_mean']:.4f}", f"{y['gap_mean']:.4f}"),
+            ("TIS ratio, mean", f"{s['tis_mean']:.3f}", f"{y['tis_mean']:.3f}"),
+            ("staleness, mean / max", f"{s['staleness_mean']:.2f} / {s['staleness_max']}",
+             f"{y['staleness_mean']:.2f} / {y['staleness_max']}"),
+            ("held-out pass@1 at step 20 (64 problems x 8)", f"{s['evals'][-1]['pass@1']:.3f} (SE {s['evals'][-1]['se']:.3f})",
+             f"{y['evals'][-1]['pass@1']:.3f} (SE {y['evals'][-1]['se']:.3f})"),
+            ("samples generated / trained", f"{s['generated_per_trained']:.2f}", f"{y['generated_per_trained']:.2f}"),
+            ("GPU utilisation, mean", f"{s['gpu_util_mean']:.0f}%", f"{y['gpu_util_mean']:.0f}%"),
+            ("GPU memory, max (of 81,559 MiB)", f"{s['gpu_mem_max_mib']:,.0f} MiB", f"{y['gpu_mem_max_mib']:,.0f} MiB"),
+            ("the trainer's peak", f"{s['gpu_peak_gib']:.2f} GiB", f"{y['gpu_peak_gib']:.2f} GiB")]
+    missing = [r for r in rows if f"| {r[0]} | {r[1]} | {r[2]} |" not in doc]
+    assert not missing, missing
+    assert f"**{bars['async_over_sync_step_s']:.2f}x**" in doc and f"met, by {0.7 - bars['async_over_sync_step_s']:.3f}" in doc
+    assert f"differs by {bars['pass_diff']:.3f}" in doc and f"({bars['pass_diff_se']:.3f})" in doc
+    assert bars["complete"] and bars["step_ratio_met"] and bars["pass_within_2se"] and bars["pushes_all_verified"]
+    assert abs(bars["pass_diff"]) <= bars["pass_diff_se"]                        # "within 1 SE", as the prose says
+    serial = max(y["rollout_s"], y["train_s"]) + y["sync_s"] + y["boundary_wait_s"]
+    assert f"= {serial:.2f} s" in doc
+    readme = " ".join(open(os.path.join(root, "experiments", "h200", "README.md")).read().split())
+    assert (f"the trainer's peak {s['gpu_peak_gib']:.2f} GiB, the GPU's {max(s['gpu_mem_max_mib'], y['gpu_mem_max_mib']):,.0f} "
+            f"of 81,559 MiB") in readme

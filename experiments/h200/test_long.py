@@ -315,7 +315,8 @@ def test_a_planted_c4_overlap_shift_moves_the_topk_bands_gap_3x_its_floor():
 # ---------------------------------------------------------------------------------------------- the warm start
 def test_forced_accuracy_counts_a_problem_right_only_when_every_number_is_the_argmax(tok):
     """The long SFT's stopping rule (grpo_h200.forced_accuracy): a problem is right when the argmax at every number
-    token of its canonical worked response is that token, per length class. Bugs caught: positions off by one
+    token of its canonical worked response is that token, per length class; its lookup when the first two are.
+    Bugs caught: the lookup read from other numbers than the two looked-up values; positions off by one
     (the prompt's last token or the EOS scored), non-number tokens counted (a drawn separator would fail a right
     chain), classes pooled wrongly. An oracle model (its argmax is the response's next token, or off by one at one
     chosen number) stands in for the network."""
@@ -350,15 +351,19 @@ def test_forced_accuracy_counts_a_problem_right_only_when_every_number_is_the_ar
     right = Oracle(set())
     wrong = Oracle({(1, numbers[1][0]), (4, numbers[4][-1])})   # problem 1's first value, problem 4's answer
     off_number = Oracle({(2, numbers[2][0] + 1)})                # problem 2: a non-number token only
-    for m, want in ((right, 1.0), (wrong, 4 / 6), (off_number, 1.0)):
-        accs = []
+    for m, want, look in ((right, 1.0, 1.0), (wrong, 4 / 6, 5 / 6), (off_number, 1.0, 1.0)):
+        accs, looks = [], []
         for j, p in enumerate(probs):
             m.problem = j
-            accs.append(grpo_h200.forced_accuracy(m, tok, longctx, [p])["all"])
-        assert sum(accs) / len(accs) == pytest.approx(want)
+            got = grpo_h200.forced_accuracy(m, tok, longctx, [p])
+            accs.append(got["all"])
+            looks.append(got["lookup"])                   # the first two numbers: problem 4's answer is not one
+        assert (sum(accs) / len(accs), sum(looks) / len(looks)) == pytest.approx((want, look))
     right.problem = -1
     got = grpo_h200.forced_accuracy(right, tok, longctx, probs)
-    assert got["all"] == 1.0 and set(got) == {"all"} | {longctx.length_class(p) for p in probs}
+    classes = {longctx.length_class(p) for p in probs}
+    assert got["all"] == got["lookup"] == 1.0
+    assert set(got) == {"all", "lookup"} | classes | {f"{c}_lookup" for c in classes}
     with pytest.raises(ValueError, match="py:experiments.h200"):
         grpo_h200.task_module("py:somewhere.else:facts:train")
     assert grpo_h200.task_module("py:experiments.h200.longctx:facts:val")[1:] == ("facts", "val")
