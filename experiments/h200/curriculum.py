@@ -1,6 +1,6 @@
 """The SFT warm start's curriculum (issue 42): parse a phase schedule and run it.
 
-    factsnear:look=0.9:s=180,factsmid:look=0.6:s=60,factssft
+    factsnear:look=0.9:s=180,factsmid:look=0.6:s=90,factssft
 
 is three phases. Each trains on its family (longctx.FAMILIES) until the accuracy its check measures (the
 teacher-forced accuracy of the worked chain on that family's validation problems, `grpo_h200.forced_accuracy`)

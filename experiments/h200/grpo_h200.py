@@ -558,7 +558,7 @@ def main(argv=None):
     ap.add_argument("--check-every", type=int, default=CHECK_EVERY, help="SFT steps between validation checks")
     ap.add_argument("--val-problems", type=int, default=VAL_PROBLEMS, help="validation problems per check")
     ap.add_argument("--curriculum", default="", help="phase 1 as a schedule of families, e.g. "
-                    "factsnear:look=0.9:s=180,factsmid:look=0.6:s=60,factssft (experiments/h200/curriculum.py);"
+                    "factsnear:look=0.9:s=180,factsmid:look=0.6:s=90,factssft (experiments/h200/curriculum.py);"
                     " --sft-data names the module, --max-seconds caps the whole schedule")
     ap.add_argument("--arms", default="mix,curriculum", help="calibrate_long: which arms (mix, curriculum)")
     ap.add_argument("--near-share", type=float, default=0.4, help="calibrate_long: the curriculum arm's share of "

@@ -245,7 +245,8 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3 --glance-steps 2"
   if [ "$LONG" = 1 ]; then   # a curriculum of families, easy to hard (curriculum.py), teacher-forced checks
     local fam=${H20_FAMILY:-facts} sftfam=factssft; [ "$MODE" = dry ] && fam=factsdry sftfam=factsdry
-    [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-240} --batch ${H20_SFT_BATCH:-64} --val-problems 32"
+    # 300 s (240 until 2026-12-07, when near's 199 s left mid 46 s: experiments/h200/README.md, "The near phase on a GPU")
+    [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-300} --batch ${H20_SFT_BATCH:-64} --val-problems 32"
     # the glance phase checks 32 long prompts a step (~2.4 s a step in the first hold): capped at 40 s
     [ "$MODE" = gpu ] && sft="$sft --check-every 10 --curriculum $(curriculum_spec) --glance-seconds 40"
     # the phases' seconds end the SFT, not the default 400 steps: a near-only step is a fraction of a factssft one
@@ -357,9 +358,10 @@ deadline() {  # Ctrl-C for pid $1 after $2 seconds, if it still runs (train.py s
 }
 # the long run's SFT schedule (experiments/h200/curriculum.py: a phase's seconds count from the end of its first
 # step, whose compiles are not the phase's; the last phase runs to --max-seconds, H20_SFT_S)
-# (near 180 s, ~330 steps of 64 on the GPU: the CPU study's `#a5` lookup was learned at ~300 steps of 64,
-# experiments/h200/README.md; the SFT's total stays H20_SFT_S, so a near phase that runs long shortens the next)
-curriculum_spec() { echo "${H20_CURRICULUM:-factsnear:look=0.9:s=180,factsmid:look=0.6:s=60,factssft}"; }
+# (near 180 s, ~370 steps of 64 on the GPU: the CPU study's `#a5` lookup was learned at ~300 steps of 64,
+# experiments/h200/README.md; each phase hands over once its lookup share is reached; the SFT's total is
+# H20_SFT_S, so a near phase that runs long shortens the next)
+curriculum_spec() { echo "${H20_CURRICULUM:-factsnear:look=0.9:s=180,factsmid:look=0.6:s=90,factssft}"; }
 check_spec() {  # a bad H20_CURRICULUM fails in seconds at `go` (and in the dry run), not 4-5 minutes into a hold
   [ "$LONG" = 1 ] || return 0
   local spec; spec=$(curriculum_spec)
