@@ -114,8 +114,9 @@ def _reached(ph: Phase, got: dict, k: int) -> tuple | None:
 
 def _record(ph: Phase) -> dict:
     """A phase's record before it runs (also the record of a phase never reached)."""
-    return {"family": ph.family, "acc_target": ph.acc, "look_target": ph.look, "s_budget": ph.seconds, "steps_budget": ph.steps,
-            "steps": 0, "seconds": 0.0, "first_step_s": None, "checks": [], "ended": None, "why": None}
+    return {"family": ph.family, "acc_target": ph.acc, "look_target": ph.look, "s_budget": ph.seconds,
+            "steps_budget": ph.steps, "steps": 0, "seconds": 0.0, "first_step_s": None, "checks": [], "ended": None,
+            "why": None}
 
 
 def _run_phase(ph: Phase, train_step, accuracy, clock, t0: float, total: int, limits: tuple, check_every: int

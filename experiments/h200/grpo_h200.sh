@@ -245,7 +245,7 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   [ "$MODE" = dry ] && sft="--max-steps 4 --batch 4 --target 2 --lr 3e-3 --glance-steps 2"
   if [ "$LONG" = 1 ]; then   # a curriculum of families, easy to hard (curriculum.py), teacher-forced checks
     local fam=${H20_FAMILY:-facts} sftfam=factssft; [ "$MODE" = dry ] && fam=factsdry sftfam=factsdry
-    # 300 s (240 until 2026-12-07, when near's 199 s left mid 46 s: experiments/h200/README.md, "The near phase on a GPU")
+    # 300 s (240 until 2026-12-07, when near's 199 s left mid 46 s: README.md, "The near phase on a GPU")
     [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-300} --batch ${H20_SFT_BATCH:-64} --val-problems 32"
     # the glance phase checks 32 long prompts a step (~2.4 s a step in the first hold): capped at 40 s
     [ "$MODE" = gpu ] && sft="$sft --check-every 10 --curriculum $(curriculum_spec) --glance-seconds 40"
