@@ -326,10 +326,7 @@ compare_runs() {  # issue 41: synchronous, then one step off, from the same warm
     local extra=""; [ $mode = async ] && extra="--rollout.async true --eval.before_train false"
     stamp "train $mode"; echo "$mode $(date +%s.%N)" >> $W/windows.txt
     $PY train.py --recipe experiments/h200/h200.txt --out $W/run_$mode $common $(overrides) $extra & local tp=$!
-    # on the GPU each run ends, at the latest, where the hold has only the comparison and the collect left; the
-    # synchronous run at 3/5 of what is left then, so a slow first run leaves the second its 20 steps
-    local dl; dl=$(hold_left 60); [ $mode = sync ] && dl=$((dl * 3 / 5))
-    [ "$MODE" = gpu ] && deadline $tp $dl
+    [ "$MODE" = gpu ] && deadline $tp $(compare_deadline $mode)
     wait $tp || echo "FAILED train $mode (or stopped at the deadline)"
     kill ${DEADLINE_PID:-} 2> /dev/null
     echo "$mode $(date +%s.%N)" >> $W/windows.txt
@@ -337,6 +334,11 @@ compare_runs() {  # issue 41: synchronous, then one step off, from the same warm
   touch $W/TRAIN_DONE; stamp compare
   $PY "$R/experiments/h200/grpo_h200.py" compare --sync $W/run_sync --async $W/run_async --gpu $W/gpu.csv \
     --windows $W/windows.txt --out $W/compare.json || echo "FAILED compare"
+}
+compare_deadline() {  # seconds for compared run $1 (sync, async): each ends, at the latest, where the hold has only
+  # the comparison and the collect left (60 s); the synchronous run at 3/5 of what is left as it starts, so a slow
+  # first run leaves the second its steps (2026-12-07, H100, pipeline.log's stamps: sync 300 s, one step off 165 s)
+  local dl; dl=$(hold_left 60); [ "$1" = sync ] && dl=$((dl * 3 / 5)); echo $dl
 }
 gpu_sampler() {  # GPU utilisation and memory every second while the compared runs go (how they share the GPU)
   while [ ! -e $W/TRAIN_DONE ]; do

@@ -10,6 +10,8 @@ import math
 import os
 import random
 import re
+import subprocess
+import time
 
 import pytest
 import torch
@@ -835,3 +837,16 @@ def test_rollouts_md_quotes_the_h100_comparison_as_measured(tmp_path):
     readme = " ".join(open(os.path.join(root, "experiments", "h200", "README.md")).read().split())
     assert (f"the trainer's peak {s['gpu_peak_gib']:.2f} GiB, the GPU's {max(s['gpu_mem_max_mib'], y['gpu_mem_max_mib']):,.0f} "
             f"of 81,559 MiB") in readme
+
+
+def test_compare_deadlines_leave_the_second_run_its_share(tmp_path):
+    """grpo_h200.sh's compare_deadline: each compared run ends where the hold (H20_HOLD_S from $W/T0) has 60 s
+    left, the synchronous one at 3/5 of that. Bugs caught: the first run given the whole hold (the 2026-12-05
+    attempt lost its second run and collect so), the split applied to the one-step-off run, the reserve dropped."""
+    sh = os.path.join(os.path.dirname(__file__), "grpo_h200.sh")
+    funcs = "source <(sed -n '/^hold_left()/,/^}/p;/^compare_deadline()/,/^}/p' " + sh + ")"
+    (tmp_path / "T0").write_text(str(int(time.time()) - 100))
+    out = subprocess.run(["bash", "-c", f"{funcs}; compare_deadline sync; compare_deadline async"],
+                         env={**os.environ, "W": str(tmp_path), "H20_HOLD_S": "1140"}, capture_output=True, text=True)
+    sync, one_off = map(int, out.stdout.split())
+    assert out.returncode == 0 and abs(one_off - 980) <= 2 and sync == one_off * 3 // 5, (out.stdout, out.stderr)
