@@ -850,3 +850,30 @@ def test_compare_deadlines_leave_the_second_run_its_share(tmp_path):
                          env={**os.environ, "W": str(tmp_path), "H20_HOLD_S": "1140"}, capture_output=True, text=True)
     sync, one_off = map(int, out.stdout.split())
     assert out.returncode == 0 and abs(one_off - 980) <= 2 and sync == one_off * 3 // 5, (out.stdout, out.stderr)
+
+
+def test_rollouts_md_prose_of_the_h100_comparison_is_its_files():
+    """The prose around that table: the prompt and response lengths, the all-equal groups and the mean reward, the
+    aborted samples, the gap's ratio to the first run and the two warm starts' P(worked), each from its file."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = os.path.join(root, "docs", "results")
+    doc = " ".join(open(os.path.join(root, "docs", "rollouts.md")).read().split())
+    para = doc.split("**The first complete comparison", 1)[1]
+
+    def steps(run):
+        with open(os.path.join(res, "async_compare_long_h100", run, "metrics.jsonl")) as f:
+            return [r for r in map(json.loads, f) if r.get("kind") == "train"]
+    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)                 # noqa: E731
+    s, y = steps("run_sync"), steps("run_async")
+    both = s + y
+    assert f"prompts of ~{round(mean(both, 'prompt_len_mean'), -1):,.0f} tokens" in para
+    assert f"responses of ~{mean(both, 'response_len_mean'):.0f}" in para and max(r["truncated_frac"] for r in s) == 0
+    assert f"({mean(s, 'zero_std_group_frac'):.0%} and {mean(y, 'zero_std_group_frac'):.0%} of the groups seen" in para
+    assert f"mean reward of {mean(both, 'reward_mean'):.2f}" in para
+    assert f"{mean(s, 'samples_aborted'):.1f} samples a step were aborted" in para and mean(y, "samples_aborted") == 0
+    new, old = (json.load(open(os.path.join(res, d, "compare.json")))["sync"]["gap_mean"]
+                for d in ("async_compare_long_h100", "async_compare_long_h200"))
+    assert f"{new / old:.1f}x the first run's {old:.4f}" in para
+    worked = [json.load(open(os.path.join(res, d, "warm", "sft.json")))["final"]["p_worked"]
+              for d in ("async_compare_long_h200", "async_compare_long_h100")]
+    assert f"(P(worked) {worked[0]:.2f}), this one works the chain ({worked[1]:.2f})" in para
