@@ -769,18 +769,25 @@ def test_compare_of_an_async_run_cut_short_by_a_server_restart(tmp_path):
     assert res["async"]["gpu_mem_max_mib"] == 2000 and res["sync"]["gpu_mem_max_mib"] == 1000
 
 
-def test_rollouts_md_quotes_the_h200_comparison_as_measured(tmp_path):
-    """docs/rollouts.md's figures of the 2026-12-03 H200 comparison are what `grpo_h200.py compare` makes of the
-    runs' metrics today (the stored compare.json regenerated, then each quoted number found in the doc)."""
+def _regenerated_compare(name: str, tmp_path):
+    """(repo root, compare.json of docs/results/<name> regenerated from its runs' metrics by `grpo_h200.py
+    compare`), after checking it equals the stored one (a stored file edited by hand, or left from older code)."""
     from experiments.h200 import grpo_h200
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    d = os.path.join(root, "docs", "results", "async_compare_long_h200")
+    d = os.path.join(root, "docs", "results", name)
     a = argparse.Namespace(sync=os.path.join(d, "run_sync"), async_run=os.path.join(d, "run_async"),
                            gpu=os.path.join(d, "gpu.csv"), windows=os.path.join(d, "windows.txt"),
                            out=str(tmp_path / "c.json"))
     grpo_h200.cmd_compare(a)
     res = json.load(open(tmp_path / "c.json"))
     assert res == json.load(open(os.path.join(d, "compare.json")))
+    return root, res
+
+
+def test_rollouts_md_quotes_the_h200_comparison_as_measured(tmp_path):
+    """docs/rollouts.md's figures of the 2026-12-03 H200 comparison are what `grpo_h200.py compare` makes of the
+    runs' metrics today (the stored compare.json regenerated, then each quoted number found in the doc)."""
+    root, res = _regenerated_compare("async_compare_long_h200", tmp_path)
     s, y = res["sync"], res["async"]
     doc = open(os.path.join(root, "docs", "rollouts.md")).read()
     quoted = [f"**{s['step_s_mean']:.2f} s**", f"rollout {s['rollout_s']:.2f} s", f"trainer {s['train_s']:.2f} s",
@@ -797,15 +804,7 @@ def test_rollouts_md_quotes_the_h100_comparison_as_measured(tmp_path):
     """docs/rollouts.md's table of the 2026-12-07 H100 comparison (the first complete one) is what `grpo_h200.py
     compare` makes of the runs' metrics today: the stored compare.json regenerated, then each row of the table
     rebuilt from it and found in the doc, and the bars as the prose states them (ratio <= 0.7, within 2 SE)."""
-    from experiments.h200 import grpo_h200
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    d = os.path.join(root, "docs", "results", "async_compare_long_h100")
-    a = argparse.Namespace(sync=os.path.join(d, "run_sync"), async_run=os.path.join(d, "run_async"),
-                           gpu=os.path.join(d, "gpu.csv"), windows=os.path.join(d, "windows.txt"),
-                           out=str(tmp_path / "c.json"))
-    grpo_h200.cmd_compare(a)
-    res = json.load(open(tmp_path / "c.json"))
-    assert res == json.load(open(os.path.join(d, "compare.json")))
+    root, res = _regenerated_compare("async_compare_long_h100", tmp_path)
     s, y, bars = res["sync"], res["async"], res["bars"]
     doc = open(os.path.join(root, "docs", "rollouts.md")).read()
     sec = lambda x: f"{x:.2f} s"                                                  # noqa: E731
