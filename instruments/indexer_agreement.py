@@ -90,12 +90,14 @@ def _raw_keys(indexer, x):
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|A & B| / |A| per row of two kept-set lists (-1 = none). [n,k] x [n,k] -> [n] fp64 (1.0 where A is empty)"""
-    out = []
-    for ra, rb in zip(a.tolist(), b.tolist()):
-        sa, sb = {u for u in ra if u >= 0}, {u for u in rb if u >= 0}
-        out.append(len(sa & sb) / len(sa) if sa else 1.0)
-    return torch.tensor(out, dtype=torch.float64)
+    """|A & B| / |A| per row of two kept-set lists (-1 = none), on a's device (b is moved there: the server's
+    sets arrive on the CPU, the trainer's on its GPU). [n,k] x [n,k'] -> [n] fp64 (1.0 where A is empty)"""
+    b = b.to(a.device)
+    sb = torch.where(b >= 0, b, -2).sort(-1).values       # -2: b's padding never matches a's (-1 or an entry)
+    i = torch.searchsorted(sb, a.contiguous()).clamp_max(sb.shape[-1] - 1)
+    hit = (sb.gather(-1, i) == a) & (a >= 0)                # kept sets hold each entry at most once
+    n_a = (a >= 0).sum(-1)
+    return torch.where(n_a > 0, hit.sum(-1).double() / n_a.clamp_min(1), 1.0)
 
 
 def overlap_stats(a: torch.Tensor, b: torch.Tensor) -> dict:

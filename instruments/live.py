@@ -235,7 +235,7 @@ class LiveChecks(Hook):
                if storage_roundtrip_(self.sim, self.mcfg) else sim8)
         floor, floor_fp8 = (sim - old[on]).abs(), (sim8 - old[on]).abs()
         pos = on.cumsum(1) - 1                                    # [B,S] index in the response (one per row)
-        qpos = torch.arange(on.shape[1]).expand_as(on)[on]        # the scoring query's absolute position
+        qpos = torch.arange(on.shape[1], device=on.device).expand_as(on)[on]   # the scoring query's absolute position
         dump = {"gap": gap.float(), "floor": floor.float(), "floor_fp8": floor_fp8.float(),
                 "entropy": ent.float(), "token": batch.targets[on].int(), "pos": pos[on].short(),
                 "qpos": qpos.int()}
@@ -273,7 +273,7 @@ class LiveChecks(Hook):
             return None
         pre = torch.zeros_like(batch.rollout_logprobs)
         for b, lp in enumerate(lps):
-            pre[b, :len(lp)] = torch.tensor(lp)
+            pre[b, :len(lp)] = torch.tensor(lp, dtype=pre.dtype, device=pre.device)
         return pre
 
     # ------------------------------------------------------------------ per push

@@ -20,6 +20,7 @@ recorded values. A tiny fp32 model, whose weights are off the bf16 grid, so floo
 
 Run: pytest tests/test_live_naive.py -q
 """
+import contextlib
 import dataclasses
 import re
 import types
@@ -152,14 +153,19 @@ def test_live_step_numbers_match_a_naive_recomputation(tmp_path, gen):
     assert torch.equal(dump["token"], batch.targets[on].int())
 
 
-def test_live_checks_long_logs_bands_an_fp8_index_floor_and_the_topk_agreement(tmp_path, gen):
+@pytest.mark.parametrize("default_device", [None, "meta"])
+def test_live_checks_long_logs_bands_an_fp8_index_floor_and_the_topk_agreement(tmp_path, gen, default_device):
     """LiveChecksLong (issue 42): the floor's model scores its indexer in FP8 (SGLang's), the gap and floor are
     split by the band of the query scoring each token, and each step's C4 top-k agreement is the overlap of the
     entries the trainer's indexer keeps with those the same indexer keeps with FP8 scores. Bugs caught: the floor
     still built on the FP4-QAT indexer; a band formed on token instead of query positions, or from other tokens'
     floor; the agreement read at unscored positions, below the top-k band, or on the floor model's weights.
     Reference: the naive sim with indexer_quant="fp8", and the Indexer module's own keep mask on its captured
-    inputs with the model's config switched to FP8 scores."""
+    inputs with the model's config switched to FP8 scores.
+    default_device="meta" runs the hook with factories defaulting to the meta device: a tensor made on the
+    default device instead of its data's meets the CPU data and fails, as it meets CUDA data on a GPU. Bug
+    caught (2026-12-07, the first long hold, an H100): `indexer_agreement.overlap` built its result on the CPU
+    while the kept sets were on the GPU, and step 1 died in `overlap_stats`."""
     from instruments import bands
     from instruments.live import LiveChecksLong
     cfg = preset("tiny")                       # window 8, top-4 of (t + 1) // 4: the top-k band starts at 16
@@ -185,7 +191,8 @@ def test_live_checks_long_logs_bands_an_fp8_index_floor_and_the_topk_agreement(t
     ctx = HookContext(run_cfg, cfg, actor, types.SimpleNamespace(client=_FakeServer(recorded)), None, task)
     hook = LiveChecksLong(ctx)
     assert hook.sim.cfg.indexer_quant == "fp8" and hook.sim.cfg.qat
-    out = hook.before_update(batch, old, step=1)
+    with torch.device(default_device) if default_device else contextlib.nullcontext():
+        out = hook.before_update(batch, old, step=1)
 
     qpos = torch.arange(on.shape[1]).expand_as(on)[on]
     gap, floor = offset[on].abs(), (sim_lp - old)[on].abs()

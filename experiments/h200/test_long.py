@@ -198,6 +198,23 @@ def test_indexer_agreement_reads_the_models_own_selection_and_a_planted_server(g
         ia.agreement(Transformer(preset("tiny", qat=True)).eval(), ids, pos)
 
 
+def test_overlap_matches_python_sets_on_random_kept_lists(gen):
+    """`indexer_agreement.overlap` (sorted search, on the kept sets' device) against the set arithmetic it
+    replaced. Bugs caught: -1 padding of either side counted as a shared entry; a row normalised by B's size;
+    an empty A not scored 1.0; the last sorted position out of range."""
+    n, k, C = 64, 12, 40
+    a = torch.stack([torch.randperm(C, generator=gen)[:k] for _ in range(n)])
+    b = torch.stack([torch.randperm(C, generator=gen)[:k + 3] for _ in range(n)])
+    a[::3, -4:] = -1                                   # fewer kept entries on either side, padded
+    b[1::4, -5:] = -1
+    a[5] = -1                                          # nothing kept
+    got = ia.overlap(a, b)
+    for r in range(n):
+        sa, sb = {u for u in a[r].tolist() if u >= 0}, {u for u in b[r].tolist() if u >= 0}
+        assert got[r].item() == (len(sa & sb) / len(sa) if sa else 1.0), r
+    assert got.dtype == torch.float64
+
+
 # ---------------------------------------------------------------------------------------------- dump compare
 def test_dump_compare_pairs_fused_modules_and_names_a_planted_divergence(gen):
     """Bugs caught: a module paired with the wrong SGLang name or a fused one split in the wrong order; position
