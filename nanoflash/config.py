@@ -49,6 +49,9 @@ class ModelConfig:
     score_func: str = "sqrtsoftplus"  # router scores: sqrtsoftplus | sigmoid | softmax
     route_scale: float = 1.5          # routed weights are renormalised then multiplied by this
     swiglu_limit: float = 10.0        # clamp of routed experts' gate/up (0 disables)
+    shared_expert_clamp: bool = False  # clamp the shared expert's gate/up at swiglu_limit too. Official: no;
+                                      # SGLang 0.5.16: yes (srt/models/deepseek_v2.py 725-732, the DeepseekV2MoE
+                                      # its deepseek_v4.py builds): the recipes that roll out through it set it
     q_lora_rank: int = 1024           # rank of the q low-rank path (wq_a -> q_norm -> wq_b)
     head_dim: int = 512               # q and kv head dim, layout [nope | rope]
     rope_head_dim: int = 64           # rotary dims: the last rope_head_dim of each head

@@ -798,7 +798,8 @@ def expert_ffn(x, w1, w3, w2, limit: float, rw: Optional[torch.Tensor] = None, q
 
 class Expert(nn.Module):
     """SwiGLU expert: y = w2( rw * silu(min(w1 x, L)) * clamp(w3 x, -L, L) ) with the routing weight rw applied
-    before w2 in fp32 (v4_notes §2.4.2); the shared expert (dense matmuls) has no clamp (L = 0) and no rw.
+    before w2 in fp32 (v4_notes §2.4.2); the shared expert (dense matmuls) has no rw and, as published, no clamp
+    (L = 0; `ModelConfig.shared_expert_clamp` gives it the routed experts' L, as SGLang 0.5.16 serves it).
 
     Shapes: x [T,D], rw [T,1] or None -> [T,D]
     """
@@ -961,7 +962,8 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Gate(layer_id, cfg)
         self.experts = RoutedExperts(cfg, range(cfg.n_routed_experts))
-        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, 0.0, cfg.qat)
+        limit = cfg.swiglu_limit if cfg.shared_expert_clamp else 0.0   # official: no clamp (SGLang's: config)
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, limit, cfg.qat)
         self.dispatcher = LocalDispatcher(list(range(cfg.n_routed_experts)))
         self.last_indices: Optional[torch.Tensor] = None   # [N,K] experts of the last forward (routing replay)
         self.recompute_blocks = frozenset()   # experts: `Transformer.recompute`

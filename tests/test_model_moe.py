@@ -329,3 +329,36 @@ def test_hf_round_trip_of_bf16_stacks(tmp_path, tiny):
 
 if __name__ == "__main__":
     interp.run_cases(CASES, sys.argv[1])
+
+
+def test_shared_expert_clamp_follows_the_config_official_off_sglang_on():
+    """The shared expert as published has no SwiGLU clamp; SGLang 0.5.16 builds it with the config's
+    swiglu_limit (srt/models/deepseek_v2.py 725-732: `DeepseekV2MLP(..., swiglu_limit=config.swiglu_limit)`
+    inside the DeepseekV2MoE that deepseek_v4.py 1323 uses; its forward clamps gate <= L, |up| <= L), so a
+    trainer serving through it sets `shared_expert_clamp`. Reference: the float64 SwiGLU on the module's own
+    w1 x, w3 x. Bugs caught: the flag ignored (the clamp never on, or always on); the routed experts' clamp
+    lost with it; the recipes that roll out through SGLang (flash, the H200 experiment's) not setting it."""
+    from nanoflash.cli import read_recipe
+    tiny = preset("tiny")
+    torch.manual_seed(0)
+    x = 12.0 * torch.randn(16, tiny.dim, dtype=torch.float64)        # pre-activations past L = 10 somewhere
+    outs = []
+    for clamp in (False, True):
+        cfg = dataclasses.replace(tiny, shared_expert_clamp=clamp)
+        moe = MoE(3, cfg).double()
+        ex = moe.shared_experts
+        g, u = ex.w1.weight @ x.T, ex.w3.weight @ x.T                   # [I,T]
+        assert g.abs().max() > cfg.swiglu_limit and u.abs().max() > cfg.swiglu_limit
+        if clamp:
+            g, u = g.clamp(max=cfg.swiglu_limit), u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
+        want = (ex.w2.weight @ (torch.nn.functional.silu(g) * u)).T
+        got = ex(x)
+        assert (got - want).abs().max() <= SWIGLU_TOL * want.abs().max(), clamp
+        outs.append(got)
+        assert moe.experts.cfg.swiglu_limit == tiny.swiglu_limit       # the routed experts' clamp unchanged
+    assert (outs[0] - outs[1]).abs().max() > 0.1 * outs[0].abs().max()  # the clamp acts on these inputs
+    assert not tiny.shared_expert_clamp                                 # the default is the published model
+    import os
+    recipes = [os.path.join(os.path.dirname(__file__), "..", "experiments", "h200", "h200.txt"), "flash"]
+    for r in recipes:
+        assert "model.shared_expert_clamp=true" in read_recipe(r), r

@@ -282,14 +282,14 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   # server is restored from the warm checkpoint, so it scores the warm start as before
   local par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2048 --prompt-len-max 3968 --sweep 32,64,128,256,512,1024"
   [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 4 --prompt-len 64 --prompt-len-max 96 --sweep 32,48"
-  # rows: the reference attention beside the GPU kernels (ref), nanoflash with SGLang's shared-expert clamp and
+  # rows: the reference attention beside the GPU kernels (ref), nanoflash without SGLang's shared-expert clamp and
   # with the C128 entries / the window changed (experiments/h200/parity_variants.py): which one meets the floor past 128
-  par="$par --modes bf16,qat,ref --variants shared_expert_clamp,no_c128_entries,window_127,window_129 --synth 1"
+  par="$par --modes bf16,qat,ref --variants shared_expert_no_clamp,no_c128_entries,window_127,window_129 --synth 1"
   # the long run: the same 2-4K prompts as its far class (longctx.prompt_of_length) and two shorter ones for the
   # lower bands; the floor with SGLang's FP8 index scores (qat8) beside the FP4 one; nanoflash with FP8 index
-  # scores only, the C4 layers one at a time, no C128 entries (which row meets the floor past the EOS)
+  # scores only, the C4 layers one at a time, no C128 entries, no shared-expert clamp (which row meets the floor)
   [ "$LONG" = 1 ] && par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2052 --prompt-len-max 3968 --sweep 64,1024 --synth long
-    --modes bf16,qat,qat8 --variants fp8_index_scores,fp8_index_scores_layer1,fp8_index_scores_layer3,no_c128_entries"
+    --modes bf16,qat,qat8 --variants shared_expert_no_clamp,fp8_index_scores,fp8_index_scores_layer1,fp8_index_scores_layer3,no_c128_entries"
   [ "$LONG" = 1 ] && [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 8 --prompt-len 100 --prompt-len-max 160
     --sweep 64 --synth long --modes bf16,qat,qat8 --variants fp8_index_scores"
   stamp parity; $PY experiments/h200/sglang_check.py parity --dir $W/warm --restore 1 --out $W/parity.json \

@@ -11,6 +11,8 @@ the C4 overlap all official):
   `DeepseekV2MLP(..., swiglu_limit=config.swiglu_limit)` (srt/models/deepseek_v2.py:725-732), so it clamps
   gate <= 10 and |up| <= 10 there too; official and nanoflash clamp the routed experts only. It only acts on
   tokens whose shared-expert pre-activations pass the limit (`shared_expert_stats` counts them).
+  Since 2026-12-07 the experiment's model clamps it as SGLang does (`ModelConfig.shared_expert_clamp`, h200.txt);
+  `shared_expert_no_clamp` is then the row that shows what the clamp moves (the published model's semantics).
 * `no_c128_entries` -- a bound: the ratio > 4 layers attend to no compressed entry (what an unusable C128 entry
   would do; it changes positions >= ratio - 1 only).
 * `window_127`, `window_129` -- controls: the window off by one either way (the largest mechanical effect an
@@ -56,6 +58,7 @@ def variants(model) -> dict:
     shared = [m.shared_experts for m in model.modules() if isinstance(m, M.MoE)]
     out = {
         "shared_expert_clamp": lambda: _set(shared, "swiglu_limit", cfg.swiglu_limit),
+        "shared_expert_no_clamp": lambda: _set(shared, "swiglu_limit", 0.0),
         "no_c128_entries": lambda: _set([M.Attention], "compressed_keys", _no_c128_keys),
         "window_127": lambda: _set([cfg], "window_size", cfg.window_size - 1),
         "window_129": lambda: _set([cfg], "window_size", cfg.window_size + 1),

@@ -68,7 +68,9 @@ PARITY_GOAL = 0.05   # issue 6: mean |dlogp| below this
 
 
 # The experiment's model (h200.txt): `small` cut to 4 layers (sliding, C4, C128, C4), 1 hash layer, no MTP
-H200_MODEL = {"n_layers": 4, "n_hash_layers": 1, "n_mtp_layers": 0, "compress_ratios": (0, 4, 128, 4)}
+# h200.txt's model; SGLang 0.5.16 clamps the shared expert, and since 2026-12-07 so does the trainer (h200.txt)
+H200_MODEL = {"n_layers": 4, "n_hash_layers": 1, "n_mtp_layers": 0, "compress_ratios": (0, 4, 128, 4),
+              "shared_expert_clamp": True}
 
 
 def small_cfg(**kw) -> ModelConfig:

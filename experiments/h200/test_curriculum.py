@@ -277,3 +277,51 @@ def test_readme_gpu_near_phase_is_its_sft_json():
     with open(os.path.join(root, "docs", "results", "async_compare_long_h100", "run_sync", "metrics.jsonl")) as f:
         ev0 = next(r for r in map(json.loads, f) if r.get("kind") == "eval" and r["step"] == 0)
     assert f"pass@1 at step 0 was {ev0['pass@1']:.3f}" in flat
+
+
+def test_readme_long_hold_h100_is_its_files():
+    """README.md's section on the first long hold (2026-12-07, H100) quotes docs/results/long_hold_h100/: the SFT's
+    phases (sft.json), the step-0 eval (run/metrics.jsonl), step 1's per-token live values by band
+    (run/live_tokens/step_0001.pt, banded here from qpos as instruments.bands does) and the parity rows
+    (parity.json). A number edited by hand, or left from another run, fails here."""
+    import torch
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = os.path.join(root, "docs", "results", "long_hold_h100")
+    text = open(os.path.join(root, "experiments", "h200", "README.md")).read()
+    flat = " ".join(text.split("### The long hold, first run (2026-12-07", 1)[1].split("\n### ", 1)[0].split())
+    with open(os.path.join(res, "sft.json")) as f:
+        d = json.load(f)
+    near, mid, sft = d["curriculum"]
+    nl, ml = [c["look"] for c in near["checks"]], [c["look"] for c in mid["checks"]]
+    fin = d["final"]["val_forced_by_class"]
+    with open(os.path.join(res, "run", "metrics.jsonl")) as f:
+        ev0 = next(r for r in map(json.loads, f) if r.get("kind") == "eval" and r["step"] == 0)
+    t = torch.load(os.path.join(res, "run", "live_tokens", "step_0001.pt"), weights_only=False)
+    g, fl, q = t["gap"].abs().double(), t["floor_fp8"].double(), t["qpos"]
+    lo, hi = (q < 128), (q >= 2048)
+    assert not ((q >= 128) & (q < 2048)).any()                      # "none between"
+    with open(os.path.join(res, "parity.json")) as f:
+        p = json.load(f)
+    inr, past = p["by_eos_table"]
+    over = [b["over_share"] for b in p["shared_expert_over_limit"]]
+    quoted = [f"`factsnear` ran {near['steps']} steps in {near['seconds']} s (its first {near['first_step_s']} s",
+              f"lookup share {max(nl):.2f} at best over {len(nl)} checks and {nl[-1]:.2f} at the last",
+              f"`factsmid` ran {mid['steps']} steps in {mid['seconds']} s, lookup {max(ml):.2f} at best",
+              f"near {fin['near']:.2f} (lookup {fin['near_lookup']:.2f}), mid and far {fin['mid']:.2f}, "
+              f"P(worked) {d['final']['p_worked']:.2f}",
+              f"pass@1 at step 0: {ev0['pass@1']:.3f} (SE {ev0['pass@1_se']:.3f})",
+              f"live values ({len(g)} scored tokens)", f"floor (SGLang's FP8 index scores) {fl.mean():.5f} a token",
+              f"the gap {g.mean():.4f}: **{g.mean() / fl.mean():.1f}x the floor**",
+              f"positions < 128, {int(lo.sum())} tokens (share {lo.double().mean():.2f}",
+              f"{g[lo].mean() / fl[lo].mean():.1f}x; >= 2048, {int(hi.sum())} tokens (share {hi.double().mean():.2f}), "
+              f"{g[hi].mean() / fl[hi].mean():.1f}x",
+              f"({p['samples']} samples of {p['seq_len_min']:,}-{p['seq_len_max']:,} tokens",
+              f"the {inr['tokens']} response tokens before the first EOS nanoflash bf16 is {inr['bf16']:.4f} from SGLang "
+              f"against a floor of {inr['floor_qat8_vs_bf16']:.5f}, **{inr['bf16'] / inr['floor_qat8_vs_bf16']:.1f}x**",
+              f"past the EOS ({past['tokens']:,} tokens) {past['bf16'] / past['floor_qat8_vs_bf16']:.1f}x",
+              f"own prefill: {inr['server_decode_vs_prefill']:.5f}",
+              f"FP8 index scores: {inr['bf16_fp8_index_scores']:.4f}", f"planted mHC bug {inr['bf16_planted_comb_bug']:.3f}",
+              f"at {100 * over[0]:.1f}% of positions < 64 and {100 * min(over[1:]):.1f}-{100 * max(over[1:]):.2f}%"]
+    missing = [s for s in quoted if " ".join(s.split()) not in flat]
+    assert not missing, missing
+    assert d["sft_s"] > 0 and sft["ended"] == "not_reached" and near["why"].startswith("seconds budget")

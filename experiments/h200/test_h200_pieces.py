@@ -602,6 +602,8 @@ def test_parity_variants_change_only_where_they_act_and_restore_the_model(tiny_p
             loud = lp()
             with parity_variants.variants(model)["shared_expert_clamp"]():
                 assert not torch.allclose(lp(), loud)
+                with parity_variants.variants(model)["shared_expert_no_clamp"]():   # a model that clamps (h200.txt)
+                    assert torch.equal(lp(), loud)                                 # back to the published one
             samples = [(ids[0, :10].tolist(), ids[0, 10:].tolist(), None),
                        (ids[0, :4].tolist(), ids[0, 4:9].tolist(), None)]
             rows = {}
