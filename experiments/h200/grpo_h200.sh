@@ -291,7 +291,7 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   [ "$LONG" = 1 ] && par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2052 --prompt-len-max 3968 --sweep 64,1024 --synth long
     --modes bf16,qat,qat8 --variants shared_expert_no_clamp,fp8_index_scores,fp8_index_scores_layer1,fp8_index_scores_layer3,no_c128_entries"
   [ "$LONG" = 1 ] && [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 8 --prompt-len 100 --prompt-len-max 160
-    --sweep 64 --synth long --modes bf16,qat,qat8 --variants fp8_index_scores"
+    --sweep 64 --synth long --modes bf16,qat,qat8 --variants shared_expert_no_clamp,fp8_index_scores"
   stamp parity; $PY experiments/h200/sglang_check.py parity --dir $W/warm --restore 1 --out $W/parity.json \
     --wait 600 $par && report || echo "FAILED parity"
   [ "${H20_DIAGNOSE:-0}" = 1 ] && [ "$MODE" = gpu ] && { stamp diagnose; diagnose; }
