@@ -114,7 +114,7 @@ def e8m0_decode(t: torch.Tensor) -> torch.Tensor:
 
 def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """2^ceil(log2(amax * fp32(1/qmax))) in fp32, exact; non-finite amax stays non-finite (NaN)."""
-    r = amax.float() * torch.tensor(1.0 / qmax, dtype=torch.float32, device=amax.device)  # official: amax * fp8_max_inv
+    r = amax.float() * (1.0 / qmax)  # official: amax * fp8_max_inv (a Python scalar: fp32 against an fp32 tensor)
     mant, exp = torch.frexp(r)  # r = mant * 2^exp, mant in [0.5, 1)
     e = torch.where(mant == 0.5, exp - 1, exp).clamp(-126, 127)  # floors and qmax >= 6 keep e in range
     s = ((e + 127) << 23).view(torch.float32)  # 2^e built from its IEEE bits: exact
