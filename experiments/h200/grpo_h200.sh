@@ -250,7 +250,9 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
     # the glance phase checks 32 long prompts a step (~2.4 s a step in the first hold): capped at 40 s
     [ "$MODE" = gpu ] && sft="$sft --check-every 10 --curriculum $(curriculum_spec) --glance-seconds 40"
     # the phases' seconds end the SFT, not the default 400 steps: a near-only step is a fraction of a factssft one
-    [ "$MODE" = gpu ] && sft="$sft --max-steps 2000${H20_SFT_LR:+ --lr $H20_SFT_LR}"   # H20_SFT_LR: the SFT's lr (6e-4)
+    # lr 1e-4 (6e-4 until 2026-12-07: the long hold's near lookup 0.31 at best; on the CPU at dim 256 the `#a5`
+    # lookup passed 0.5 at step 400 / 300 / 600 at lr 1e-4 / 3e-4 / 1e-3: README.md, "Width and learning rate")
+    [ "$MODE" = gpu ] && sft="$sft --max-steps 2000 --lr ${H20_SFT_LR:-1e-4}"   # H20_SFT_LR: the SFT's lr
     [ "$MODE" = dry ] && sft="$sft --curriculum factscpu:look=1:steps=2,factscpumid:acc=1 --check-every 2 --val-problems 4"
     sft="$sft --sft-data $LT:$sftfam:train --val-data $LT:$fam:val --val forced"
   fi
@@ -407,7 +409,7 @@ sft_probe() {
   local fam=facts; [ "$MODE" = dry ] && fam=factsdry
   $PY experiments/h200/grpo_h200.py sft --out $W/probe --max-seconds $1 --max-steps 100000 --glance-steps 0 \
     --batch ${H20_SFT_BATCH:-64} --val-problems 32 --check-every 10 --curriculum ${H20_PROBE:-factsnear:acc=0.9} \
-    ${H20_SFT_LR:+--lr $H20_SFT_LR} \
+    --lr ${H20_SFT_LR:-1e-4} \
     --sft-data $LT:factssft:train --val-data $LT:$fam:val --val forced $(overrides) || echo "PROBE FAILED: sft"
   mkdir -p ${OUT:-/tmp/out} && cp $W/probe/sft.json ${OUT:-/tmp/out}/sft_probe.json
 }

@@ -325,3 +325,23 @@ def test_readme_long_hold_h100_is_its_files():
     missing = [s for s in quoted if " ".join(s.split()) not in flat]
     assert not missing, missing
     assert d["sft_s"] > 0 and sft["ended"] == "not_reached" and near["why"].startswith("seconds budget")
+
+
+def test_readme_width_lr_table_is_calibrate_long_json():
+    """README.md's "Width and learning rate" table: every lookup share, the first step at >= 0.5, the sft_mid
+    shares, the loss and seconds from calibrate_long.json's oneback_near_dim256_lr*_b16 runs."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = open(os.path.join(root, "experiments", "h200", "README.md")).read()
+    with open(os.path.join(root, "experiments", "h200", "calibrate_long.json")) as f:
+        runs = json.load(f)["runs"]
+    block = text.split("**Width and learning rate (2026-12-07", 1)[1].split("\n\n", 2)[1]
+    rows = re.findall(r"^\| (1e-\d|3e-\d) \| ([\d. ]+) \| (\d+) \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \| (\d+) \|$", block, re.M)
+    assert [r[0] for r in rows] == ["1e-4", "3e-4", "1e-3"], rows
+    for lr, shares, first, mid400, mid800, loss, secs in rows:
+        run = runs[f"oneback_near_dim256_lr{lr}_b16"]
+        assert run["lr"] == float(lr) and run["batch"] == 16 and run["model"]["dim"] == 256
+        curve = {c["step"]: c for c in run["arms"]["curriculum"]["curve"]}
+        assert shares.split() == [f"{curve[s]['near_lookup']:.2f}" for s in range(100, 900, 100)]
+        assert int(first) == min(s for s, c in curve.items() if c["near_lookup"] >= 0.5)
+        assert (mid400, mid800) == (f"{curve[400]['mid_lookup']:.2f}", f"{curve[800]['mid_lookup']:.2f}")
+        assert loss == f"{curve[800]['nll']:.3f}" and int(secs) == round(run["arms"]["curriculum"]["train_s"])
