@@ -272,9 +272,10 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   stamp train; $PY train.py --recipe experiments/h200/h200.txt --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
     $(overrides) & local tp=$!
   # the long run's deadline: Ctrl-C for train.py once the hold (H20_HOLD_S from `go`) has only the report, the
-  # parity and the collect left (150 s), whatever ran late before it, so they still run (its steps so far are all
-  # logged; the last eval point may then be missing); H20_GRPO_DEADLINE_S: seconds from train.py's start instead
-  local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=$(hold_left 150)
+  # parity and the collect left (260 s: the first long hold's report 12 s and parity 198 s, 2026-12-07, plus 40 s
+  # of collect; 150 s before), whatever ran late before it, so they still run (its steps so far are all logged;
+  # the last eval point may then be missing); H20_GRPO_DEADLINE_S: seconds from train.py's start instead
+  local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=$(hold_left 260)
   [ -n "$dl" ] && deadline $tp $dl
   wait $tp || echo "FAILED train (or stopped at the deadline)"
   kill ${DEADLINE_PID:-} 2> /dev/null   # a deadline left waiting would signal whatever process gets the pid next
@@ -289,9 +290,10 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   par="$par --modes bf16,qat,ref --variants shared_expert_no_clamp,no_c128_entries,window_127,window_129 --synth 1"
   # the long run: the same 2-4K prompts as its far class (longctx.prompt_of_length) and two shorter ones for the
   # lower bands; the floor with SGLang's FP8 index scores (qat8) beside the FP4 one; nanoflash with FP8 index
-  # scores only, the C4 layers one at a time, no C128 entries, no shared-expert clamp (which row meets the floor)
+  # scores, no C128 entries, no shared-expert clamp (which row meets the floor; the C4 layers' FP8 scores one at a
+  # time, `fp8_index_scores_layer<L>`, left the list on 2026-12-07: all of them together moved nothing)
   [ "$LONG" = 1 ] && par="--prompts 8 --n 4 --new-tokens 64 --prompt-len 2052 --prompt-len-max 3968 --sweep 64,1024 --synth long
-    --modes bf16,qat,qat8 --variants shared_expert_no_clamp,fp8_index_scores,fp8_index_scores_layer1,fp8_index_scores_layer3,no_c128_entries"
+    --modes bf16,qat,qat8 --variants shared_expert_no_clamp,fp8_index_scores,no_c128_entries"
   [ "$LONG" = 1 ] && [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 8 --prompt-len 100 --prompt-len-max 160
     --sweep 64 --synth long --modes bf16,qat,qat8 --variants shared_expert_no_clamp,fp8_index_scores"
   stamp parity; $PY experiments/h200/sglang_check.py parity --dir $W/warm --restore 1 --out $W/parity.json \

@@ -345,3 +345,37 @@ def test_readme_width_lr_table_is_calibrate_long_json():
         assert int(first) == min(s for s, c in curve.items() if c["near_lookup"] >= 0.5)
         assert (mid400, mid800) == (f"{curve[400]['mid_lookup']:.2f}", f"{curve[800]['mid_lookup']:.2f}")
         assert loss == f"{curve[800]['nll']:.3f}" and int(secs) == round(run["arms"]["curriculum"]["train_s"])
+
+
+def test_readme_time_table_long_hold_column_is_its_files():
+    """The time table's column for the first long hold: the phases from pipeline.log's stamps (knobs -> server
+    up, sft -> train, report -> parity -> done), the SFT and save from sft.json, start-up and the step-0 eval from
+    metrics.jsonl; and the deadline's reserve in grpo_h200.sh is the one the README gives."""
+    import datetime
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = os.path.join(root, "docs", "results", "long_hold_h100")
+    text = open(os.path.join(root, "experiments", "h200", "README.md")).read()
+    head = text.index("| phase | run 9 (measured) |")
+    col = {r.split(" | ")[0].lstrip("| "): r.rsplit(" | ", 1)[1].rstrip(" |")
+           for r in text[head:text.index("\n\n", head)].split("\n")[2:]}
+    stamps = {}
+    for line in open(os.path.join(res, "pipeline.log")):
+        m = re.match(r"=== (\d\d:\d\d:\d\d) (knobs|server up|sft|train|report|parity|done)\b", line)
+        if m:
+            stamps.setdefault(m.group(2), datetime.datetime.strptime(m.group(1), "%H:%M:%S"))
+    gap = lambda a, b: round((stamps[b] - stamps[a]).total_seconds())
+    with open(os.path.join(res, "sft.json")) as f:
+        d = json.load(f)
+    with open(os.path.join(res, "run", "metrics.jsonl")) as f:
+        rec = {r["kind"]: r for r in map(json.loads, f)}
+    assert col["SGLang's HTTP up before the SFT starts (`server_up`; the first hold: SGLang died of the SFT's memory)"] \
+        == f"{gap('knobs', 'server up')} s (the same stamps)"
+    assert col["SFT + save"] == (f"{gap('sft', 'train')} s (the `sft` stamp to `train`; sft.json: SFT {d['sft_s']} s, "
+                                 f"save {d['save_s']} s)")
+    assert col["GRPO start-up"] == f"{rec['startup']['total_s']:.1f} s"
+    assert col["eval points"] == f"step 0: {rec['eval']['eval_s']:.1f} s"
+    assert col["report, parity"] == f"{gap('report', 'parity')} s, {gap('parity', 'done')} s (the stamps)"
+    sh = open(os.path.join(root, "experiments", "h200", "grpo_h200.sh")).read()
+    reserve = re.search(r"dl=\$\(hold_left (\d+)\)", sh).group(1)
+    assert f"has only {reserve} s left, for the report" in " ".join(text.split())
+    assert f"keeps {reserve} s for the report" in " ".join(text.split())
