@@ -846,11 +846,14 @@ def test_compare_deadlines_leave_the_second_run_its_share(tmp_path):
     attempt lost its second run and collect so), the split applied to the one-step-off run, the reserve dropped."""
     sh = os.path.join(os.path.dirname(__file__), "grpo_h200.sh")
     funcs = "source <(sed -n '/^hold_left()/,/^}/p;/^compare_deadline()/,/^}/p' " + sh + ")"
-    (tmp_path / "T0").write_text(str(int(time.time()) - 100))
+    t0 = int(time.time()) - 100
+    (tmp_path / "T0").write_text(str(t0))
     out = subprocess.run(["bash", "-c", f"{funcs}; compare_deadline sync; compare_deadline async"],
                          env={**os.environ, "W": str(tmp_path), "H20_HOLD_S": "1140"}, capture_output=True, text=True)
+    late = int(time.time()) + 1 - (t0 + 100)       # seconds the calls can have seen pass (a loaded CI box: several)
     sync, one_off = map(int, out.stdout.split())
-    assert out.returncode == 0 and abs(one_off - 980) <= 2 and sync == one_off * 3 // 5, (out.stdout, out.stderr)
+    assert out.returncode == 0 and 980 - late <= one_off <= 980, (out.stdout, out.stderr, late)
+    assert (980 - late) * 3 // 5 <= sync <= 980 * 3 // 5, (out.stdout, late)     # 3/5 of the same hold, earlier
 
 
 def test_rollouts_md_prose_of_the_h100_comparison_is_its_files():
