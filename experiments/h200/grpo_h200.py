@@ -77,6 +77,7 @@ from nanoflash.parallel.train_step import train_step
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "h200.txt")   # the run's recipe
 CHECK_EVERY = 10      # SFT steps between validation checks
 VAL_PROBLEMS = 32     # validation problems per check
+LOOKUPS = 2          # the long task's lookups: a chain's first two numbers are the values looked up in the prompt
 VAL_SAMPLES = 2       # samples per validation problem (temperature 1): 64 draws, SE <= 0.06
 SFT_LR_WARMUP = 10    # linear learning-rate warm-up steps of the SFT
 
@@ -120,7 +121,7 @@ def forced_accuracy(model, tok, module, probs: list) -> dict:
     for p in probs:
         prompt, resp = tok.encode_chat(p), tok.encode(module.solution(p.prompt)) + [tok.eos_id]
         hits.append(forced_hits(model, prompt, resp, numbers_at(resp, tok)))
-    right, look = [all(h) for h in hits], [all(h[:2]) for h in hits]
+    right, look = [all(h) for h in hits], [all(h[:LOOKUPS]) for h in hits]
     out = {"all": sum(right) / len(right), "lookup": sum(look) / len(look)}
     if hasattr(module, "length_class"):
         for cls in sorted({module.length_class(p) for p in probs}):
@@ -400,9 +401,10 @@ def cmd_calibrate_long(a, overrides):
                 both = {c: [forced_hits(actor.model, *it) for it in its] for c, its in items.items()}
                 hits = {c: [h[2:] for h in hs] for c, hs in both.items()}                 # the numbers
                 acc = {c: sum(map(all, hs)) / len(hs) for c, hs in hits.items()}      # the worked chain, all right
-                acc.update({f"{c}_lookup": sum(all(h[:2]) for h in hs) / len(hs) for c, hs in hits.items()})
-                acc.update({f"{c}_value_tok": sum(sum(h[:2]) for h in hs) / (2 * len(hs)) for c, hs in hits.items()})
-                acc.update({f"{c}_letters": sum(all(h[:2]) for h in hs) / len(hs) for c, hs in both.items()})
+                acc.update({f"{c}_lookup": sum(all(h[:LOOKUPS]) for h in hs) / len(hs) for c, hs in hits.items()})
+                acc.update({f"{c}_value_tok": sum(sum(h[:LOOKUPS]) for h in hs) / (LOOKUPS * len(hs))
+                            for c, hs in hits.items()})
+                acc.update({f"{c}_letters": sum(all(h[:LOOKUPS]) for h in hs) / len(hs) for c, hs in both.items()})
                 acc.update({f"{c}_pos": [round(sum(col) / len(col), 3) for col in zip(*hs)] for c, hs in both.items()})
                 curve.append({"step": i, "family": fam, "nll": losses[-1],
                               "nll_mean": sum(losses) / len(losses), **acc, "train_s": round(train_s, 1)})

@@ -187,6 +187,13 @@ def test_run_curriculum_trains_each_phases_family_and_records_it_for_sft_json(mo
 
 # ---------------------------------------------------------------------------------------------- the pipeline's spec
 SH = os.path.join(os.path.dirname(__file__), "grpo_h200.sh")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout
+
+
+def readme() -> str:
+    """experiments/h200/README.md, whose quoted numbers the tests below check against their files."""
+    with open(os.path.join(ROOT, "experiments", "h200", "README.md")) as f:
+        return f.read()
 
 
 def test_the_pipelines_default_spec_parses_and_a_bad_one_stops_the_run_before_anything_starts(tmp_path):
@@ -207,13 +214,12 @@ def test_the_pipelines_default_spec_parses_and_a_bad_one_stops_the_run_before_an
 def test_readme_probe_table_is_the_probes_files():
     """README.md's table of the GPU probes (`sft_probe` at three learning rates): every number from
     docs/results/sft_probe_h100/; a row edited by hand or left from an older run fails here."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    text = open(os.path.join(root, "experiments", "h200", "README.md")).read()
+    text = readme()
     rows = re.findall(r"^\| ([\d.e-]+) \| (\d+) \| ([\d,]+) \| (\d+) \| (\d+) of (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$",
                       text.split("**The probe, run", 1)[1].split("\n\n", 2)[1], re.M)
     assert len(rows) == 3, rows
     for lr, steps, demos, secs, pos, n, best, last, loss in rows:
-        with open(os.path.join(root, "docs", "results", "sft_probe_h100", f"sft_probe_lr{lr}.json")) as f:
+        with open(os.path.join(ROOT, "docs", "results", "sft_probe_h100", f"sft_probe_lr{lr}.json")) as f:
             d = json.load(f)
         phase, acc = d["curriculum"][0], [c["acc"] for c in d["curriculum"][0]["checks"]]
         assert float(lr) == d["lr"] and int(steps) == phase["steps"] == d["steps"]
@@ -226,9 +232,8 @@ def test_readme_probe_table_is_the_probes_files():
 def test_readme_task_form_table_is_calibrate_long_json():
     """README.md's table of the near lookup by task form (`a=5` vs `#a5`): every "value (step)" it quotes is
     that run's check in calibrate_long.json; "(a-b)": every check from a to b."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    text = open(os.path.join(root, "experiments", "h200", "README.md")).read()
-    with open(os.path.join(root, "experiments", "h200", "calibrate_long.json")) as f:
+    text = readme()
+    with open(os.path.join(ROOT, "experiments", "h200", "calibrate_long.json")) as f:
         runs = json.load(f)["runs"]
     names = {("`a=5`", "16", "1234"): "near_dim128_lr1e-3_b16_2500",
              ("`a=5` (rerun)", "16", "1234"): "transfer_dim128_lr1e-3_b16",
@@ -251,10 +256,9 @@ def test_readme_gpu_near_phase_is_its_sft_json():
     """README.md's paragraph on the near phase's first GPU run quotes the comparison hold's warm/sft.json (steps,
     seconds, checks, the mid phase, the final check) and the CPU run it is read against (calibrate_long.json):
     a number edited by hand, or left from another run, fails here."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    text = open(os.path.join(root, "experiments", "h200", "README.md")).read()
+    text = readme()
     para = text.split("**The near phase on a GPU (2026-12-07", 1)[1].split("\n\n", 1)[0]
-    with open(os.path.join(root, "docs", "results", "async_compare_long_h100", "warm", "sft.json")) as f:
+    with open(os.path.join(ROOT, "docs", "results", "async_compare_long_h100", "warm", "sft.json")) as f:
         d = json.load(f)
     near, mid, sft = d["curriculum"]
     acc = [c["acc"] for c in near["checks"]]
@@ -268,13 +272,13 @@ def test_readme_gpu_near_phase_is_its_sft_json():
     missing = [q for q in quoted if " ".join(q.split()) not in flat]
     assert not missing, missing
     assert f"{fin['all']:.2f}" == "0.03" and sft["ended"] == "not_reached" and d["curriculum_spec"] in flat
-    with open(os.path.join(root, "experiments", "h200", "calibrate_long.json")) as f:
+    with open(os.path.join(ROOT, "experiments", "h200", "calibrate_long.json")) as f:
         cpu = {c["step"]: c for c in json.load(f)["runs"]["oneback_near_dim128_lr1e-3_b64"]["arms"]["curriculum"]["curve"]}
     cpu_quoted = (f"{cpu[300]['near']:.2f} at step 300 and {cpu[350]['near']:.2f} at 350, while its lookup share was "
                   f"already {cpu[300]['near_lookup']:.2f} and {cpu[350]['near_lookup']:.2f}; its whole chain reached "
                   f"{cpu[600]['near']:.2f} only at step 600")
     assert cpu_quoted in flat, cpu_quoted
-    with open(os.path.join(root, "docs", "results", "async_compare_long_h100", "run_sync", "metrics.jsonl")) as f:
+    with open(os.path.join(ROOT, "docs", "results", "async_compare_long_h100", "run_sync", "metrics.jsonl")) as f:
         ev0 = next(r for r in map(json.loads, f) if r.get("kind") == "eval" and r["step"] == 0)
     assert f"pass@1 at step 0 was {ev0['pass@1']:.3f}" in flat
 
@@ -285,9 +289,8 @@ def test_readme_long_hold_h100_is_its_files():
     (run/live_tokens/step_0001.pt, banded here from qpos as instruments.bands does) and the parity rows
     (parity.json). A number edited by hand, or left from another run, fails here."""
     import torch
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = os.path.join(root, "docs", "results", "long_hold_h100")
-    text = open(os.path.join(root, "experiments", "h200", "README.md")).read()
+    res = os.path.join(ROOT, "docs", "results", "long_hold_h100")
+    text = readme()
     flat = " ".join(text.split("### The long hold, first run (2026-12-07", 1)[1].split("\n### ", 1)[0].split())
     with open(os.path.join(res, "sft.json")) as f:
         d = json.load(f)
@@ -330,9 +333,8 @@ def test_readme_long_hold_h100_is_its_files():
 def test_readme_width_lr_table_is_calibrate_long_json():
     """README.md's "Width and learning rate" table: every lookup share, the first step at >= 0.5, the sft_mid
     shares, the loss and seconds from calibrate_long.json's oneback_near_dim256_lr*_b16 runs."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    text = open(os.path.join(root, "experiments", "h200", "README.md")).read()
-    with open(os.path.join(root, "experiments", "h200", "calibrate_long.json")) as f:
+    text = readme()
+    with open(os.path.join(ROOT, "experiments", "h200", "calibrate_long.json")) as f:
         runs = json.load(f)["runs"]
     block = text.split("**Width and learning rate (2026-12-07", 1)[1].split("\n\n", 2)[1]
     rows = re.findall(r"^\| (1e-\d|3e-\d) \| ([\d. ]+) \| (\d+) \| ([\d.]+) / ([\d.]+) \| ([\d.]+) \| (\d+) \|$", block, re.M)
@@ -352,9 +354,8 @@ def test_readme_time_table_long_hold_column_is_its_files():
     up, sft -> train, report -> parity -> done), the SFT and save from sft.json, start-up and the step-0 eval from
     metrics.jsonl; and the deadline's reserve in grpo_h200.sh is the one the README gives."""
     import datetime
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = os.path.join(root, "docs", "results", "long_hold_h100")
-    text = open(os.path.join(root, "experiments", "h200", "README.md")).read()
+    res = os.path.join(ROOT, "docs", "results", "long_hold_h100")
+    text = readme()
     head = text.index("| phase | run 9 (measured) |")
     col = {r.split(" | ")[0].lstrip("| "): r.rsplit(" | ", 1)[1].rstrip(" |")
            for r in text[head:text.index("\n\n", head)].split("\n")[2:]}
@@ -375,7 +376,7 @@ def test_readme_time_table_long_hold_column_is_its_files():
     assert col["GRPO start-up"] == f"{rec['startup']['total_s']:.1f} s"
     assert col["eval points"] == f"step 0: {rec['eval']['eval_s']:.1f} s"
     assert col["report, parity"] == f"{gap('report', 'parity')} s, {gap('parity', 'done')} s (the stamps)"
-    sh = open(os.path.join(root, "experiments", "h200", "grpo_h200.sh")).read()
+    sh = open(os.path.join(ROOT, "experiments", "h200", "grpo_h200.sh")).read()
     reserve = re.search(r"dl=\$\(hold_left (\d+)\)", sh).group(1)
     assert f"has only {reserve} s left, for the report" in " ".join(text.split())
     assert f"keeps {reserve} s for the report" in " ".join(text.split())

@@ -29,6 +29,7 @@ from nanoflash.sglang.buckets import convert_items
 
 FP32_TOL = 1e-5    # the same fp32 computation done two ways (batched vs one position at a time)
 T_TOL = 2e-3       # Cornish-Fisher t quantile vs the tabulated value (3 decimals in the tables)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout
 
 
 def bench(name: str):
@@ -689,17 +690,16 @@ def test_sglang_check_distributed_push_dry_run(tmp_path):
     from nanoflash.server.http import serve
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
     from conftest import free_port
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ck, out = str(tmp_path / "ck"), str(tmp_path / "push.json")
-    script = os.path.join(root, "experiments", "h200", "sglang_check.py")
-    env = dict(os.environ, NF_DEVICE="cpu", NF_CHECK_PRESET="tiny", PYTHONPATH=root)
-    subprocess.run([sys.executable, script, "ckpt", "--dir", ck], env=env, check=True, cwd=root, capture_output=True)
+    script = os.path.join(ROOT, "experiments", "h200", "sglang_check.py")
+    env = dict(os.environ, NF_DEVICE="cpu", NF_CHECK_PRESET="tiny", PYTHONPATH=ROOT)
+    subprocess.run([sys.executable, script, "ckpt", "--dir", ck], env=env, check=True, cwd=ROOT, capture_output=True)
     model = Transformer(ModelConfig.from_hf_config(ck))
     load_hf_checkpoint(model, ck)
     httpd, url = serve(RolloutEngine(model.float(), weights="fp8"), model_path=ck)
     try:
         p = subprocess.run([sys.executable, script, "push", "--dir", ck, "--transport", "distributed", "--pushes", "3",
-                            "--sync-port", str(free_port()), "--out", out], env=dict(env, NF_URL=url), cwd=root,
+                            "--sync-port", str(free_port()), "--out", out], env=dict(env, NF_URL=url), cwd=ROOT,
                            capture_output=True, text=True, timeout=600)
     finally:
         httpd.shutdown()
@@ -772,26 +772,25 @@ def test_compare_of_an_async_run_cut_short_by_a_server_restart(tmp_path):
 
 
 def _regenerated_compare(name: str, tmp_path):
-    """(repo root, compare.json of docs/results/<name> regenerated from its runs' metrics by `grpo_h200.py
-    compare`), after checking it equals the stored one (a stored file edited by hand, or left from older code)."""
+    """compare.json of docs/results/<name> regenerated from its runs' metrics by `grpo_h200.py
+    compare`, after checking it equals the stored one (a stored file edited by hand, or left from older code)."""
     from experiments.h200 import grpo_h200
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    d = os.path.join(root, "docs", "results", name)
+    d = os.path.join(ROOT, "docs", "results", name)
     a = argparse.Namespace(sync=os.path.join(d, "run_sync"), async_run=os.path.join(d, "run_async"),
                            gpu=os.path.join(d, "gpu.csv"), windows=os.path.join(d, "windows.txt"),
                            out=str(tmp_path / "c.json"))
     grpo_h200.cmd_compare(a)
     res = json.load(open(tmp_path / "c.json"))
     assert res == json.load(open(os.path.join(d, "compare.json")))
-    return root, res
+    return res
 
 
 def test_rollouts_md_quotes_the_h200_comparison_as_measured(tmp_path):
     """docs/rollouts.md's figures of the 2026-12-03 H200 comparison are what `grpo_h200.py compare` makes of the
     runs' metrics today (the stored compare.json regenerated, then each quoted number found in the doc)."""
-    root, res = _regenerated_compare("async_compare_long_h200", tmp_path)
+    res = _regenerated_compare("async_compare_long_h200", tmp_path)
     s, y = res["sync"], res["async"]
-    doc = open(os.path.join(root, "docs", "rollouts.md")).read()
+    doc = open(os.path.join(ROOT, "docs", "rollouts.md")).read()
     quoted = [f"**{s['step_s_mean']:.2f} s**", f"rollout {s['rollout_s']:.2f} s", f"trainer {s['train_s']:.2f} s",
               f"push {s['sync_s']:.2f} s", f"gap {s['gap_mean']:.4f}", f"**{y['step_s_mean']:.2f} s**",
               f"**{res['bars']['async_over_sync_step_s']:.2f}x**", f"rollout ({y['rollout_s']:.2f} s)",
@@ -806,9 +805,9 @@ def test_rollouts_md_quotes_the_h100_comparison_as_measured(tmp_path):
     """docs/rollouts.md's table of the 2026-12-07 H100 comparison (the first complete one) is what `grpo_h200.py
     compare` makes of the runs' metrics today: the stored compare.json regenerated, then each row of the table
     rebuilt from it and found in the doc, and the bars as the prose states them (ratio <= 0.7, within 2 SE)."""
-    root, res = _regenerated_compare("async_compare_long_h100", tmp_path)
+    res = _regenerated_compare("async_compare_long_h100", tmp_path)
     s, y, bars = res["sync"], res["async"], res["bars"]
-    doc = open(os.path.join(root, "docs", "rollouts.md")).read()
+    doc = open(os.path.join(ROOT, "docs", "rollouts.md")).read()
     sec = lambda x: f"{x:.2f} s"                                                  # noqa: E731
     rows = [("step", f"**{sec(s['step_s_mean'])}**", f"**{sec(y['step_s_mean'])}**"),
             ("rollout (one step off: beside the training)", sec(s["rollout_s"]), sec(y["rollout_s"])),
@@ -835,7 +834,7 @@ def test_rollouts_md_quotes_the_h100_comparison_as_measured(tmp_path):
     assert abs(bars["pass_diff"]) <= bars["pass_diff_se"]                        # "within 1 SE", as the prose says
     serial = max(y["rollout_s"], y["train_s"]) + y["sync_s"] + y["boundary_wait_s"]
     assert f"= {serial:.2f} s" in doc
-    readme = " ".join(open(os.path.join(root, "experiments", "h200", "README.md")).read().split())
+    readme = " ".join(open(os.path.join(ROOT, "experiments", "h200", "README.md")).read().split())
     assert (f"the trainer's peak {s['gpu_peak_gib']:.2f} GiB, the GPU's {max(s['gpu_mem_max_mib'], y['gpu_mem_max_mib']):,.0f} "
             f"of 81,559 MiB") in readme
 
@@ -859,9 +858,8 @@ def test_compare_deadlines_leave_the_second_run_its_share(tmp_path):
 def test_rollouts_md_prose_of_the_h100_comparison_is_its_files():
     """The prose around that table: the prompt and response lengths, the all-equal groups and the mean reward, the
     aborted samples, the gap's ratio to the first run and the two warm starts' P(worked), each from its file."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = os.path.join(root, "docs", "results")
-    doc = " ".join(open(os.path.join(root, "docs", "rollouts.md")).read().split())
+    res = os.path.join(ROOT, "docs", "results")
+    doc = " ".join(open(os.path.join(ROOT, "docs", "rollouts.md")).read().split())
     para = doc.split("**The first complete comparison", 1)[1]
 
     def steps(run):
