@@ -169,6 +169,19 @@ jit_save() {  # $1: a folder under $OUT; the caches as parts of 15 MiB, replaced
   rm -rf "$1.new" && mkdir -p "$1.new" && split -b 15M -d $W/jit.tgz "$1.new/jit_cache.tgz." && rm -rf "$1" \
     && mv "$1.new" "$1" && echo "compile caches saved ($dirs): $size bytes in $(ls "$1" | wc -l) parts"
 }
+# an 80 GB card (H100): the long task's memory fitted to it, each knob only where it is not set (README.md, "On an
+# 80 GB card"): SGLang's static share 0.25, the trainer's and the SFT's cap 0.60 (47.5 GiB), micro-batches of 8,192
+# tokens for the comparison and 4,096 beside the live checks (their FP8-floor copy of the model: the second long
+# hold's GRPO died at 8,192 in step 1's backward, 2026-12-07, 45.4 of its 47.5 GiB allocated)
+card_knobs() {
+  [ "$LONG" = 1 ] || return 0
+  local mib mb=4096; mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -n 1)
+  [ -n "$mib" ] && [ "$mib" -lt 100000 ] || return 0
+  [ "${H20_COMPARE:-0}" = 1 ] && mb=8192
+  export H20_MEM=${H20_MEM:-0.25} H20_TRAIN_MEM=${H20_TRAIN_MEM:-0.60}
+  export H20_TRAIN_ARGS=${H20_TRAIN_ARGS:---parallel.micro_batch_tokens $mb}
+  echo "an 80 GB card ($mib MiB): H20_MEM=$H20_MEM H20_TRAIN_MEM=$H20_TRAIN_MEM H20_TRAIN_ARGS=$H20_TRAIN_ARGS"
+}
 server_mem() { local m=0.45; [ "$LONG" = 1 ] && m=0.30; echo "${H20_MEM:-$m}"; }   # long_overrides says why
 serve_sglang() {  # $1: log suffix of a restart (".1", ...)
   # at most 64 requests at once (0: SGLang's own limit): both of 2026-12-01's crashes came with 128 decoding
@@ -247,8 +260,11 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
     local fam=${H20_FAMILY:-facts} sftfam=factssft; [ "$MODE" = dry ] && fam=factsdry sftfam=factsdry
     # 300 s (240 until 2026-12-07, when near's 199 s left mid 46 s: README.md, "The near phase on a GPU")
     [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-300} --batch ${H20_SFT_BATCH:-64} --val-problems 32"
-    # the glance phase checks 32 long prompts a step (~2.4 s a step in the first hold): capped at 40 s
-    [ "$MODE" = gpu ] && sft="$sft --check-every 10 --curriculum $(curriculum_spec) --glance-seconds 40"
+    # the glance phase checks 32 long prompts a step (~2.1-2.4 s a step): capped at 50 s (40 until 2026-12-07), at
+    # lr 1.5e-5 (H20_GLANCE_LR; 3e-5 before: the second long hold's P(worked) went 0.99 -> 0.70 -> 0.06 in its last
+    # two steps: 3.5 nats of P(worked)'s logit in one step, twice the 1.8 between P(worked) 0.6 and 0.2)
+    [ "$MODE" = gpu ] && sft="$sft --check-every 10 --curriculum $(curriculum_spec) --glance-seconds 50"
+    [ "$MODE" = gpu ] && sft="$sft --glance-lr ${H20_GLANCE_LR:-1.5e-5}"
     # the phases' seconds end the SFT, not the default 400 steps: a near-only step is a fraction of a factssft one
     # lr 1e-4 (6e-4 until 2026-12-07: the long hold's near lookup 0.31 at best; on the CPU at dim 256 the `#a5`
     # lookup passed 0.5 at step 400 / 300 / 600 at lr 1e-4 / 3e-4 / 1e-3: README.md, "Width and learning rate")
@@ -433,7 +449,7 @@ jit_only() {  # $1: seconds; a hold that only fills the compile caches (no SFT, 
 }
 case "${1:-}" in
   go) snapshot && exec bash $W/repo/experiments/h200/grpo_h200.sh go_here ;;
-  go_here) gpu_env; date +%s > $W/T0; check_spec && install && start ;;
+  go_here) gpu_env; card_knobs; date +%s > $W/T0; check_spec && install && start ;;
   pipeline_gpu) gpu_env; pipeline ;;
   pipeline_dry) dry_env; pipeline ;;
   poll) poll "${2:-540}" ;;

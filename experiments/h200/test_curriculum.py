@@ -330,6 +330,42 @@ def test_readme_long_hold_h100_is_its_files():
     assert d["sft_s"] > 0 and sft["ended"] == "not_reached" and near["why"].startswith("seconds budget")
 
 
+def test_readme_long_hold2_h100_is_its_files():
+    """README.md's section on the second long hold (2026-12-07, H100) quotes docs/results/long_hold2_h100/: the
+    SFT's phases and glance steps (sft.json), the step-0 eval (run/metrics.jsonl) and step 1's per-token live
+    values by band (run/live_tokens/step_0001.pt, banded from qpos as instruments.bands does)."""
+    import torch
+    res = os.path.join(ROOT, "docs", "results", "long_hold2_h100")
+    flat = " ".join(readme().split("### The long hold, second run (2026-12-07", 1)[1].split("\n### ", 1)[0].split())
+    with open(os.path.join(res, "sft.json")) as f:
+        d = json.load(f)
+    near, mid, sft = d["curriculum"]
+    acc = [c["acc"] for c in sft["checks"]]
+    glance = [c["p_worked"] for c in d["curve"] if c.get("phase") == "glance"]
+    fin = d["final"]["val_forced_by_class"]
+    with open(os.path.join(res, "run", "metrics.jsonl")) as f:
+        ev0 = next(r for r in map(json.loads, f) if r.get("kind") == "eval" and r["step"] == 0)
+    t = torch.load(os.path.join(res, "run", "live_tokens", "step_0001.pt"), weights_only=False)
+    g, fl, q = t["gap"].abs().double(), t["floor_fp8"].double(), t["qpos"]
+    bands = [(q < 128), (q >= 128) & (q < 2048), (q >= 2048)]
+    quoted = [f"handover at step {near['steps']} (lookup {near['checks'][-1]['look']:.2f}, {near['seconds']} s)",
+              f"(lookup {mid['checks'][0]['look']:.2f} at step {mid['checks'][0]['step']})",
+              f"`factssft` ran {sft['steps']} steps to the SFT's 300 s, lookup "
+              f"{min(c['look'] for c in sft['checks']):.2f} at every check, the whole chain {min(acc):.2f}-{max(acc):.2f}",
+              f"in its {len(glance)} steps P(worked) went {glance[0]:.2f}, {glance[-3]:.2f}, {glance[-2]:.2f}, then "
+              f"{glance[-1]:.2f}",
+              f"lookup {fin['lookup']:.2f} (far {fin['far_lookup']:.2f}), whole chain {fin['all']:.2f}",
+              f"pass@1 at step 0: {ev0['pass@1']:.3f} (SE {ev0['pass@1_se']:.3f})",
+              f"({len(g)} scored tokens", f"the gap {g.mean():.4f} against the FP8 floor {fl.mean():.4f}, "
+              f"**{g.mean() / fl.mean():.2f}x**"]
+    for m, name in zip(bands, ("< 128", "128-2047", ">= 2048")):
+        quoted.append(f"{name}, {int(m.sum())} tokens (share {m.double().mean():.2f}), ")
+        quoted.append(f"{g[m].mean() / fl[m].mean():.2f}x")
+    missing = [s for s in quoted if " ".join(s.split()) not in flat]
+    assert not missing, missing
+    assert near["ended"] == mid["ended"] == "target" and sft["ended"] == "max_seconds" and d["lr"] == 1e-4
+
+
 def test_readme_width_lr_table_is_calibrate_long_json():
     """README.md's "Width and learning rate" table: every lookup share, the first step at >= 0.5, the sft_mid
     shares, the loss and seconds from calibrate_long.json's oneback_near_dim256_lr*_b16 runs."""

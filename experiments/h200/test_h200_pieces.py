@@ -855,6 +855,31 @@ def test_compare_deadlines_leave_the_second_run_its_share(tmp_path):
     assert (980 - late) * 3 // 5 <= sync <= 980 * 3 // 5, (out.stdout, late)     # 3/5 of the same hold, earlier
 
 
+def test_card_knobs_fit_the_long_task_to_an_80_gb_card_only_where_unset(tmp_path):
+    """grpo_h200.sh's card_knobs: on a card under 100,000 MiB (nvidia-smi, faked here) the long task gets SGLang's
+    0.25, the trainer's cap 0.60 and micro-batches of 4,096 tokens (8,192 for the comparison, which has no live
+    checks); a knob set by hand is kept; an H200 (143,771 MiB) and the sums task get none. Bugs caught: the 80 GB
+    knobs applied on an H200, a hand-set knob overwritten, the live-check run left at 8,192 (the second long
+    hold's OOM)."""
+    sh = os.path.join(os.path.dirname(__file__), "grpo_h200.sh")
+    funcs = "source <(sed -n '/^card_knobs()/,/^}/p' " + sh + ")"
+    fake = tmp_path / "nvidia-smi"
+    show = 'card_knobs > /dev/null; echo "${H20_MEM:-} ${H20_TRAIN_MEM:-} ${H20_TRAIN_ARGS:-}"'
+
+    def knobs(mib, **env):
+        fake.write_text(f"#!/bin/sh\necho {mib}\n")
+        fake.chmod(0o755)
+        base = {k: v for k, v in os.environ.items() if not k.startswith("H20_")}
+        out = subprocess.run(["bash", "-c", f"{funcs}; {show}"], capture_output=True, text=True,
+                             env={**base, "PATH": f"{tmp_path}:{os.environ['PATH']}", "LONG": "1", **env})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+    assert knobs(81559) == ["0.25", "0.60", "--parallel.micro_batch_tokens", "4096"]
+    assert knobs(81559, H20_COMPARE="1") == ["0.25", "0.60", "--parallel.micro_batch_tokens", "8192"]
+    assert knobs(81559, H20_MEM="0.3", H20_TRAIN_ARGS="--x 1") == ["0.3", "0.60", "--x", "1"]
+    assert knobs(143771) == [] and knobs(81559, LONG="0") == []
+
+
 def test_rollouts_md_prose_of_the_h100_comparison_is_its_files():
     """The prose around that table: the prompt and response lengths, the all-equal groups and the mean reward, the
     aborted samples, the gap's ratio to the first run and the two warm starts' P(worked), each from its file."""

@@ -22,7 +22,8 @@ Per rank (pp_rank, ep_rank; DP replicas are equal) it counts, from the parameter
                 "experts": K D per token, their kept inputs, plus one layer rebuilt)
     a2a         EP > 1: one MoE exchange in flight: send [T K, D] + receive imbalance x [T K, D], with weights
     backward    the stream gradients in and out of the layer in backward (2 x [T,M,D]); on the last stage
-                the chunked head's fp32 logits and their gradient (2 x [1024, V])
+                the chunked head's fp32 logits, turned in place into their gradient ([1024, V]), and the
+                chunk's fp32 weight gradient ([V, D], before autograd adds it to the head's)
     clip        `grad_norm`: g.float().square() of the largest gradient tensor the rank holds
     opt step    fp32 gradient casts: on device a batch of >= one chunk (`optim.HOST_CHUNK_ELEMS`) plus its last
                 tensor; offloaded one piece (<= a chunk) at a time
@@ -267,7 +268,7 @@ def _activations(cfg, par, setup: Setup, fit: dict, s: int, layers, dtype, recom
     out = {"activations": in_flight * kept + rebuilt,
            "imbalance": (setup.imbalance - 1) * T * extra_rows * ep_extra,
            "a2a": (1 + setup.imbalance) * T * K * (D * elem + 4) * ep_extra,
-           "backward": 2 * T * M * D * elem + (2 * min(T, HEAD_CHUNK) * cfg.vocab_size * 4 if s == par.pp - 1 else 0)}
+           "backward": 2 * T * M * D * elem + ((min(T, HEAD_CHUNK) + D) * cfg.vocab_size * 4 if s == par.pp - 1 else 0)}
     return out
 
 
@@ -450,7 +451,8 @@ GPU_COLS = (("weights", "weights", "the stage's parameters in the training dtype
                                     "layer inputs)"),
             ("imbalance", "imbal", "the busiest EP rank's extra routed rows"),
             ("a2a", "a2a", "one MoE all-to-all in flight"),
-            ("backward", "bwd", "stream gradients of backward, the head's fp32 logits on the last stage"),
+            ("backward", "bwd", "stream gradients of backward, the head's fp32 logits and weight gradient on the "
+                                "last stage"),
             ("clip", "clip", "the gradient norm's fp32 square of the largest gradient"),
             ("opt_step", "step", "fp32 gradient casts of the optimizer step"),
             ("nccl", "nccl", "NCCL communicators"),
