@@ -56,6 +56,7 @@ import json
 import os
 import re
 import sys
+import time
 import textwrap
 import typing
 
@@ -354,14 +355,21 @@ DATA_HELP = ("the defaults point at the project's shared data folder, ../shared/
              "you run in (README: Data)")
 
 
+USAGE_EXIT_DELAY_S = 10.0   # seconds: torchrun ends the waiting ranks once rank 0 exits, so only a rank 0 slower
+                            # than this (a loaded machine) could still lose its line
+
+
 def usage_error(e: BaseException, prog: str = "train.py"):
     """One line on stderr (rank 0's: under torchrun every rank meets the same error) and exit code 2
-    (NANOFLASH_TRACEBACK=1 re-raises instead)."""
+    (NANOFLASH_TRACEBACK=1 re-raises instead). The other ranks exit USAGE_EXIT_DELAY_S later: torchrun stops
+    every process once the first one fails, and a quiet rank that exited first took rank 0's line with it."""
     if os.environ.get("NANOFLASH_TRACEBACK"):
         raise e
     msg = " ".join(str(e).split()) if not isinstance(e, KeyError) else str(e.args[0])
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{prog}: error: {msg}", file=sys.stderr)
+        print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+    elif os.environ.get("TORCHELASTIC_RUN_ID"):        # under torchrun (a test calling startup directly: no wait)
+        time.sleep(USAGE_EXIT_DELAY_S)
     raise SystemExit(2)
 
 

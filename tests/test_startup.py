@@ -457,3 +457,22 @@ def test_train_py_gpu_recipe_on_this_cpu_is_one_line():
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"train.py: error: recipe 'flash' needs GPUs but "
                                                    f"{startup.torch_build()} sees none"), lines
+
+
+def test_quiet_ranks_under_torchrun_leave_rank_0_time_to_print(monkeypatch, capsys):
+    """Bug caught: under a loaded machine torchrun's first failing process was a quiet rank, torchrun then
+    stopped rank 0 before its line (the world-mismatch test above failed so in the suite). The other ranks wait
+    USAGE_EXIT_DELAY_S under torchrun before their exit; outside torchrun, and on rank 0, nothing waits."""
+    waits = []
+    monkeypatch.setattr(cli.time, "sleep", waits.append)
+    for rank, run_id, waited in (("1", "x", [cli.USAGE_EXIT_DELAY_S]), ("0", "x", []), ("1", None, [])):
+        waits.clear()
+        monkeypatch.setenv("RANK", rank)
+        if run_id:
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        else:
+            monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        with pytest.raises(SystemExit) as exc:
+            cli.usage_error(ValueError("bad"))
+        assert exc.value.code == 2 and waits == waited
+        assert ("train.py: error: bad" in capsys.readouterr().err) == (rank == "0")

@@ -366,6 +366,23 @@ def test_readme_long_hold2_h100_is_its_files():
     assert near["ended"] == mid["ended"] == "target" and sft["ended"] == "max_seconds" and d["lr"] == 1e-4
 
 
+def test_readme_time_table_second_long_hold_column_is_its_files():
+    """The time table's column for the second long hold: the stamps, sft.json and metrics.jsonl as above."""
+    col, gap, d, rec = _time_column(readme(), "the second long hold (2026-12-07, H100, measured; compile caches "
+                                    "carried)", "long_hold2_h100")
+    assert col["SGLang's HTTP up before the SFT starts (`server_up`; the first hold: SGLang died of the SFT's memory)"] \
+        == f"{gap('knobs', 'server up')} s (the same stamps)"
+    assert col["SFT + save"] == (f"{gap('sft', 'train')} s (the `sft` stamp to `train`; sft.json: SFT {d['sft_s']} s, "
+                                 f"save {d['save_s']} s)")
+    assert col["GRPO start-up"] == f"{rec['startup']['total_s']:.1f} s"
+    assert col["eval points"] == f"step 0: {rec['eval']['eval_s']:.1f} s"
+    assert col["report, parity"] == f"{gap('report', 'parity')} s, - (not collected)"
+    _, _, _, first = _time_column(readme(), "the first long hold (2026-12-07, H100, measured)", "long_hold_h100")
+    flat = " ".join(readme().split())
+    assert (f"its step-0 eval took {rec['eval']['eval_s']:.1f} s ({first['eval']['eval_s']:.1f} s without them) and GRPO "
+            f"started in {rec['startup']['total_s']:.1f} s ({first['startup']['total_s']:.1f} s)") in flat
+
+
 def test_readme_width_lr_table_is_calibrate_long_json():
     """README.md's "Width and learning rate" table: every lookup share, the first step at >= 0.5, the sft_mid
     shares, the loss and seconds from calibrate_long.json's oneback_near_dim256_lr*_b16 runs."""
@@ -385,26 +402,33 @@ def test_readme_width_lr_table_is_calibrate_long_json():
         assert loss == f"{curve[800]['nll']:.3f}" and int(secs) == round(run["arms"]["curriculum"]["train_s"])
 
 
-def test_readme_time_table_long_hold_column_is_its_files():
-    """The time table's column for the first long hold: the phases from pipeline.log's stamps (knobs -> server
-    up, sft -> train, report -> parity -> done), the SFT and save from sft.json, start-up and the step-0 eval from
-    metrics.jsonl; and the deadline's reserve in grpo_h200.sh is the one the README gives."""
+def _time_column(text: str, header: str, results: str):
+    """README's time table column `header` ({phase: cell}), and from docs/results/<results>/: the seconds between
+    two pipeline.log stamps (gap), sft.json, and run/metrics.jsonl's records by kind."""
     import datetime
-    res = os.path.join(ROOT, "docs", "results", "long_hold_h100")
-    text = readme()
+    res = os.path.join(ROOT, "docs", "results", results)
     head = text.index("| phase | run 9 (measured) |")
-    col = {r.split(" | ")[0].lstrip("| "): r.rsplit(" | ", 1)[1].rstrip(" |")
-           for r in text[head:text.index("\n\n", head)].split("\n")[2:]}
+    rows = [[c.strip() for c in r.strip("|").split(" | ")] for r in text[head:text.index("\n\n", head)].split("\n")]
+    j = rows[0].index(header)
+    col = {r[0]: r[j] for r in rows[2:]}
     stamps = {}
     for line in open(os.path.join(res, "pipeline.log")):
         m = re.match(r"=== (\d\d:\d\d:\d\d) (knobs|server up|sft|train|report|parity|done)\b", line)
         if m:
             stamps.setdefault(m.group(2), datetime.datetime.strptime(m.group(1), "%H:%M:%S"))
-    gap = lambda a, b: round((stamps[b] - stamps[a]).total_seconds())
     with open(os.path.join(res, "sft.json")) as f:
         d = json.load(f)
     with open(os.path.join(res, "run", "metrics.jsonl")) as f:
         rec = {r["kind"]: r for r in map(json.loads, f)}
+    return col, lambda a, b: round((stamps[b] - stamps[a]).total_seconds()), d, rec
+
+
+def test_readme_time_table_long_hold_column_is_its_files():
+    """The time table's column for the first long hold: the phases from pipeline.log's stamps (knobs -> server
+    up, sft -> train, report -> parity -> done), the SFT and save from sft.json, start-up and the step-0 eval from
+    metrics.jsonl; and the deadline's reserve in grpo_h200.sh is the one the README gives."""
+    text = readme()
+    col, gap, d, rec = _time_column(text, "the first long hold (2026-12-07, H100, measured)", "long_hold_h100")
     assert col["SGLang's HTTP up before the SFT starts (`server_up`; the first hold: SGLang died of the SFT's memory)"] \
         == f"{gap('knobs', 'server up')} s (the same stamps)"
     assert col["SFT + save"] == (f"{gap('sft', 'train')} s (the `sft` stamp to `train`; sft.json: SFT {d['sft_s']} s, "
