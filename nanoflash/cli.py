@@ -56,8 +56,8 @@ import json
 import os
 import re
 import sys
-import time
 import textwrap
+import time
 import typing
 
 from nanoflash import config

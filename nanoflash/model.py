@@ -1358,7 +1358,7 @@ class _ChunkLogprob(torch.autograd.Function):
     def backward(ctx, g):
         y, w, tgt, lse = ctx.saved_tensors
         # one [n,V] fp32 buffer, in place from the logits to their gradient: at n = 1024 and V = 129,280 each
-        # out-of-place step held another 505 MiB (the first long hold's GRPO died of it on an 80 GB card)
+        # out-of-place step held another 505 MiB (the second long hold's GRPO died in this backward on an 80 GB card)
         dlogits = F.linear(y.float(), w.float()).div_(ctx.temperature)                  # logits
         dlogits.sub_(lse[:, None]).exp_().neg_()                                        # -softmax
         dlogits.scatter_add_(-1, tgt[:, None], torch.ones_like(lse)[:, None])
