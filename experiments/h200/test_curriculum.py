@@ -366,23 +366,6 @@ def test_readme_long_hold2_h100_is_its_files():
     assert near["ended"] == mid["ended"] == "target" and sft["ended"] == "max_seconds" and d["lr"] == 1e-4
 
 
-def test_readme_time_table_second_long_hold_column_is_its_files():
-    """The time table's column for the second long hold: the stamps, sft.json and metrics.jsonl as above."""
-    col, gap, d, rec = _time_column(readme(), "the second long hold (2026-12-07, H100, measured; compile caches "
-                                    "carried)", "long_hold2_h100")
-    assert col["SGLang's HTTP up before the SFT starts (`server_up`; the first hold: SGLang died of the SFT's memory)"] \
-        == f"{gap('knobs', 'server up')} s (the same stamps)"
-    assert col["SFT + save"] == (f"{gap('sft', 'train')} s (the `sft` stamp to `train`; sft.json: SFT {d['sft_s']} s, "
-                                 f"save {d['save_s']} s)")
-    assert col["GRPO start-up"] == f"{rec['startup']['total_s']:.1f} s"
-    assert col["eval points"] == f"step 0: {rec['eval']['eval_s']:.1f} s"
-    assert col["report, parity"] == f"{gap('report', 'parity')} s, - (not collected)"
-    _, _, _, first = _time_column(readme(), "the first long hold (2026-12-07, H100, measured)", "long_hold_h100")
-    flat = " ".join(readme().split())
-    assert (f"its step-0 eval took {rec['eval']['eval_s']:.1f} s ({first['eval']['eval_s']:.1f} s without them) and GRPO "
-            f"started in {rec['startup']['total_s']:.1f} s ({first['startup']['total_s']:.1f} s)") in flat
-
-
 def test_readme_width_lr_table_is_calibrate_long_json():
     """README.md's "Width and learning rate" table: every lookup share, the first step at >= 0.5, the sft_mid
     shares, the loss and seconds from calibrate_long.json's oneback_near_dim256_lr*_b16 runs."""
@@ -423,20 +406,34 @@ def _time_column(text: str, header: str, results: str):
     return col, lambda a, b: round((stamps[b] - stamps[a]).total_seconds()), d, rec
 
 
-def test_readme_time_table_long_hold_column_is_its_files():
-    """The time table's column for the first long hold: the phases from pipeline.log's stamps (knobs -> server
-    up, sft -> train, report -> parity -> done), the SFT and save from sft.json, start-up and the step-0 eval from
-    metrics.jsonl; and the deadline's reserve in grpo_h200.sh is the one the README gives."""
-    text = readme()
-    col, gap, d, rec = _time_column(text, "the first long hold (2026-12-07, H100, measured)", "long_hold_h100")
+HOLD_COLUMNS = [  # (header, docs/results folder, its "report, parity" cell's parity: from the stamps or not run)
+    ("the first long hold (2026-12-07, H100, measured)", "long_hold_h100", True),
+    ("the second long hold (2026-12-07, H100, measured; compile caches carried)", "long_hold2_h100", False)]
+
+
+@pytest.mark.parametrize("header,results,parity", HOLD_COLUMNS)
+def test_readme_time_table_hold_columns_are_their_files(header, results, parity):
+    """The time table's columns for the long holds: the phases from pipeline.log's stamps (knobs -> server up,
+    sft -> train, report -> parity -> done), the SFT and save from sft.json, start-up and the step-0 eval from
+    metrics.jsonl."""
+    col, gap, d, rec = _time_column(readme(), header, results)
     assert col["SGLang's HTTP up before the SFT starts (`server_up`; the first hold: SGLang died of the SFT's memory)"] \
         == f"{gap('knobs', 'server up')} s (the same stamps)"
     assert col["SFT + save"] == (f"{gap('sft', 'train')} s (the `sft` stamp to `train`; sft.json: SFT {d['sft_s']} s, "
                                  f"save {d['save_s']} s)")
     assert col["GRPO start-up"] == f"{rec['startup']['total_s']:.1f} s"
     assert col["eval points"] == f"step 0: {rec['eval']['eval_s']:.1f} s"
-    assert col["report, parity"] == f"{gap('report', 'parity')} s, {gap('parity', 'done')} s (the stamps)"
+    done = f"{gap('parity', 'done')} s (the stamps)" if parity else "- (not collected)"
+    assert col["report, parity"] == f"{gap('report', 'parity')} s, {done}"
+
+
+def test_readme_deadline_reserve_and_carried_caches_are_the_scripts_and_files():
+    """The deadline's reserve in grpo_h200.sh is the one the README gives; the prose on the carried compile caches
+    quotes the two holds' step-0 evals and start-ups."""
+    flat = " ".join(readme().split())
     sh = open(os.path.join(ROOT, "experiments", "h200", "grpo_h200.sh")).read()
     reserve = re.search(r"dl=\$\(hold_left (\d+)\)", sh).group(1)
-    assert f"has only {reserve} s left, for the report" in " ".join(text.split())
-    assert f"keeps {reserve} s for the report" in " ".join(text.split())
+    assert f"has only {reserve} s left, for the report" in flat and f"keeps {reserve} s for the report" in flat
+    (_, _, _, first), (_, _, _, second) = (_time_column(readme(), h, r) for h, r, _ in HOLD_COLUMNS)
+    assert (f"its step-0 eval took {second['eval']['eval_s']:.1f} s ({first['eval']['eval_s']:.1f} s without them) "
+            f"and GRPO started in {second['startup']['total_s']:.1f} s ({first['startup']['total_s']:.1f} s)") in flat
