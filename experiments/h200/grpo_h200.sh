@@ -285,16 +285,7 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
   stamp "warm-up done: $(tail -n 1 $W/warmup.log)"
   watchdog >> $W/watchdog.log 2>&1 &
   if [ "${H20_COMPARE:-0}" = 1 ]; then compare_runs; touch $W/DONE; stamp done; return; fi
-  stamp train; $PY train.py --recipe experiments/h200/h200.txt --train.checkpoint $W/warm --rollout.urls $URL --out $W/run --rollout.health_timeout_s 900 \
-    $(overrides) & local tp=$!
-  # the long run's deadline: Ctrl-C for train.py once the hold (H20_HOLD_S from `go`) has only the report, the
-  # parity and the collect left (260 s: the first long hold's report 12 s and parity 198 s, 2026-12-07, plus 40 s
-  # of collect; 150 s before), whatever ran late before it, so they still run (its steps so far are all logged;
-  # the last eval point may then be missing); H20_GRPO_DEADLINE_S: seconds from train.py's start instead
-  local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=$(hold_left 260)
-  [ -n "$dl" ] && deadline $tp $dl
-  wait $tp || echo "FAILED train (or stopped at the deadline)"
-  kill ${DEADLINE_PID:-} 2> /dev/null   # a deadline left waiting would signal whatever process gets the pid next
+  stamp train; grpo_once_more
   touch $W/TRAIN_DONE; stamp report
   report
   # parity last (2026-12-01's run measured it first: 4 of the budget's minutes before any GRPO step); the
@@ -412,7 +403,7 @@ collect() {  # <= 8 files back: one tarball of the results + the logs (a run sti
   else
     [ -e $W/DONE ] || report > $W/report.log 2>&1
     tar -czf "$out/h200_results.tar.gz" -C $W run/metrics.jsonl run/live_tokens report parity.json warm/sft.json pipeline.log \
-      $(cd $W && ls watchdog.log server.*.log diagnose.json 2>/dev/null)
+      $(cd $W && ls -d watchdog.log server.*.log diagnose.json run_oom/metrics.jsonl run_oom/live_tokens 2>/dev/null)
   fi
   tail -c 4000000 $W/server.log > "$out/server.log"; cp $W/pipeline.log "$out/" 2>/dev/null
   [ "$MODE" = gpu ] && jit_save "$out/jit"
@@ -439,6 +430,38 @@ snapshot() {  # everything from here on runs from its own copy: a later command 
     $src/train.py $W/repo/ || exit 1
   cp -r $src/tests $src/pyproject.toml $W/repo/ 2>/dev/null  # for bench/gpu_round3.sh's GPU tests, when present
 }
+grpo_run() {  # train.py on the warm start into $W/run, $1: more overrides (after the mode's: the last one wins)
+  $PY train.py --recipe experiments/h200/h200.txt --train.checkpoint $W/warm --rollout.urls $URL --out $W/run \
+    --rollout.health_timeout_s 900 $(overrides) ${1:-} & local tp=$! st=0
+  # the long run's deadline: Ctrl-C for train.py once the hold (H20_HOLD_S from `go`) has only the report, the
+  # parity and the collect left (260 s: the first long hold's report 12 s and parity 198 s, 2026-12-07, plus 40 s
+  # of collect; 150 s before), whatever ran late before it, so they still run (its steps so far are all logged;
+  # the last eval point may then be missing); H20_GRPO_DEADLINE_S: seconds from train.py's start instead
+  local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=$(hold_left 260)
+  [ -n "$dl" ] && deadline $tp $dl
+  wait $tp || st=$?
+  kill ${DEADLINE_PID:-} 2> /dev/null   # a deadline left waiting would signal whatever process gets the pid next
+  return $st
+}
+grpo_once_more() {  # grpo_run; a CUDA OOM in a step (the second long hold's step 1, 2026-12-07) cost the rest of
+  # the hold: train.py starts once more from the warm start with half the micro-batch tokens (oom_half) if GRPO has
+  # 300 s beyond the deadline's reserve left; the failed run is kept as $W/run_oom
+  local from half; from=$(( $(wc -l < $W/pipeline.log) + 1 ))   # train.py's output starts on this line
+  grpo_run && return 0
+  echo "FAILED train (or stopped at the deadline)"
+  half=$(oom_half $from) && [ "$(hold_left 560)" -gt 1 ] || return 1
+  rm -rf $W/run_oom && mv $W/run $W/run_oom
+  stamp "train again: CUDA out of memory, micro-batches of $half tokens (the failed run: run_oom)"
+  grpo_run "--parallel.micro_batch_tokens $half" || { echo "FAILED train (or stopped at the deadline)"; return 1; }
+}
+oom_half() {  # $1: the first line of a train.py's output in pipeline.log. If that run died of a CUDA OOM: half its
+  # micro-batch tokens (the last --parallel.micro_batch_tokens of the overrides, else h200.txt's), at least 1024
+  tail -n +"$1" $W/pipeline.log | grep -q "OutOfMemoryError" || return 1
+  local mb; mb=$(echo " $(overrides) " | grep -o -- "--parallel.micro_batch_tokens [0-9]*" | tail -n 1 | awk '{print $2}')
+  [ -n "$mb" ] || mb=$(sed -n 's/^parallel.micro_batch_tokens=//p' "$R/experiments/h200/h200.txt")
+  [ "$mb" -ge 2048 ] || return 1
+  echo $((mb / 2))
+}
 jit_only() {  # $1: seconds; a hold that only fills the compile caches (no SFT, no GRPO): random init, SGLang, the
   # warm-up, the caches saved into $OUT/jit every 40 s and at the end (what a call cut at its limit still returns)
   install && init_ckpt && serve_sglang || exit 1
@@ -459,7 +482,7 @@ case "${1:-}" in
   diagnose) [ -d $W/repo ] && R=$W/repo; cd "$R"; gpu_env; diagnose ;;
   collect) [ -d $W/repo ] && R=$W/repo; [ -d /tmp/site ] && gpu_env || dry_env; collect ;;
   dry) snapshot checkout && exec bash $W/repo/experiments/h200/grpo_h200.sh dry_here "${2:-1800}" ;;
-  dry_here) dry_env; check_spec; rm -rf $W/DONE $W/TRAIN_DONE $W/SFT_DONE $W/watchdog.log $W/run $W/run_sync $W/run_async $W/warm $W/report
+  dry_here) dry_env; check_spec; rm -rf $W/DONE $W/TRAIN_DONE $W/SFT_DONE $W/watchdog.log $W/run $W/run_oom $W/run_sync $W/run_async $W/warm $W/report
        start && poll "${2:-1800}"
        kill "$(cat $W/server.pid)" 2>/dev/null; tail -n 30 $W/pipeline.log ;;
   *) echo "usage: [H20_TASK=long] $0 go|poll SECONDS|collect|dry [SECONDS]|jit_only SECONDS|diagnose|sft_probe[_dry] SECONDS" >&2

@@ -880,6 +880,57 @@ def test_card_knobs_fit_the_long_task_to_an_80_gb_card_only_where_unset(tmp_path
     assert knobs(143771) == [] and knobs(81559, LONG="0") == []
 
 
+def test_oom_half_reads_only_this_runs_output_and_halves_its_micro_batch(tmp_path):
+    """grpo_h200.sh's oom_half, which decides the pipeline's one retry of train.py: a CUDA OOM in the run's own
+    lines of pipeline.log (from line $1) gives half the micro-batch tokens of the last override (else h200.txt's);
+    no OOM, an OOM of an earlier run, or micro-batches already at 1,024 give none. Bugs caught: a retry after any
+    failure (a deadline's Ctrl-C, a server gone), an earlier flag read instead of the last, no floor."""
+    sh = os.path.join(os.path.dirname(__file__), "grpo_h200.sh")
+    funcs = "source <(sed -n '/^oom_half()/,/^}/p' " + sh + "); overrides() { echo \"$OV\"; }"
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1010.00 MiB."
+
+    def half(lines, start, ov):
+        (tmp_path / "pipeline.log").write_text("\n".join(lines) + "\n")
+        out = subprocess.run(["bash", "-c", f"{funcs}; oom_half {start}"], capture_output=True, text=True,
+                             env={**os.environ, "W": str(tmp_path), "R": ROOT, "OV": ov})
+        return out.stdout.strip() if out.returncode == 0 else None
+    flags = "--parallel.micro_batch_tokens 8192 --x 1 --parallel.micro_batch_tokens 6144"
+    assert half(["=== sft", "=== train", "step 1", oom], 2, flags) == "3072"
+    assert half(["=== train", oom], 1, "--model.kernels auto") == "8192"          # h200.txt's 16384
+    assert half(["=== train", "step 1", "Traceback", "KeyboardInterrupt"], 1, flags) is None
+    assert half([oom, "=== train", "step 1"], 2, flags) is None                     # an earlier run's OOM
+    assert half(["=== train", oom], 1, "--parallel.micro_batch_tokens 1024") is None
+
+
+@pytest.mark.parametrize("fails,t0_ago,calls,rc", [
+    ("oom", 100, ["", "--parallel.micro_batch_tokens 4096"], 0),     # retried at half, which runs
+    ("oom oom", 100, ["", "--parallel.micro_batch_tokens 4096"], 1),  # once only
+    ("oom", 1000, [""], 1),                                           # < 300 s of GRPO left beyond the reserve
+    ("other", 100, [""], 1)])                                         # a failure that is not an OOM: no retry
+def test_grpo_once_more_retries_a_cuda_oom_once_at_half_the_micro_batch(tmp_path, fails, t0_ago, calls, rc):
+    """grpo_h200.sh's grpo_once_more with train.py faked (grpo_run: writes its output into pipeline.log as the
+    pipeline's stdout, fails as `fails` says): one retry after a CUDA OOM, with half the micro-batch tokens, only
+    while the hold (1,440 s from $W/T0) leaves 560 s; the failed run moved to run_oom."""
+    sh = os.path.join(os.path.dirname(__file__), "grpo_h200.sh")
+    funcs = ("source <(sed -n '/^grpo_once_more()/,/^}/p;/^oom_half()/,/^}/p;/^hold_left()/,/^}/p;/^stamp()/p' "
+             + sh + "); overrides() { echo --parallel.micro_batch_tokens 8192; }")
+    fake = ('grpo_run() { echo "call:$1" >> $W/calls; mkdir -p $W/run; touch $W/run/m$(wc -l < $W/calls)\n'
+            '  set -- $FAILS; local f; f=$(eval echo \\${$(wc -l < $W/calls):-ok})\n'
+            '  [ "$f" = oom ] && { echo "torch.OutOfMemoryError: CUDA out of memory."; return 1; }\n'
+            '  [ "$f" = other ] && { echo "RuntimeError: server gone"; return 1; }; return 0; }')
+    (tmp_path / "T0").write_text(str(int(time.time()) - t0_ago))
+    (tmp_path / "pipeline.log").write_text("=== sft\n")
+    out = subprocess.run(["bash", "-c", f"{funcs}\n{fake}\ngrpo_once_more >> $W/pipeline.log"], capture_output=True,
+                         text=True, env={**os.environ, "W": str(tmp_path), "R": ROOT, "FAILS": fails,
+                                         "H20_HOLD_S": "1440"})
+    assert out.returncode == rc, (out.stdout, out.stderr)
+    assert (tmp_path / "calls").read_text().split("\n")[:-1] == [f"call:{c}" for c in calls]
+    log = (tmp_path / "pipeline.log").read_text()
+    assert ("train again: CUDA out of memory, micro-batches of 4096 tokens" in log) == (len(calls) == 2)
+    if len(calls) == 2:   # the first run's files in run_oom, the second's in run
+        assert os.listdir(tmp_path / "run_oom") == ["m1"] and os.listdir(tmp_path / "run") == ["m2"]
+
+
 def test_rollouts_md_prose_of_the_h100_comparison_is_its_files():
     """The prose around that table: the prompt and response lengths, the all-equal groups and the mean reward, the
     aborted samples, the gap's ratio to the first run and the two warm starts' P(worked), each from its file."""
