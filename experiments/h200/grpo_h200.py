@@ -66,7 +66,7 @@ from nanoflash.rl import collector, data, trainer
 from nanoflash.sglang.buckets import optimizer_storage
 import importlib
 
-from experiments.h200 import curriculum, synth
+from experiments.h200 import curriculum, glance, synth
 from nanoflash import grpo
 from nanoflash.checkpoint import save_hf_checkpoint
 from nanoflash.cli import parse_args
@@ -167,10 +167,10 @@ def p_worked(model, prompts: list, think_end: int) -> float:
 
 def cmd_sft(a, overrides):
     """Phase 1 (`worked`): worked demonstrations only, until validation pass@1 reaches --target or --max-seconds
-    pass. Phase 2 (`glance`, at --glance-lr): demonstrations worked with probability --glance-share, else at a
-    glance (synth.sft_pairs), until P(worked) on the validation prompts is at most --worked-max, checked every step
-    (at most --glance-steps, and --glance-seconds when given): a warm start that can work sums out but seldom does
-    (synth's docstring)."""
+    pass. Phase 2 (`glance`, at --glance-lr, cut near the mark by glance.run): demonstrations worked with
+    probability --glance-share, else at a glance (synth.sft_pairs), until P(worked) on the validation prompts is at
+    most --worked-max, checked every step (at most --glance-steps, and --glance-seconds when given): a warm start
+    that can work sums out but seldom does (synth's docstring)."""
     cfg = parse_args(["--recipe", RECIPE, *overrides])
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -224,23 +224,24 @@ def cmd_sft(a, overrides):
         elif time.time() - t0 > a.max_seconds:
             why["worked"] = f"time limit {a.max_seconds}s at step {i}"
     why.setdefault("worked", f"max steps {a.max_steps}")
-    t_glance = time.time()
-    for _ in range(a.glance_steps):                                      # phase 2: mostly at a glance
+    def glance_step(rate: float) -> float:                              # phase 2: mostly at a glance
+        nonlocal i, nll
         i += 1
-        nll = step(a.glance_share, a.glance_lr)
-        if check("glance", False)["p_worked"] <= a.worked_max:
-            why["glance"] = f"P(worked) <= {a.worked_max} at step {i}"
-            break
-        if a.glance_seconds and time.time() - t_glance >= a.glance_seconds:
-            why["glance"] = f"glance seconds {a.glance_seconds:g} spent at step {i}"
-            break
-    why.setdefault("glance", f"max glance steps {a.glance_steps}")
+        nll = step(a.glance_share, rate)
+        return check("glance", False)["p_worked"]
+
+    ending, _, rates = glance.run(glance_step, a.glance_lr, a.worked_max, a.worked_target, a.glance_steps,
+                                  a.glance_seconds)
+    why["glance"] = {"worked_max": f"P(worked) <= {a.worked_max} at step {i}",
+                     "seconds": f"glance seconds {a.glance_seconds:g} spent at step {i}",
+                     "steps": f"max glance steps {a.glance_steps}"}[ending]
     final = check("final", True)
     t1 = time.time()
     info = save_hf_checkpoint(actor.model, a.out, weights="fp8", experts="fp8")
     res = {"steps": i, "stopped": why, "final": final, "sft_s": round(t1 - t0, 1),
            "save_s": round(time.time() - t1, 1), "lr": a.lr, "glance_lr": a.glance_lr, "batch": a.batch,
            "glance_share": a.glance_share, "glance_seconds": a.glance_seconds, "worked_max": a.worked_max,
+           "worked_target": a.worked_target, "glance_rates": rates,
            "val_problems": a.val_problems, "check_every": a.check_every,
            **({"curriculum_spec": a.curriculum, "curriculum": cur} if cur is not None else {"target": a.target}),
            "curve": curve, "params": actor.model.full_params, "files": info.get("files")}
@@ -550,8 +551,11 @@ def main(argv=None):
     ap.add_argument("--glance-steps", type=int, default=60, help="phase 2: at most this many steps")
     ap.add_argument("--glance-seconds", type=float, default=0.0, help="phase 2: at most this long (0: no limit; "
                     "the long run's glance checks 32 long prompts a step, ~2.4 s a step in its first hold)")
-    ap.add_argument("--glance-lr", type=float, default=3e-5, help="phase 2's learning rate: at 1e-4 (run 4) P(worked) "
-                    "went 0.99 -> 0.47 -> 0.085 in two steps, past --worked-max")
+    ap.add_argument("--glance-lr", type=float, default=3e-5, help="phase 2's learning rate, cut near the mark by "
+                    "glance.run: at 1e-4 (run 4) P(worked) went 0.99 -> 0.47 -> 0.085 in two steps, at 3e-5 (the "
+                    "second long hold) 0.99 -> 0.70 -> 0.06, past --worked-max")
+    ap.add_argument("--worked-target", type=float, default=0.25, help="phase 2: where the step rates aim P(worked) "
+                    "(glance.py), below --worked-max")
     ap.add_argument("--sft-data", default="", help="the SFT's problems (py:experiments.h200.<module>:<family>:"
                     "train), if not the recipe's train.data (the long run: longctx factssft, short-heavy)")
     ap.add_argument("--val-data", default="", help="the validation problems' family (its val split is read)")

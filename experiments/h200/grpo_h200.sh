@@ -260,11 +260,9 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
     local fam=${H20_FAMILY:-facts} sftfam=factssft; [ "$MODE" = dry ] && fam=factsdry sftfam=factsdry
     # 300 s (240 until 2026-12-07, when near's 199 s left mid 46 s: README.md, "The near phase on a GPU")
     [ "$MODE" = gpu ] && sft="--max-seconds ${H20_SFT_S:-300} --batch ${H20_SFT_BATCH:-64} --val-problems 32"
-    # the glance phase checks 32 long prompts a step (~2.1-2.4 s a step): capped at 50 s (40 until 2026-12-07), at
-    # lr 1.5e-5 (H20_GLANCE_LR; 3e-5 before: the second long hold's P(worked) went 0.99 -> 0.70 -> 0.06 in its last
-    # two steps: 3.5 nats of P(worked)'s logit in one step, twice the 1.8 between P(worked) 0.6 and 0.2)
+    # the glance phase checks 32 long prompts a step (~2.1-2.4 s a step): capped at 50 s (40 until 2026-12-07: its
+    # rates are cut near the mark since, glance.py, which can take a step or two more)
     [ "$MODE" = gpu ] && sft="$sft --check-every 10 --curriculum $(curriculum_spec) --glance-seconds 50"
-    [ "$MODE" = gpu ] && sft="$sft --glance-lr ${H20_GLANCE_LR:-1.5e-5}"
     # the phases' seconds end the SFT, not the default 400 steps: a near-only step is a fraction of a factssft one
     # lr 1e-4 (6e-4 until 2026-12-07: the long hold's near lookup 0.31 at best; on the CPU at dim 256 the `#a5`
     # lookup passed 0.5 at step 400 / 300 / 600 at lr 1e-4 / 3e-4 / 1e-3: README.md, "Width and learning rate")

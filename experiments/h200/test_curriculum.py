@@ -3,6 +3,7 @@ stub trainer: the spec's parsing, each way a phase ends, and the record sft.json
 long dry run (`H20_TASK=long bash experiments/h200/grpo_h200.sh dry`) runs it with one.
 """
 import json
+import math
 import os
 import re
 import subprocess
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from experiments.h200 import curriculum, grpo_h200, longctx
+from experiments.h200 import curriculum, glance, grpo_h200, longctx
 
 STEP_S = 1.5             # the fake clock's seconds per training step (the first hold: ~1.75 s a step)
 CHECK_S = 0.5            # and per accuracy check
@@ -432,8 +433,58 @@ def test_readme_deadline_reserve_and_carried_caches_are_the_scripts_and_files():
     quotes the two holds' step-0 evals and start-ups."""
     flat = " ".join(readme().split())
     sh = open(os.path.join(ROOT, "experiments", "h200", "grpo_h200.sh")).read()
-    reserve = re.search(r"dl=\$\(hold_left (\d+)\)", sh).group(1)
+    reserve = re.search(r'\[ "\$MODE" = gpu \] && dl=\$\(hold_left (\d+)\)', sh).group(1)   # grpo_run's
     assert f"has only {reserve} s left, for the report" in flat and f"keeps {reserve} s for the report" in flat
     (_, _, _, first), (_, _, _, second) = (_time_column(readme(), h, r) for h, r, _ in HOLD_COLUMNS)
     assert (f"its step-0 eval took {second['eval']['eval_s']:.1f} s ({first['eval']['eval_s']:.1f} s without them) "
             f"and GRPO started in {second['startup']['total_s']:.1f} s ({first['startup']['total_s']:.1f} s)") in flat
+
+
+def _logit_steps(moves: list, z0: float, lr: float):
+    """A fake glance step: P(worked)'s logit falls by moves[k] x rate / lr at step k (the last move repeats),
+    starting at z0; returns P(worked) rounded as cmd_sft's check rounds it."""
+    state = {"z": z0, "k": 0}
+
+    def step(rate):
+        state["z"] -= moves[min(state["k"], len(moves) - 1)] * rate / lr
+        state["k"] += 1
+        return round(1.0 / (1.0 + math.exp(-state["z"])), 4)
+    return step
+
+
+def test_glance_lands_in_the_band_on_the_second_holds_trajectory():
+    """glance.run on the second long hold's glance phase (docs/results/long_hold2_h100/sft.json, lr 3e-5): a fake
+    whose logit moves reproduce that trajectory at the fixed rate (checked: the same six rounded values, down to
+    0.0634) lands at P(worked) 0.2-0.6 with the rates cut. Bug caught: the fixed rate's overshoot (0.70 -> 0.06)."""
+    with open(os.path.join(ROOT, "docs", "results", "long_hold2_h100", "sft.json")) as f:
+        d = json.load(f)
+    seen = [c["p_worked"] for c in d["curve"] if c.get("phase") == "glance"]
+    z = [glance.logit(p) for p in seen[2:]]                           # the first two round to 1.0: no logit
+    moves = [4.5] * 3 + [z[i] - z[i + 1] for i in range(len(z) - 1)]   # 4.5: keeps steps 1-2 at 1.0 when rounded
+    lr, z0 = d["glance_lr"], z[0] + 3 * 4.5
+    fixed = _logit_steps(moves, z0, lr)
+    assert [fixed(lr) for _ in seen] == seen
+    got = []
+    step = _logit_steps(moves, z0, lr)
+    ending, k, rates = glance.run(lambda r: got.append(step(r)) or got[-1], lr, 0.6, 0.25, 60)
+    assert ending == "worked_max" and 0.2 <= got[-1] <= 0.6 and k == len(seen), (got, rates)
+    assert rates[:-1] == [lr] * (k - 1) and rates[-1] < lr / 2                  # only the step across the mark slows
+    assert (f"the last step runs at ~{rates[-1] / lr:.1f} of the rate and lands at {got[-1]:.2f}"
+            in " ".join(readme().split()))
+
+
+def test_glance_rate_rule_and_endings():
+    """next_rate: the full rate without progress or when the last move predicts a short way; GAIN of the distance
+    left otherwise; run's endings (seconds by a fake clock, steps) and its refusal of a target above the mark."""
+    lr = 1e-4
+    assert glance.next_rate(lr, lr, 1.0, 1.0, 0.25) == lr                 # clipped: no move seen
+    assert glance.next_rate(lr, lr, 0.9, 0.95, 0.25) == lr                # moved the wrong way
+    zt = glance.logit(0.25)
+    got = glance.next_rate(lr, lr / 2, 0.9, 0.7, 0.25)
+    want = lr / 2 * glance.GAIN * (glance.logit(0.7) - zt) / (glance.logit(0.9) - glance.logit(0.7))
+    assert got == pytest.approx(min(lr, want))
+    ticks = iter(range(0, 1000, 10))
+    assert glance.run(lambda r: 0.99, lr, 0.6, 0.25, 60, max_seconds=25, clock=lambda: next(ticks))[:2] == ("seconds", 3)
+    assert glance.run(lambda r: 0.99, lr, 0.6, 0.25, 4)[:2] == ("steps", 4)
+    with pytest.raises(ValueError, match="target P\\(worked\\) 0.7"):
+        glance.run(lambda r: 0.5, lr, 0.6, 0.7, 4)
