@@ -362,6 +362,15 @@ def test_readme_long_hold2_h100_is_its_files():
     for m, name in zip(bands, ("< 128", "128-2047", ">= 2048")):
         quoted.append(f"{name}, {int(m.sum())} tokens (share {m.double().mean():.2f}), ")
         quoted.append(f"{g[m].mean() / fl[m].mean():.2f}x")
+    far = []                                     # per hold: (far sequences, sequences) of step 1's trained batch
+    for r in ("long_hold2_h100", "long_hold_h100"):
+        u = torch.load(os.path.join(ROOT, "docs", "results", r, "run", "live_tokens", "step_0001.pt"), weights_only=False)
+        first = u["qpos"][u["pos"] == 0]                # a sequence's first scored token
+        far.append((int((first >= 2048).sum()), len(first)))
+    quoted.append(f"step 1 trained {far[0][0]} of its {far[0][1]} sequences in the far class (positions >= 2048) "
+                  f"in this hold and {far[1][0]} of {far[1][1]} in the first")
+    r1 = re.search(r"rollout 1/\d+ round 1: (\d+) prompts sent.*\((\d+) all 0\)", open(os.path.join(res, "pipeline.log")).read())
+    quoted.append(f"(this step's first round: {r1.group(2)} of {r1.group(1)} groups, all 0)")
     missing = [s for s in quoted if " ".join(s.split()) not in flat]
     assert not missing, missing
     assert near["ended"] == mid["ended"] == "target" and sft["ended"] == "max_seconds" and d["lr"] == 1e-4
