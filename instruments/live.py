@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import time
 
@@ -322,7 +323,8 @@ class LiveChecksLong(LiveChecks):
     scores it, and each step the C4 top-k agreement (`indexer_agreement.agreement`: the trainer's exact scores
     against the FP8 reproduction, same weights) on the scored positions where the top-k selects, in the
     AGREEMENT_ROWS longest sequences. Records `agree_<layer>_{overlap_mean, overlap_min, identical_share,
-    swapped_mean, positions}` per C4 layer (layer = its index)."""
+    swapped_mean, positions}` per C4 layer (layer = its index), also written at once to
+    `live_tokens/agree_NNNN.json` (a step that dies in its update keeps them)."""
 
     SIM_INDEXER_QUANT = "fp8"
 
@@ -340,8 +342,13 @@ class LiveChecksLong(LiveChecks):
                 for name, ab in indexer_agreement.agreement_sets(self.actor.model, ids,
                                                                  qpos.to(self.actor.device)).items():
                     sets.setdefault(name, []).append(ab)
+        agree = {}
         for name, parts in sets.items():                  # layers.<L>.attn.indexer -> agree_<L>_...
             st = indexer_agreement.overlap_stats(torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts]))
-            out.update({f"agree_{name.split('.')[1]}_{k}": v for k, v in st.items()})
-        out["agree_s"] = time.time() - t0
-        return out
+            agree.update({f"agree_{name.split('.')[1]}_{k}": v for k, v in st.items()})
+        agree["agree_s"] = time.time() - t0
+        # kept now, beside the step's per-token file: the step's record is written after its update, and the
+        # second long hold's step 1 died in that update (an OOM) with these values computed and never logged
+        with open(os.path.join(self.dump_dir, f"agree_{step:04d}.json"), "w") as f:
+            json.dump(agree, f)
+        return {**out, **agree}

@@ -22,6 +22,7 @@ Run: pytest tests/test_live_naive.py -q
 """
 import contextlib
 import dataclasses
+import json
 import re
 import types
 
@@ -231,3 +232,5 @@ def test_live_checks_long_logs_bands_an_fp8_index_floor_and_the_topk_agreement(t
         assert out[f"agree_{layer}_positions"] == len(ov)
         assert out[f"agree_{layer}_overlap_mean"] == pytest.approx(sum(ov) / len(ov))
         assert out[f"agree_{layer}_identical_share"] == pytest.approx(sum(fp8[name]) / len(ov))
+    with open(tmp_path / "live_tokens" / "agree_0001.json") as f:                  # kept before the update
+        assert json.load(f) == {k: v for k, v in out.items() if k.startswith("agree_")}
