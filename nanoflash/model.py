@@ -1359,11 +1359,12 @@ class _ChunkLogprob(torch.autograd.Function):
         y, w, tgt, lse = ctx.saved_tensors
         # one [n,V] fp32 buffer, in place from the logits to their gradient: at n = 1024 and V = 129,280 each
         # out-of-place step held another 505 MiB (the second long hold's GRPO died in this backward on an 80 GB card)
-        dlogits = F.linear(y.float(), w.float()).div_(ctx.temperature)                  # logits
+        yf, wf = y.float(), w.float()                            # once each (no copy for the fp32 head weight)
+        dlogits = F.linear(yf, wf).div_(ctx.temperature)                                 # logits
         dlogits.sub_(lse[:, None]).exp_().neg_()                                        # -softmax
         dlogits.scatter_add_(-1, tgt[:, None], torch.ones_like(lse)[:, None])
         dlogits.mul_(g[:, None] / ctx.temperature)                                       # [n,V]
-        return (dlogits @ w.float()).to(y.dtype), (dlogits.t() @ y.float()).to(w.dtype), None, None
+        return (dlogits @ wf).to(y.dtype), (dlogits.t() @ yf).to(w.dtype), None, None
 
 
 def chunked_logprobs(y, weight, targets, temperature=1.0, chunk=1024, fast=False):

@@ -67,8 +67,8 @@ VOCAB_HI = 100000 if PRESET != "tiny" else 250
 PARITY_GOAL = 0.05   # issue 6: mean |dlogp| below this
 
 
-# The experiment's model (h200.txt): `small` cut to 4 layers (sliding, C4, C128, C4), 1 hash layer, no MTP
-# h200.txt's model; SGLang 0.5.16 clamps the shared expert, and since 2026-12-07 so does the trainer (h200.txt)
+# The experiment's model (h200.txt): `small` cut to 4 layers (sliding, C4, C128, C4), 1 hash layer, no MTP, and
+# the shared expert clamped as SGLang 0.5.16 serves it (the trainer too, since 2026-12-07)
 H200_MODEL = {"n_layers": 4, "n_hash_layers": 1, "n_mtp_layers": 0, "compress_ratios": (0, 4, 128, 4),
               "shared_expert_clamp": True}
 
@@ -526,7 +526,7 @@ def main():
                     help="prompts of a trained model's task: 1 = synth.py's sums, long = longctx.py's facts")
     ap.add_argument("--restore", type=int, default=0, help="/update_weights_from_disk --dir before sampling")
     ap.add_argument("--variants", default="",
-                    help="experiments/h200/parity_variants.py names, e.g. shared_expert_clamp,window_127")
+                    help="experiments/h200/parity_variants.py names, e.g. shared_expert_no_clamp,window_127")
     ap.add_argument("--sweep", default="",
                     help="more prompt lengths, one prompt each, for `by_length` / `by_position` only")
     a = ap.parse_args()

@@ -839,12 +839,18 @@ def test_rollouts_md_quotes_the_h100_comparison_as_measured(tmp_path):
             f"of 81,559 MiB") in readme
 
 
+def _sh_functions(*names: str) -> str:
+    """A bash line that defines grpo_h200.sh's functions `names` (each from `name() {` to its closing `}` line),
+    for a test to call them alone."""
+    sh = os.path.join(os.path.dirname(__file__), "grpo_h200.sh")
+    return "source <(sed -n '" + ";".join(f"/^{n}()/,/^}}/p" for n in names) + "' " + sh + ")"
+
+
 def test_compare_deadlines_leave_the_second_run_its_share(tmp_path):
     """grpo_h200.sh's compare_deadline: each compared run ends where the hold (H20_HOLD_S from $W/T0) has 60 s
     left, the synchronous one at 3/5 of that. Bugs caught: the first run given the whole hold (the 2026-12-05
     attempt lost its second run and collect so), the split applied to the one-step-off run, the reserve dropped."""
-    sh = os.path.join(os.path.dirname(__file__), "grpo_h200.sh")
-    funcs = "source <(sed -n '/^hold_left()/,/^}/p;/^compare_deadline()/,/^}/p' " + sh + ")"
+    funcs = _sh_functions("hold_left", "compare_deadline")
     t0 = int(time.time()) - 100
     (tmp_path / "T0").write_text(str(t0))
     out = subprocess.run(["bash", "-c", f"{funcs}; compare_deadline sync; compare_deadline async"],
@@ -861,8 +867,7 @@ def test_card_knobs_fit_the_long_task_to_an_80_gb_card_only_where_unset(tmp_path
     checks); a knob set by hand is kept; an H200 (143,771 MiB) and the sums task get none. Bugs caught: the 80 GB
     knobs applied on an H200, a hand-set knob overwritten, the live-check run left at 8,192 (the second long
     hold's OOM)."""
-    sh = os.path.join(os.path.dirname(__file__), "grpo_h200.sh")
-    funcs = "source <(sed -n '/^card_knobs()/,/^}/p' " + sh + ")"
+    funcs = _sh_functions("card_knobs")
     fake = tmp_path / "nvidia-smi"
     show = 'card_knobs > /dev/null; echo "${H20_MEM:-} ${H20_TRAIN_MEM:-} ${H20_TRAIN_ARGS:-}"'
 
@@ -885,8 +890,7 @@ def test_oom_half_reads_only_this_runs_output_and_halves_its_micro_batch(tmp_pat
     lines of pipeline.log (from line $1) gives half the micro-batch tokens of the last override (else h200.txt's);
     no OOM, an OOM of an earlier run, or micro-batches already at 1,024 give none. Bugs caught: a retry after any
     failure (a deadline's Ctrl-C, a server gone), an earlier flag read instead of the last, no floor."""
-    sh = os.path.join(os.path.dirname(__file__), "grpo_h200.sh")
-    funcs = "source <(sed -n '/^oom_half()/,/^}/p' " + sh + "); overrides() { echo \"$OV\"; }"
+    funcs = _sh_functions("oom_half") + "; overrides() { echo \"$OV\"; }"
     oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1010.00 MiB."
 
     def half(lines, start, ov):
@@ -911,9 +915,8 @@ def test_grpo_once_more_retries_a_cuda_oom_once_at_half_the_micro_batch(tmp_path
     """grpo_h200.sh's grpo_once_more with train.py faked (grpo_run: writes its output into pipeline.log as the
     pipeline's stdout, fails as `fails` says): one retry after a CUDA OOM, with half the micro-batch tokens, only
     while the hold (1,440 s from $W/T0) leaves 560 s; the failed run moved to run_oom."""
-    sh = os.path.join(os.path.dirname(__file__), "grpo_h200.sh")
-    funcs = ("source <(sed -n '/^grpo_once_more()/,/^}/p;/^oom_half()/,/^}/p;/^hold_left()/,/^}/p;/^stamp()/p' "
-             + sh + "); overrides() { echo --parallel.micro_batch_tokens 8192; }")
+    funcs = (_sh_functions("grpo_once_more", "oom_half", "hold_left")
+             + "; overrides() { echo --parallel.micro_batch_tokens 8192; }; stamp() { echo \"=== $1\"; }")
     fake = ('grpo_run() { echo "call:$1" >> $W/calls; mkdir -p $W/run; touch $W/run/m$(wc -l < $W/calls)\n'
             '  set -- $FAILS; local f; f=$(eval echo \\${$(wc -l < $W/calls):-ok})\n'
             '  [ "$f" = oom ] && { echo "torch.OutOfMemoryError: CUDA out of memory."; return 1; }\n'
