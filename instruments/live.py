@@ -47,6 +47,8 @@ positions only, so 2-4K-token sequences never hold [rows, S, vocabulary] logits.
 Costs per step: two forward passes over the batch (entropy, sim; a third when the weights the push sends bf16
 do not hold bf16 values, i.e. without `optim.round_to_served`), one prefill request to the server and
 one round trip of the weights to the served format on the GPU; per eval point two extra pushes and one extra eval.
+Each step's record times them: `entropy_s`, `sim_copy_s` (the weights copied and rounded), `floor_s` (the sim's
+forwards) and `prefill_s`, inside `live_s`; LiveChecksLong's agreement after it, `agree_s`.
 
 Tests: `pytest experiments/h200/test_h200_pieces.py -q`.
 """
@@ -228,12 +230,15 @@ class LiveChecks(Hook):
         on = batch.mask > 0                                                       # [B,S]
         ids, tgt = batch.input_ids.to(dev), batch.targets.to(dev)
         gap = (old - batch.rollout_logprobs)[on]
-        ent = masked_entropy(self.actor.model, ids, on, T)
+        ent = masked_entropy(self.actor.model, ids, on, T)                         # [N] (on the CPU: synced)
+        t_ent = time.time()
         self.sim.load_state_dict(self.actor.model.state_dict())
         fp8_roundtrip_(self.sim, self.mcfg)
+        t_copy = time.time()   # not synced: the roundtrip's kernels may finish inside the next forward's time
         sim8 = masked_logprobs(self.sim, ids, tgt, on, T)                          # [N] FP8 weights only
         sim = (masked_logprobs(self.sim, ids, tgt, on, T)                         # [N] as the server holds
                if storage_roundtrip_(self.sim, self.mcfg) else sim8)
+        t_floor = time.time()
         floor, floor_fp8 = (sim - old[on]).abs(), (sim8 - old[on]).abs()
         pos = on.cumsum(1) - 1                                    # [B,S] index in the response (one per row)
         qpos = torch.arange(on.shape[1], device=on.device).expand_as(on)[on]   # the scoring query's absolute position
@@ -243,7 +248,8 @@ class LiveChecks(Hook):
         out = {**token_stats(gap, floor, ent), **bands.band_stats(gap, floor, qpos, self.mcfg),
                "floor_fp8_mean": float(floor_fp8.mean()),
                "gap_over_floor_fp8": float(gap.abs().sum() / floor_fp8.sum().clamp_min(1e-12)),
-               "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs[on]).abs().mean())}
+               "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs[on]).abs().mean()),
+               "entropy_s": t_ent - t0, "sim_copy_s": t_copy - t_ent, "floor_s": t_floor - t_copy}
         t1 = time.time()
         pre = self._prefill(batch)                                # [B,S] the server's prefill scores, or None
         if pre is not None:

@@ -146,6 +146,8 @@ def test_live_step_numbers_match_a_naive_recomputation(tmp_path, gen):
     assert out["gap_tokens"] == out["floor_tokens"] == int(on.sum())
     assert out["gap_over_floor"] == pytest.approx(float(gap.mean() / floor.mean()), rel=1e-3)
     assert out["prefill_errors"] == 0
+    parts = [out[k] for k in ("entropy_s", "sim_copy_s", "floor_s", "prefill_s")]   # the live checks' time, split
+    assert min(parts) >= 0 and sum(parts) <= out["live_s"]
 
     dump = torch.load(tmp_path / "live_tokens" / "step_0003.pt")
     for k, v in {"gap": -offset[on], "floor": floor, "floor_fp8": floor8, "entropy": ent[on],

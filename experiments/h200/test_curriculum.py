@@ -412,13 +412,18 @@ def _time_column(text: str, header: str, results: str):
     with open(os.path.join(res, "sft.json")) as f:
         d = json.load(f)
     with open(os.path.join(res, "run", "metrics.jsonl")) as f:
-        rec = {r["kind"]: r for r in map(json.loads, f)}
-    return col, lambda a, b: round((stamps[b] - stamps[a]).total_seconds()), d, rec
+        recs = [json.loads(line) for line in f]
+    return col, lambda a, b: round((stamps[b] - stamps[a]).total_seconds()), d, recs
+
+
+def _first(recs: list, kind: str) -> dict:
+    return next(r for r in recs if r["kind"] == kind)
 
 
 HOLD_COLUMNS = [  # (header, docs/results folder, its "report, parity" cell's parity: from the stamps or not run)
     ("the first long hold (2026-12-07, H100, measured)", "long_hold_h100", True),
-    ("the second long hold (2026-12-07, H100, measured; compile caches carried)", "long_hold2_h100", False)]
+    ("the second long hold (2026-12-07, H100, measured; compile caches carried)", "long_hold2_h100", False),
+    ("the third long hold (2026-12-07, H100, measured; compile caches carried)", "long_hold3_h100", True)]
 
 
 @pytest.mark.parametrize("header,results,parity", HOLD_COLUMNS)
@@ -426,13 +431,17 @@ def test_readme_time_table_hold_columns_are_their_files(header, results, parity)
     """The time table's columns for the long holds: the phases from pipeline.log's stamps (knobs -> server up,
     sft -> train, report -> parity -> done), the SFT and save from sft.json, start-up and the step-0 eval from
     metrics.jsonl."""
-    col, gap, d, rec = _time_column(readme(), header, results)
+    col, gap, d, recs = _time_column(readme(), header, results)
     assert col["SGLang's HTTP up before the SFT starts (`server_up`; the first hold: SGLang died of the SFT's memory)"] \
         == f"{gap('knobs', 'server up')} s (the same stamps)"
     assert col["SFT + save"] == (f"{gap('sft', 'train')} s (the `sft` stamp to `train`; sft.json: SFT {d['sft_s']} s, "
                                  f"save {d['save_s']} s)")
-    assert col["GRPO start-up"] == f"{rec['startup']['total_s']:.1f} s"
-    assert col["eval points"] == f"step 0: {rec['eval']['eval_s']:.1f} s"
+    assert col["GRPO start-up"] == f"{_first(recs, 'startup')['total_s']:.1f} s"
+    assert col["eval points"] == ", ".join(f"step {r['step']}: {r['eval_s']:.1f} s" for r in recs if r["kind"] == "eval")
+    steps = [r["step_s"] for r in recs if r["kind"] == "train"]
+    if steps:                                    # the holds whose GRPO made steps
+        mean = sum(steps) / len(steps)
+        assert col["GRPO steps"].startswith(f"{len(steps)} x {mean:.1f} s = {len(steps) * mean:.0f} s")
     done = f"{gap('parity', 'done')} s (the stamps)" if parity else "- (not collected)"
     assert col["report, parity"] == f"{gap('report', 'parity')} s, {done}"
 
@@ -444,7 +453,8 @@ def test_readme_deadline_reserve_and_carried_caches_are_the_scripts_and_files():
     sh = open(os.path.join(ROOT, "experiments", "h200", "grpo_h200.sh")).read()
     reserve = re.search(r'\[ "\$MODE" = gpu \] && dl=\$\(hold_left (\d+)\)', sh).group(1)   # grpo_run's
     assert f"has only {reserve} s left, for the report" in flat and f"keeps {reserve} s for the report" in flat
-    (_, _, _, first), (_, _, _, second) = (_time_column(readme(), h, r) for h, r, _ in HOLD_COLUMNS)
+    first, second = ({k: _first(recs, k) for k in ("eval", "startup")}
+                     for _, _, _, recs in (_time_column(readme(), h, r) for h, r, _ in HOLD_COLUMNS[:2]))
     assert (f"its step-0 eval took {second['eval']['eval_s']:.1f} s ({first['eval']['eval_s']:.1f} s without them) "
             f"and GRPO started in {second['startup']['total_s']:.1f} s ({first['startup']['total_s']:.1f} s)") in flat
 
@@ -497,3 +507,111 @@ def test_glance_rate_rule_and_endings():
     assert glance.run(lambda r: 0.99, lr, 0.6, 0.25, 4)[:2] == ("steps", 4)
     with pytest.raises(ValueError, match="target P\\(worked\\) 0.7"):
         glance.run(lambda r: 0.5, lr, 0.6, 0.7, 4)
+
+
+def test_readme_long_hold3_h100_is_its_files():
+    """README.md's section on the third long hold (2026-12-07, H100) quotes docs/results/long_hold3_h100/: the
+    SFT's phases and glance steps (sft.json), the run's steps, time, evals and bars (run/metrics.jsonl through
+    runstats.summarize, as the report computes them), the jump steps' tokens (run/live_tokens/step_NNNN.pt) and
+    the parity rows (parity.json; run 9's and the first hold's for the past-EOS comparison)."""
+    import torch
+    from instruments import runstats
+    res = os.path.join(ROOT, "docs", "results", "long_hold3_h100")
+    flat = " ".join(readme().split("### The long hold, third run (2026-12-07", 1)[1].split("\n### ", 1)[0].split())
+    with open(os.path.join(res, "sft.json")) as f:
+        d = json.load(f)
+    near, mid, sft = d["curriculum"]
+    acc = [c["acc"] for c in sft["checks"]]
+    glance = [c["p_worked"] for c in d["curve"] if c.get("phase") == "glance"]
+    fin = d["final"]["val_forced_by_class"]
+    with open(os.path.join(res, "run", "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    train = [r for r in recs if r["kind"] == "train"]
+    ev = {r["step"]: r for r in recs if r["kind"] == "eval"}
+    warm = next(r for r in recs if r["kind"] == "eval_warm" and r["step"] > 0)
+    s = runstats.summarize(recs)
+    mean = lambda k: sum(r[k] for r in train) / len(train)  # noqa: E731
+    b = s["bands"]
+    quoted = [f"`factsnear` handed over at step {near['steps']} (lookup {near['checks'][-1]['look']:.2f}, "
+              f"{near['seconds']} s), `factsmid` at step {mid['steps']} (lookup {mid['checks'][-1]['look']:.2f})",
+              f"`factssft` ran {sft['steps']} steps to the SFT's 300 s, lookup "
+              f"{min(c['look'] for c in sft['checks']):.2f} or more at every check, the whole chain "
+              f"{min(acc):.2f}-{max(acc):.2f}",
+              f"{len(glance)} steps, P(worked) {glance[0]:.2f} ... {glance[-3]:.2f}, {glance[-2]:.2f}, then "
+              f"{glance[-1]:.2f}, the last step at {d['glance_rates'][-1] / d['glance_lr']:.2f} of the glance rate",
+              f"lookup {fin['lookup']:.2f} (far {fin['far_lookup']:.2f}), whole chain {fin['all']:.2f}",
+              f"pass@1 at step 0: {ev[0]['pass@1']:.3f} (SE {ev[0]['pass@1_se']:.3f})",
+              f"GRPO made {len(train)} steps", f"{s['pushes_verified']} of {s['pushes']} pushes verified",
+              f"the trainer's peak {max(r['gpu_peak_gib'] for r in train):.1f} GiB",
+              f"the GPU {max(r['gpu_used_total_gib'] for r in train):.1f} GiB in use at most",
+              f"A step took {mean('step_s'):.1f} s: waiting for the rollout {mean('rollout_wait_s'):.1f} s, the "
+              f"trainer's part {mean('train_s'):.1f} s, of which the live checks {mean('live_s'):.1f} s and the old "
+              f"log-probs {mean('logprobs_s'):.1f} s, the push {mean('sync_s'):.1f} s, the probe {mean('probe_s'):.1f} s",
+              f"mean |dlogp| {s['gap_mean']:.4f} against the FP8 floor {s['floor_mean']:.4f} on the same tokens, "
+              f"**{s['gap_over_floor']:.2f}x**",
+              f"(step 1: {train[0]['band_c4_topk_share']:.2f})",
+              f"at step 12, the warm start re-evaluated there {warm['warm_pass@1']:.3f}, a gain of "
+              f"{warm['gain_pass@1']:.3f} (SE {warm['gain_se']:.3f})",
+              f"held-out pass@1 {ev[12]['pass@1']:.3f} (SE {ev[12]['pass@1_se']:.3f})",
+              f"rewards {min(r['reward_mean'] for r in train):.2f}-{max(r['reward_mean'] for r in train):.2f} a step"]
+    for name, key in (("< 128", "window"), ("128-2047", "c4_all"), (">= 2048", "c4_topk")):
+        star = "**" if key == "c4_topk" else ""
+        quoted.append(f"{name}, {b[key]['tokens']:,} tokens (share {star}{b[key]['share']:.2f}{star}), "
+                      f"{b[key]['gap_over_floor']:.2f}x")
+        assert b[key]["excess_drift"]["ci95"][0] <= 0 <= b[key]["excess_drift"]["ci95"][1]      # "containing 0"
+    assert b["share_c4_topk"] >= 0.5
+    jumps = [train[i]["step"] for i in s["context"]["excess_jumps"]["over_at"]]
+    assert jumps == [7, 16]
+    j7, j16 = (next(r for r in train if r["step"] == k) for k in jumps)
+    quoted += [f"step 7, downwards (one token's floor at {j7['floor_max']:.2f} nats, the gap / floor "
+               f"{j7['gap_over_floor']:.2f}x that step)", f"gap {j16['gap_mean']:.4f} against floor {j16['floor_mean']:.4f}"]
+    t = torch.load(os.path.join(res, "run", "live_tokens", "step_0016.pt"), weights_only=False)
+    g, fl = t["gap"].abs().double(), t["floor"].double()
+    big = g > 1.0
+    assert set(t["pos"][big].tolist()) == {1} and set(t["token"][big].tolist()) == {19} and (t["gap"][big] < 0).all()
+    assert len(set(t["qpos"][big].tolist())) == 1
+    quoted += [f"{['One', 'Two', 'Three', 'Four', 'Five'][int(big.sum()) - 1]} tokens carry it",
+               f"scored by the query at position {int(t['qpos'][big][0]):,}, where nanoflash's log-probability is "
+               f"{g[big].mean():.2f} nats below SGLang's decode and {t['prefill_gap'][big].abs().mean():.2f} below "
+               f"SGLang's prefill, with an FP8 floor of {fl[big].mean():.3f}",
+               f"Without them the step is {g[~big].mean() / fl[~big].mean():.2f}x its floor"]
+    t = torch.load(os.path.join(res, "run", "live_tokens", "step_0017.pt"), weights_only=False)
+    off = ((t["gap"].abs() > 1.0) & (t["floor"] < 0.1)).nonzero()[:, 0]     # far from SGLang, not from FP8
+    assert len(off) == 1, off
+    k = int(off[0])
+    quoted.append(f"(position {int(t['pos'][k])}, query {int(t['qpos'][k]):,}: {abs(float(t['gap'][k])):.2f} nats, "
+                  f"floor {float(t['floor'][k]):.3f})")
+    assert int(t["gap"].abs().argmax()) != k       # the step's largest |gap| is a token its floor explains
+    a1, a3 = s["indexer_agreement"]["layer_1"], s["indexer_agreement"]["layer_3"]
+    quoted += [f"{a1['positions']} positions in each C4 layer: overlap {a1['overlap_mean']:.3f} / "
+               f"{a3['overlap_mean']:.3f} (layers 1 / 3), identical sets at {100 * a1['identical_share']:.1f}% / "
+               f"{100 * a3['identical_share']:.1f}% of positions, {a1['swapped_mean']:.1f} / {a3['swapped_mean']:.1f} of 512"]
+    assert a1["positions"] == a3["positions"]
+    with open(os.path.join(res, "parity.json")) as f:
+        p = json.load(f)
+    past = p["by_eos_table"][1]
+    far = next(r for r in p["by_band"] if r["band"] == "c4_topk")
+    with open(os.path.join(ROOT, "experiments", "h200", "run9", "parity.json")) as f:
+        r9 = next(r for r in json.load(f)["by_eos"] if r["part"] == "past_eos")
+    with open(os.path.join(ROOT, "docs", "results", "long_hold_h100", "parity.json")) as f:
+        h1 = json.load(f)["by_eos_table"][1]
+    quoted += [f"({p['samples']} samples of {p['seq_len_min']:,}-{p['seq_len_max']:,} tokens)",
+               f"nanoflash bf16 is {p['bf16']['mean']:.4f} from SGLang against the FP8 floor "
+               f"{p['floor_qat8_vs_bf16']['mean']:.4f} (FP8 index scores; {p['floor_qat_vs_bf16']['mean']:.4f} with FP4), "
+               f"**{p['bf16']['mean'] / p['floor_qat8_vs_bf16']['mean']:.2f}x**",
+               f"every prompt length's row at "
+               f"{max(r['bf16'] / r['floor_qat8_vs_bf16'] for r in p['by_length']):.2f}x its floor or less",
+               f"Past the EOS {past['bf16']:.4f} against {past['floor_qat8_vs_bf16']:.4f} "
+               f"({past['bf16'] / past['floor_qat8_vs_bf16']:.2f}x)",
+               f"run 9 ({r9['bf16'] / r9['floor_qat_vs_bf16']:.1f}x) and of the first run "
+               f"({h1['bf16'] / h1['floor_qat8_vs_bf16']:.1f}x)",
+               f"passed at {100 * max(o['over_share'] for o in p['shared_expert_over_limit']):.2f}% of positions at most",
+               f"the clamp row equals bf16 ({p['bf16_shared_expert_no_clamp']['mean']:.4f})",
+               f"moved the past-EOS gap from {r9['bf16']:.4f} to {r9['bf16_shared_expert_clamp']:.4f}",
+               f"FP8 index scores {p['bf16_fp8_index_scores']['mean']:.4f}",
+               f"at >= 2048, {far['bf16_no_c128_entries'] / far['floor_qat8_vs_bf16']:.2f}x the floor",
+               f"the planted mHC bug {far['bf16_planted_comb_bug'] / far['floor_qat8_vs_bf16']:.1f}x"]
+    assert abs(p["bf16_shared_expert_no_clamp"]["mean"] - p["bf16"]["mean"]) < 1e-4
+    missing = [q for q in quoted if " ".join(q.split()) not in flat]
+    assert not missing, missing
+    assert near["ended"] == mid["ended"] == "target" and sft["ended"] == "max_seconds" and len(train) == 17
