@@ -204,6 +204,7 @@ class LiveChecks(Hook):
 
     name = "warm"   # the eval record: eval_warm
     SIM_INDEXER_QUANT = "qat"   # the floor model's indexer precision (ModelConfig.indexer_quant): qat = FP4 QAT
+    PREFILL_FLAGS: dict = {}    # more fields of the prefill scoring request
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -218,6 +219,8 @@ class LiveChecks(Hook):
         self.probe_prompt = task.encode(task.heldout[0] if task.heldout else task.train[0])
         self.probe_seed = cfg.train.seed + 7
         self.prefill_errors = 0
+        self.prefill_flags, self.prefill_metas = dict(self.PREFILL_FLAGS), []
+        self.server_topk_errors = 0
         self.dump_dir = os.path.join(cfg.train.out_dir, "live_tokens")
         os.makedirs(self.dump_dir, exist_ok=True)
 
@@ -244,7 +247,7 @@ class LiveChecks(Hook):
         qpos = torch.arange(on.shape[1], device=on.device).expand_as(on)[on]   # the scoring query's absolute position
         dump = {"gap": gap.float(), "floor": floor.float(), "floor_fp8": floor_fp8.float(),
                 "entropy": ent.float(), "token": batch.targets[on].int(), "pos": pos[on].short(),
-                "qpos": qpos.int()}
+                "qpos": qpos.int(), "row": on.nonzero()[:, 0].short()}
         out = {**token_stats(gap, floor, ent), **bands.band_stats(gap, floor, qpos, self.mcfg),
                "floor_fp8_mean": float(floor_fp8.mean()),
                "gap_over_floor_fp8": float(gap.abs().sum() / floor_fp8.sum().clamp_min(1e-12)),
@@ -257,6 +260,7 @@ class LiveChecks(Hook):
             out.update(prefill_stats(dump["prefill_gap"], gap, floor), prefill_s=time.time() - t1)
         out["prefill_errors"] = self.prefill_errors
         torch.save(dump, os.path.join(self.dump_dir, f"step_{step:04d}.pt"))
+        self.last_tokens = dump                                   # for a subclass's per-step checks
         if dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
             out["gpu_used_total_gib"] = (total - free) / 2 ** 30   # trainer + server (colocated) + everything else
@@ -271,10 +275,13 @@ class LiveChecks(Hook):
             L = int(batch.prompt_lens[b] + batch.response_lens[b])
             rows.append([int(batch.input_ids[b, 0])] + batch.targets[b, :L - 1].tolist())   # the full L tokens
         try:
-            T = self.cfg.rollout.temperature
-            lps = [lp for a in range(0, len(rows), PREFILL_ROWS)
-                   for lp in probe_lib.prefill_logprobs(self.rollouts.client, rows[a:a + PREFILL_ROWS], T)]
+            lps = self._prefill_rows(rows)
         except Exception as e:   # a diagnostic: the run goes on without it, the failure counted and named
+            if self.prefill_flags:   # a server that refuses the extra fields is asked without them from now on
+                print(f"live: prefill scoring with {sorted(self.prefill_flags)} failed ({type(e).__name__}: "
+                      f"{str(e)[:200]}); asking without them from now on")
+                self.prefill_flags = {}
+                return self._prefill(batch)
             self.prefill_errors += 1
             print(f"live: prefill scoring failed ({self.prefill_errors}): {type(e).__name__}: {str(e)[:200]}")
             return None
@@ -282,6 +289,14 @@ class LiveChecks(Hook):
         for b, lp in enumerate(lps):
             pre[b, :len(lp)] = torch.tensor(lp, dtype=pre.dtype, device=pre.device)
         return pre
+
+    def _prefill_rows(self, rows: list) -> list:
+        """`probe.prefill_logprobs` of the rows, PREFILL_ROWS a request, with `prefill_flags`; each row's
+        meta_info kept in `prefill_metas` (what the flags asked the server for)."""
+        T, self.prefill_metas = self.cfg.rollout.temperature, []
+        return [lp for a in range(0, len(rows), PREFILL_ROWS)
+                for lp in probe_lib.prefill_logprobs(self.rollouts.client, rows[a:a + PREFILL_ROWS], T,
+                                                     flags=self.prefill_flags, metas=self.prefill_metas)]
 
     # ------------------------------------------------------------------ per push
     def after_push(self, version) -> dict:
@@ -328,33 +343,84 @@ class LiveChecksLong(LiveChecks):
     """The long-context run's live checks (issue 42; the module docstring): the floor's indexer in FP8 as SGLang
     scores it, and each step the C4 top-k agreement (`indexer_agreement.agreement`: the trainer's exact scores
     against the FP8 reproduction, same weights) on the scored positions where the top-k selects, in the
-    AGREEMENT_ROWS longest sequences. Records `agree_<layer>_{overlap_mean, overlap_min, identical_share,
-    swapped_mean, positions}` per C4 layer (layer = its index), also written at once to
-    `live_tokens/agree_NNNN.json` (a step that dies in its update keeps them)."""
+    AGREEMENT_ROWS longest sequences and the one holding the step's largest excess (|gap| - floor) there.
+    Records `agree_<layer>_{overlap_mean, overlap_min, identical_share, swapped_mean, positions}` per C4 layer
+    (layer = its index), also written at once to `live_tokens/agree_NNNN.json` (a step that dies in its update
+    keeps them).
+
+    The prefill scoring request also asks for SGLang's own kept sets (`return_indexer_topk`; a server started
+    with `--enable-return-indexer-topk` answers them, another leaves them out, one that refuses the field is
+    asked without it from then on). Where they came, the same positions are compared with them:
+    `server_agree_<layer>_*` (nanoflash's exact sets against SGLang's) and `server_fp8_agree_<layer>_*` (the
+    FP8 reproduction against SGLang's: 1.0 when the floor models SGLang's selection exactly), and the json
+    lists every position whose exact set differs from SGLang's, `server_swaps` [row, query position, layer,
+    entries swapped], to set beside the step's per-token file (its `row` and `qpos`)."""
 
     SIM_INDEXER_QUANT = "fp8"
+    PREFILL_FLAGS = {"return_indexer_topk": True}
 
     @torch.no_grad()
     def before_update(self, batch, old: torch.Tensor, step: int) -> dict:
-        from instruments import indexer_agreement
+        from instruments import indexer_agreement as ia
         out = super().before_update(batch, old, step)
-        t0, sel, sets = time.time(), bands.edges(self.mcfg)[1], {}
+        t0, sel, sets, server, swaps = time.time(), bands.edges(self.mcfg)[1], {}, {}, []
         lens = (batch.prompt_lens + batch.response_lens).tolist()
-        for b in sorted(range(len(lens)), key=lambda i: -lens[i])[:AGREEMENT_ROWS]:
+        for b in self._agreement_rows(lens, sel):
             qpos = (batch.mask[b] > 0).nonzero()[:, 0]
             qpos = qpos[qpos >= sel]                      # scored positions where the top-k selects
-            if len(qpos):
-                ids = batch.input_ids[b:b + 1, :lens[b] - 1].to(self.actor.device)
-                for name, ab in indexer_agreement.agreement_sets(self.actor.model, ids,
-                                                                 qpos.to(self.actor.device)).items():
-                    sets.setdefault(name, []).append(ab)
+            if not len(qpos):
+                continue
+            ids = batch.input_ids[b:b + 1, :lens[b] - 1].to(self.actor.device)
+            found = ia.agreement_sets(self.actor.model, ids, qpos.to(self.actor.device))
+            names = sorted(found, key=lambda n: int(n.split(".")[1]))   # C4 layers in order, as SGLang counts them
+            theirs = self._server_topk(b, len(names))                    # [L-1, n_c4, K] or None
+            for i, name in enumerate(names):
+                sets.setdefault(name, []).append(found[name])
+                if theirs is not None:
+                    st = theirs[qpos, i]
+                    server.setdefault(name, []).append((*found[name], st))
+                    a = found[name][0]
+                    n_swapped = ((1 - ia.overlap(a, st)) * (a >= 0).sum(-1)).round().long().tolist()
+                    swaps += [[b, t, int(name.split(".")[1]), n] for t, n in zip(qpos.tolist(), n_swapped) if n]
         agree = {}
         for name, parts in sets.items():                  # layers.<L>.attn.indexer -> agree_<L>_...
-            st = indexer_agreement.overlap_stats(torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts]))
+            st = ia.overlap_stats(torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts]))
             agree.update({f"agree_{name.split('.')[1]}_{k}": v for k, v in st.items()})
+        for name, parts in server.items():
+            layer, theirs = name.split(".")[1], torch.cat([s for _, _, s in parts])
+            for key, j in (("server_agree", 0), ("server_fp8_agree", 1)):
+                st = ia.overlap_stats(torch.cat([p[j] for p in parts]), theirs)
+                agree.update({f"{key}_{layer}_{k}": v for k, v in st.items()})
         agree["agree_s"] = time.time() - t0
         # kept now, beside the step's per-token file: the step's record is written after its update, and the
         # second long hold's step 1 died in that update (an OOM) with these values computed and never logged
         with open(os.path.join(self.dump_dir, f"agree_{step:04d}.json"), "w") as f:
-            json.dump(agree, f)
-        return {**out, **agree}
+            json.dump({**agree, "server_swaps": swaps}, f)
+        return {**out, **agree, "server_topk_errors": self.server_topk_errors}
+
+    def _agreement_rows(self, lens: list, sel: int) -> list:
+        """The AGREEMENT_ROWS longest rows, and the row holding the step's largest |gap| - floor among the
+        tokens scored where the top-k selects (the third long hold's step-16 jump was one far prompt's)."""
+        rows = sorted(range(len(lens)), key=lambda i: -lens[i])[:AGREEMENT_ROWS]
+        d = self.last_tokens
+        far = d["qpos"] >= sel
+        if far.any():
+            excess = d["gap"].abs() - d["floor"]
+            worst = int(d["row"][far][int(excess[far].argmax())])
+            rows += [worst] if worst not in rows else []
+        return rows
+
+    def _server_topk(self, b: int, n_layers: int):
+        """SGLang's kept sets for row b from its prefill answer ([L-1, n_layers, index_topk] int64), or None
+        (not asked, not answered, or not decodable: counted in `server_topk_errors`, named once)."""
+        meta = self.prefill_metas[b] if b < len(self.prefill_metas) else {}
+        if "indexer_topk" not in meta:
+            return None
+        from instruments.indexer_agreement import decode_server_topk
+        try:
+            return decode_server_topk(meta, n_layers, self.mcfg.index_topk)
+        except ValueError as e:
+            self.server_topk_errors += 1
+            if self.server_topk_errors == 1:
+                print(f"live: SGLang's indexer_topk not read: {e}")
+            return None

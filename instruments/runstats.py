@@ -25,7 +25,9 @@ Statistics (pure functions, tested against hand-computed values):
   re-evaluated on the same seeds (`live.LiveChecks.eval_warm`: gain, SE, z).
 * when the steps logged them (issue 42, `live.LiveChecksLong`): `bands` (`instruments.bands.summarize`: the gap
   and floor per position band, the excess's drift and jumps per band, the share of tokens at >= 2048),
-  `indexer_agreement` (`agreement_summary`: per C4 layer the overlap of the exact and FP8-score top-k sets),
+  `indexer_agreement` (`agreement_summary`: per C4 layer the overlap of the exact and FP8-score top-k sets;
+  `indexer_agreement_server` and `_server_fp8`: the exact and the FP8-score sets against SGLang's own, when
+  the server reported them),
   `rollout_truncated_frac_mean` (responses cut at rollout.max_new_tokens).
 
 Figures: dlogp.png (mean |dlogp| per step with its p99, the FP8 floor, the pushes marked, the warm-start swap
@@ -213,21 +215,25 @@ def column(recs: list, key: str, kind: str | None = None) -> tuple[list, list]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def agreement_summary(train: list) -> dict:
-    """Per C4 layer, the run's indexer agreement (`live.LiveChecksLong`'s agree_<layer>_* keys): position-weighted
-    mean overlap and identical share, the smallest overlap seen, steps and positions measured."""
-    layers = sorted({k.split("_")[1] for r in train for k in r if k.startswith("agree_") and k.endswith("_positions")})
+def agreement_summary(train: list, prefix: str = "agree") -> dict:
+    """Per C4 layer, the run's indexer agreement (`live.LiveChecksLong`'s <prefix>_<layer>_* keys: `agree`, the
+    exact sets against the FP8 reproduction; `server_agree` / `server_fp8_agree`, either against SGLang's own):
+    position-weighted mean overlap and identical share, the smallest overlap seen, steps and positions measured."""
+    head = f"{prefix}_"
+    layers = sorted({k[len(head):].split("_")[0] for r in train for k in r
+                     if k.startswith(head) and k.endswith("_positions")})
     out = {}
     for L in layers:
-        rows = [r for r in train if r.get(f"agree_{L}_positions", 0) > 0]
-        n = sum(r[f"agree_{L}_positions"] for r in rows)
+        key = lambda name: f"{head}{L}_{name}"  # noqa: E731
+        rows = [r for r in train if r.get(key("positions"), 0) > 0]
+        n = sum(r[key("positions")] for r in rows)
         if n:
             out[f"layer_{L}"] = {
                 "steps": len(rows), "positions": n,
-                "overlap_mean": sum(r[f"agree_{L}_overlap_mean"] * r[f"agree_{L}_positions"] for r in rows) / n,
-                "identical_share": sum(r[f"agree_{L}_identical_share"] * r[f"agree_{L}_positions"] for r in rows) / n,
-                "swapped_mean": sum(r[f"agree_{L}_swapped_mean"] * r[f"agree_{L}_positions"] for r in rows) / n,
-                "overlap_min": min(r[f"agree_{L}_overlap_min"] for r in rows)}
+                "overlap_mean": sum(r[key("overlap_mean")] * r[key("positions")] for r in rows) / n,
+                "identical_share": sum(r[key("identical_share")] * r[key("positions")] for r in rows) / n,
+                "swapped_mean": sum(r[key("swapped_mean")] * r[key("positions")] for r in rows) / n,
+                "overlap_min": min(r[key("overlap_min")] for r in rows)}
     return out
 
 
@@ -270,9 +276,11 @@ def summarize(recs: list) -> dict:
     if any("band_window_tokens" in r for r in train):   # the position bands (instruments.bands), from issue 42
         from instruments import bands
         out["bands"] = bands.summarize(train)
-    agree = agreement_summary(train)
-    if agree:
-        out["indexer_agreement"] = agree
+    for name, prefix in (("indexer_agreement", "agree"), ("indexer_agreement_server", "server_agree"),
+                         ("indexer_agreement_server_fp8", "server_fp8_agree")):
+        agree = agreement_summary(train, prefix)
+        if agree:
+            out[name] = agree
     _, trunc = column(train, "truncated_frac")
     if trunc:
         out["rollout_truncated_frac_mean"] = sum(trunc) / len(trunc)

@@ -20,6 +20,7 @@ recorded values. A tiny fp32 model, whose weights are off the bf16 grid, so floo
 
 Run: pytest tests/test_live_naive.py -q
 """
+import base64
 import contextlib
 import dataclasses
 import json
@@ -88,13 +89,18 @@ class _FakeServer:
     """Answers the live check's prefill request with recorded log-probs (SGLang's input_token_logprobs shape)."""
     urls = ["http://fake"]
 
-    def __init__(self, recorded):
+    def __init__(self, recorded, topk=None):
         self.recorded = recorded          # one list of L-1 log-probs per sequence
+        self.topk = topk                  # one int32 [L-1, C4 layers, index_topk] per sequence: SGLang's kept sets
 
     def post(self, url, path, body):
         assert path == "/generate" and body["logprob_start_len"] == 0
-        return [{"meta_info": {"input_token_logprobs": [[None, x[0]]] + [[lp, t] for lp, t in zip(rec, x[1:])]}}
-                for x, rec in zip(body["input_ids"], self.recorded)]
+        out = [{"meta_info": {"input_token_logprobs": [[None, x[0]]] + [[lp, t] for lp, t in zip(rec, x[1:])]}}
+               for x, rec in zip(body["input_ids"], self.recorded)]
+        if body.get("return_indexer_topk") and self.topk is not None:   # SGLang's record: base64 int32
+            for o, t in zip(out, self.topk):
+                o["meta_info"]["indexer_topk"] = base64.b64encode(t.to(torch.int32).numpy().tobytes()).decode()
+        return out
 
 
 def _batch(cfg, gen):
@@ -168,7 +174,10 @@ def test_live_checks_long_logs_bands_an_fp8_index_floor_and_the_topk_agreement(t
     default_device="meta" runs the hook with factories defaulting to the meta device: a tensor made on the
     default device instead of its data's meets the CPU data and fails, as it meets CUDA data on a GPU. Bug
     caught (2026-12-07, the first long hold, an H100): `indexer_agreement.overlap` built its result on the CPU
-    while the kept sets were on the GPU, and step 1 died in `overlap_stats`."""
+    while the kept sets were on the GPU, and step 1 died in `overlap_stats`.
+    SGLang's own kept sets (`return_indexer_topk`, answered by the fake server: the exact sets with one entry
+    swapped at one position) are compared on the same positions; bugs caught: the server's row t read for
+    query t + 1 (or t - 1), its layers out of order, the swap listed at another row or position."""
     from instruments import bands
     from instruments.live import LiveChecksLong
     cfg = preset("tiny")                       # window 8, top-4 of (t + 1) // 4: the top-k band starts at 16
@@ -191,26 +200,11 @@ def test_live_checks_long_logs_bands_an_fp8_index_floor_and_the_topk_agreement(t
                                     rollout=types.SimpleNamespace(temperature=T))
     actor = types.SimpleNamespace(model=trainer, device=torch.device("cpu"))
     task = types.SimpleNamespace(heldout=["1+1"], train=["1+1"], encode=lambda s: [1, 2, 3])
-    ctx = HookContext(run_cfg, cfg, actor, types.SimpleNamespace(client=_FakeServer(recorded)), None, task)
-    hook = LiveChecksLong(ctx)
-    assert hook.sim.cfg.indexer_quant == "fp8" and hook.sim.cfg.qat
-    with torch.device(default_device) if default_device else contextlib.nullcontext():
-        out = hook.before_update(batch, old, step=1)
-
-    qpos = torch.arange(on.shape[1]).expand_as(on)[on]
-    gap, floor = offset[on].abs(), (sim_lp - old)[on].abs()
-    for b, lo, hi in (("window", 0, 8), ("c4_all", 8, 16), ("c4_topk", 16, 99)):
-        m = (qpos >= lo) & (qpos < hi)
-        assert out[f"band_{b}_tokens"] == int(m.sum()) > 0, b
-        assert out[f"band_{b}_gap_mean"] == pytest.approx(float(gap[m].mean()), abs=LOGP_ABS_TOL), b
-        assert out[f"band_{b}_floor_mean"] == pytest.approx(float(floor[m].mean()), abs=LOGP_ABS_TOL), b
-    assert bands.BANDS == ("window", "c4_all", "c4_topk")
-
     captured = {}
     for name, mod in trainer.named_modules():
         if name.endswith("attn.indexer"):
             mod.register_forward_pre_hook(lambda m, a, name=name: captured.setdefault(name, []).append(a[:2]))
-    exact, fp8 = {}, {}
+    exact, fp8, server_ov, server_fp8_ov, kept = {}, {}, {}, {}, {}
     for b in (0, 2):                               # the two longest rows
         L = int(batch.prompt_lens[b] + batch.response_lens[b])
         captured.clear()
@@ -225,14 +219,84 @@ def test_live_checks_long_logs_bands_an_fp8_index_floor_and_the_topk_agreement(t
             mod.cfg = mod.compressor.cfg = cfg8
             keep8 = mod(x, qr, 0, None)[0][0]
             mod.cfg, mod.compressor.cfg = saved
-            for t in pos:
-                a, c = set(keep[t].nonzero()[:, 0].tolist()), set(keep8[t].nonzero()[:, 0].tolist())
-                exact.setdefault(name, []).append(len(a & c) / len(a))
-                fp8.setdefault(name, []).append(a == c)
+            kept[b, name] = (keep, keep8, pos)
+    # SGLang's kept sets as the server reports them: the exact ones, one entry swapped at one scored position
+    names = sorted({n for _, n in kept}, key=lambda n: int(n.split(".")[1]))
+    K, planted = cfg.index_topk, (0, kept[0, names[0]][2][-1], names[0])     # row 0, its last scored position
+    server = []
+    for b in range(len(batch)):
+        L = int(batch.prompt_lens[b] + batch.response_lens[b])
+        t_b = torch.full((L - 1, len(names), K), -1, dtype=torch.int32)
+        for i, name in enumerate(names):
+            if (b, name) in kept:
+                for t in range(L - 1):
+                    ks = kept[b, name][0][t].nonzero()[:, 0].tolist()
+                    if (b, t, name) == planted:                 # one kept entry swapped for one not kept
+                        ks[0] = next(u for u in range((t + 1) // 4) if u not in ks)
+                    t_b[t, i, :len(ks)] = torch.tensor(ks, dtype=torch.int32)
+        server.append(t_b)
+    for (b, name), (keep, keep8, pos) in kept.items():
+        i = names.index(name)
+        for t in pos:
+            a, c = set(keep[t].nonzero()[:, 0].tolist()), set(keep8[t].nonzero()[:, 0].tolist())
+            sv = {u for u in server[b][t, i].tolist() if u >= 0}
+            exact.setdefault(name, []).append(len(a & c) / len(a))
+            fp8.setdefault(name, []).append(a == c)
+            server_ov.setdefault(name, []).append(len(a & sv) / len(a))
+            server_fp8_ov.setdefault(name, []).append(len(c & sv) / len(c))
+    ctx = HookContext(run_cfg, cfg, actor, types.SimpleNamespace(client=_FakeServer(recorded, server)), None, task)
+    hook = LiveChecksLong(ctx)
+    assert hook.sim.cfg.indexer_quant == "fp8" and hook.sim.cfg.qat
+    with torch.device(default_device) if default_device else contextlib.nullcontext():
+        out = hook.before_update(batch, old, step=1)
+
+    qpos = torch.arange(on.shape[1]).expand_as(on)[on]
+    gap, floor = offset[on].abs(), (sim_lp - old)[on].abs()
+    for b, lo, hi in (("window", 0, 8), ("c4_all", 8, 16), ("c4_topk", 16, 99)):
+        m = (qpos >= lo) & (qpos < hi)
+        assert out[f"band_{b}_tokens"] == int(m.sum()) > 0, b
+        assert out[f"band_{b}_gap_mean"] == pytest.approx(float(gap[m].mean()), abs=LOGP_ABS_TOL), b
+        assert out[f"band_{b}_floor_mean"] == pytest.approx(float(floor[m].mean()), abs=LOGP_ABS_TOL), b
+    assert bands.BANDS == ("window", "c4_all", "c4_topk")
+
     for name, ov in exact.items():
         layer = name.split(".")[1]
-        assert out[f"agree_{layer}_positions"] == len(ov)
+        assert out[f"agree_{layer}_positions"] == out[f"server_agree_{layer}_positions"] == len(ov)
         assert out[f"agree_{layer}_overlap_mean"] == pytest.approx(sum(ov) / len(ov))
         assert out[f"agree_{layer}_identical_share"] == pytest.approx(sum(fp8[name]) / len(ov))
+        for key, want in (("server_agree", server_ov[name]), ("server_fp8_agree", server_fp8_ov[name])):
+            assert out[f"{key}_{layer}_overlap_mean"] == pytest.approx(sum(want) / len(want)), key
+            assert out[f"{key}_{layer}_identical_share"] == pytest.approx(sum(w == 1 for w in want) / len(want)), key
+    assert out["server_topk_errors"] == 0
     with open(tmp_path / "live_tokens" / "agree_0001.json") as f:                  # kept before the update
-        assert json.load(f) == {k: v for k, v in out.items() if k.startswith("agree_")}
+        saved = json.load(f)
+    assert saved.pop("server_swaps") == [[0, planted[1], int(planted[2].split(".")[1]), 1]]   # the planted swap
+    assert saved == {k: v for k, v in out.items() if k.startswith(("agree_", "server_agree_", "server_fp8_agree_"))}
+
+
+class _RefusingServer(_FakeServer):
+    """A server that rejects a request carrying `return_indexer_topk` (one started without the option may)."""
+
+    def post(self, url, path, body):
+        if body.get("return_indexer_topk"):
+            raise RuntimeError("400: return_indexer_topk is not enabled")
+        return super().post(url, path, body)
+
+
+def test_live_prefill_asks_without_the_topk_field_once_a_server_refuses_it(gen):
+    """LiveChecksLong asks its prefill for SGLang's kept sets; a server that refuses the field costs one
+    retried request, not the step's prefill check: the same log-probs come back, no error is counted, and
+    later steps no longer ask. Bug caught: a refusal counted as a prefill failure every step (the prefill gap
+    lost for the whole run)."""
+    from instruments.live import LiveChecksLong
+    batch = _batch(preset("tiny"), gen)
+    recorded = [[-0.5] * (int(batch.prompt_lens[b] + batch.response_lens[b]) - 1) for b in range(len(batch))]
+    hook = LiveChecksLong.__new__(LiveChecksLong)
+    hook.cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(temperature=T))
+    hook.rollouts = types.SimpleNamespace(client=_RefusingServer(recorded))
+    hook.prefill_errors, hook.prefill_flags, hook.prefill_metas = 0, dict(LiveChecksLong.PREFILL_FLAGS), []
+    assert hook.prefill_flags == {"return_indexer_topk": True}
+    pre = hook._prefill(batch)
+    on = batch.mask > 0
+    assert pre is not None and torch.allclose(pre[on], torch.full((int(on.sum()),), -0.5))
+    assert hook.prefill_errors == 0 and hook.prefill_flags == {} and len(hook.prefill_metas) == len(batch)

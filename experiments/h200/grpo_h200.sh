@@ -183,12 +183,19 @@ card_knobs() {
   echo "an 80 GB card ($mib MiB): H20_MEM=$H20_MEM H20_TRAIN_MEM=$H20_TRAIN_MEM H20_TRAIN_ARGS=$H20_TRAIN_ARGS"
 }
 server_mem() { local m=0.45; [ "$LONG" = 1 ] && m=0.30; echo "${H20_MEM:-$m}"; }   # long_overrides says why
+server_topk() {  # H20_SERVER_TOPK=1 (long task): SGLang reports its C4 kept sets, which LiveChecksLong's prefill
+  # check asks for (server_agree_*); its pinned host buffer is 4 KiB a KV token, and SGLang 0.5.16 sizes it by the
+  # KV pool (24.7M tokens at 0.25 on an H100, 2026-12-07: ~100 GB), so the pool is bounded (H20_TOPK_TOKENS,
+  # 262144: 64 requests of ~3K tokens and the 32-sequence prefill check fit; 1 GiB pinned)
+  [ "$LONG" = 1 ] && [ "${H20_SERVER_TOPK:-0}" = 1 ] || return 0
+  echo "--enable-return-indexer-topk --max-total-tokens ${H20_TOPK_TOKENS:-262144}"
+}
 serve_sglang() {  # $1: log suffix of a restart (".1", ...)
   # at most 64 requests at once (0: SGLang's own limit): both of 2026-12-01's crashes came with 128 decoding
   local running="--max-running-requests ${H20_MAX_RUNNING:-64}"; [ "${H20_MAX_RUNNING:-64}" = 0 ] && running=""
   setsid nohup python3 -m sglang.launch_server --model-path $W/init --load-format auto --tp 1 --disable-cuda-graph \
     --skip-server-warmup --skip-tokenizer-init --mem-fraction-static $(server_mem) --context-length 8192 \
-    --disable-overlap-schedule --enable-fp32-lm-head $running \
+    --disable-overlap-schedule --enable-fp32-lm-head $running $(server_topk) \
     --port ${URL##*:} \
     > $W/server${1:-}.log 2>&1 < /dev/null &
   echo $! > $W/server.pid   # setsid: its own process group, which `stop_server` ends whole

@@ -958,3 +958,43 @@ def test_rollouts_md_prose_of_the_h100_comparison_is_its_files():
     worked = [json.load(open(os.path.join(res, d, "warm", "sft.json")))["final"]["p_worked"]
               for d in ("async_compare_long_h200", "async_compare_long_h100")]
     assert f"(P(worked) {worked[0]:.2f}), this one works the chain ({worked[1]:.2f})" in para
+
+
+def test_agreement_summary_reads_each_kind_by_its_prefix():
+    """runstats.summarize's indexer agreement: the exact-vs-FP8 sets (`agree_`), and the exact and FP8 sets
+    against SGLang's own (`server_agree_`, `server_fp8_agree_`), each position-weighted over the steps, none
+    mixed into another. Bug caught: a prefix matching the others' keys (`agree_` inside `server_agree_`), or
+    the layer read from the wrong field of the key."""
+    from instruments import runstats
+    recs = []
+    for step, (n, ov) in enumerate([(10, 0.9), (30, 0.5)], 1):
+        rec = {"kind": "train", "step": step}
+        for prefix, shift in (("agree", 0.0), ("server_agree", 0.01), ("server_fp8_agree", 0.02)):
+            rec.update({f"{prefix}_3_positions": n, f"{prefix}_3_overlap_mean": ov + shift,
+                        f"{prefix}_3_identical_share": ov / 2, f"{prefix}_3_swapped_mean": 1.0,
+                        f"{prefix}_3_overlap_min": ov - 0.1})
+        recs.append(rec)
+    got = {k: runstats.agreement_summary(recs, p)
+           for k, p in (("a", "agree"), ("s", "server_agree"), ("f", "server_fp8_agree"))}
+    for k, shift in (("a", 0.0), ("s", 0.01), ("f", 0.02)):
+        assert list(got[k]) == ["layer_3"] and got[k]["layer_3"]["positions"] == 40
+        assert got[k]["layer_3"]["overlap_mean"] == pytest.approx((10 * 0.9 + 30 * 0.5) / 40 + shift)
+        assert got[k]["layer_3"]["overlap_min"] == pytest.approx(0.4)
+
+
+def test_server_topk_bounds_the_pool_only_when_asked_on_the_long_task():
+    """grpo_h200.sh's server_topk: SGLang reports its C4 kept sets (for LiveChecksLong's server_agree_*) only with
+    H20_SERVER_TOPK=1 on the long task, and then always with its KV pool bounded (SGLang 0.5.16 pins 4 KiB of host
+    memory a pool token for the report; an H100's unbounded pool held 24.7M). Bug caught: the report switched on
+    without the bound (~100 GB pinned), or on the sums task, or by default."""
+    funcs = _sh_functions("server_topk")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("H20_")}
+
+    def flags(**env):
+        out = subprocess.run(["bash", "-c", f"{funcs}; server_topk"], capture_output=True, text=True,
+                             env={**base, **env})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+    assert flags(LONG="1", H20_SERVER_TOPK="1") == ["--enable-return-indexer-topk", "--max-total-tokens", "262144"]
+    assert flags(LONG="1", H20_SERVER_TOPK="1", H20_TOPK_TOKENS="131072")[-1] == "131072"
+    assert flags(LONG="1") == [] and flags(LONG="0", H20_SERVER_TOPK="1") == []

@@ -64,13 +64,16 @@ def require_landed(p: dict, version) -> None:
                          f"{PROBE_MAX_MEAN} (max {p['max']:.3f}): the server does not compute with what was pushed")
 
 
-def prefill_logprobs(client, sequences: list, temperature: float = 1.0, url: str | None = None) -> list:
+def prefill_logprobs(client, sequences: list, temperature: float = 1.0, url: str | None = None,
+                     flags: dict | None = None, metas: list | None = None) -> list:
     """The server's log-probs of given tokens, scored in one prefill (no sampling, no prefix cache: SGLang
     reuses a cached prefix only up to `logprob_start_len`, here 0): one list per sequence, value i is
-    log p(x_{i+1} | x_<=i), so len(x) - 1 values. One batched /generate (max_new_tokens 1, its token unused)."""
+    log p(x_{i+1} | x_<=i), so len(x) - 1 values. One batched /generate (max_new_tokens 1, its token unused).
+    `flags`: more request fields (e.g. {"return_indexer_topk": True}); `metas`: a list that receives each
+    sequence's meta_info, in order (what those fields asked for)."""
     url = url or client.urls[0]
     body = {"input_ids": [list(x) for x in sequences], "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 1, "temperature": temperature}}
+            "sampling_params": {"max_new_tokens": 1, "temperature": temperature}, **(flags or {})}
     out = client.post(url, "/generate", body)
     items = out if isinstance(out, list) else [out]
     if len(items) != len(sequences):
@@ -82,4 +85,6 @@ def prefill_logprobs(client, sequences: list, temperature: float = 1.0, url: str
             raise ValueError(f"{url}: input_token_logprobs do not match the {len(x)} tokens sent "
                              f"(got {len(lps)}: {str(lps)[:120]})")
         res.append([float(t[0]) for t in lps[1:]])
+        if metas is not None:
+            metas.append(it.get("meta_info") or {})
     return res
