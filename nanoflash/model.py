@@ -472,10 +472,14 @@ class Indexer(nn.Module):
         """w = weights_proj(x) / sqrt(dI * HI), fp32. [B,S,D] -> [B,S,HI]"""
         return self.weights_proj(x).float() * (self.cfg.index_head_dim ** -0.5 * self.cfg.index_n_heads ** -0.5)
 
-    def forward(self, x, qr, start_pos, keys_before: Optional[torch.Tensor], state=None, fast=False):
-        q = self.query(qr, start_pos)                                                 # [B,S,HI,dI]
+    def forward(self, x, qr, start_pos, keys_before: Optional[torch.Tensor], state=None, fast=False, kept=None):
+        """kept [B,S,K] int (optional): indexer replay, the entries the rollout engine kept per query (-1
+        padded); they replace this indexer's top-k (its keys are still built, for the cache)."""
         new_keys, state = self.compressor(x, start_pos, state)
         keys = add_entries(keys_before, new_keys, start_pos, 4)                       # [B,C,dI]
+        if kept is not None:
+            return replayed_entries(kept, keys.shape[1], self.cfg.index_topk, start_pos, fast), keys, state
+        q = self.query(qr, start_pos)                                                 # [B,S,HI,dI]
         w = self.head_weights(x)                                                      # [B,S,HI]
         if fast:   # nanoflash.kernels: fused scores, torch.topk on [B,S,C], the same tie-break
             from nanoflash.kernels import indexer_topk
@@ -504,6 +508,26 @@ class Indexer(nn.Module):
         return self.top_k(self.query(qr, step.host), keys, self.head_weights(x), step.host), keys, state
 
 
+def replayed_entries(kept: torch.Tensor, C: int, topk: int, start_pos, fast: bool) -> torch.Tensor:
+    """Indexer replay: the rollout engine's kept entries [B,S,K] (-1 padded, any order) in the form the indexer
+    returns: the keep mask [B,S,C] bool, or (fast) the index list [B,S,min(topk, C)] int32, -1 last. An entry
+    the query cannot see (u >= (t+1)//4), or more entries than the top-k keeps, is a record of another
+    sequence or model: an error naming the first such query."""
+    kept = kept.to(torch.int64)
+    pos = token_positions(start_pos, kept.shape[1], kept.device)                       # [S] or [B,S]
+    n_visible = ((pos + 1) // 4).expand(kept.shape[:2])                                # [B,S]
+    bad = (kept >= n_visible[..., None]) | ((kept >= 0).sum(-1) > topk)[..., None]
+    if bad.any():
+        b, t, _ = bad.nonzero()[0].tolist()
+        raise ValueError(f"indexer replay: row {b}, query {t} keeps an entry beyond its {int(n_visible[b, t])} "
+                         f"visible ones or more than top-{topk}: not this sequence's record")
+    if fast:
+        k = min(topk, C)
+        return kept.sort(-1, descending=True).values[..., :k].to(torch.int32).contiguous()
+    mask = torch.zeros(*kept.shape[:2], C + 1, dtype=torch.bool, device=kept.device)
+    return mask.scatter_(-1, torch.where(kept >= 0, kept, C), True)[..., :C]
+
+
 def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, start_pos) -> torch.Tensor:
     """score[b,t,u] = sum_h relu(qI[b,t,h] . KI[b,u]) * w[b,t,h] in fp32, -inf where entry u is not yet visible
     to query t (u >= (start_pos + t + 1) // 4). q [B,S,HI,dI], keys [B,C,dI], w [B,S,HI] -> [B,S,C] fp32"""
@@ -511,6 +535,12 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, start_pos
     score = torch.einsum("bshd,bcd->bshc", q.float(), keys.float()).relu()             # [B,S,HI,C]
     score = (score * w.float()[..., None]).sum(2)                                      # [B,S,C]
     return score.masked_fill(~visible_entries(keys.shape[1], pos, 4), float("-inf"))
+
+
+def c4_layers(cfg) -> list:
+    """The layers with a lightning indexer (compress ratio 4), in order: SGLang numbers its C4 layers so
+    (`compress_layer_id`), and an indexer-replay record holds one slice per layer of this list."""
+    return [i for i in range(cfg.n_layers) if cfg.compress_ratios[i] == 4]
 
 
 def visible_entries(C: int, pos: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -625,7 +655,7 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg)
         self.recompute_blocks = frozenset()   # attn_q / attn_out: `Transformer.recompute`
 
-    def forward(self, x: torch.Tensor, start_pos=0, cache: Optional[LayerCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos=0, cache: Optional[LayerCache] = None, kept=None) -> torch.Tensor:
         cfg, (B, S, _), rc = self.cfg, x.shape, active_recompute(self)
         pos = token_positions(start_pos, S, x.device)                                  # [S] or [B,S]
         cos, sin = rope_angles(cfg, self.ratio > 0, pos)
@@ -637,7 +667,7 @@ class Attention(nn.Module):
         fast = use_kernels(cfg, q, cache)
         cache = cache if cache is not None else LayerCache()
         window = kv if cache.window is None else torch.cat([cache.window, kv], 1)      # [B,Lw,Dh]
-        comp, keep = self.compressed_keys(x, qr, start_pos, cache, fast)
+        comp, keep = self.compressed_keys(x, qr, start_pos, cache, fast, kept)
         o = self.attend(q, start_pos, window, comp, keep, fast)                         # [B,S,H,Dh]
         cache.window = window[:, -(cfg.window_size - 1):] if cfg.window_size > 1 else window[:, :0]
         return recomputed("attn_out" in rc, self.project_out, o, cos, sin)
@@ -687,16 +717,17 @@ class Attention(nn.Module):
         cache.window = window[:, -(cfg.window_size - 1):] if cfg.window_size > 1 else window[:, :0]
         return self.grouped_out(rms_rope(o, cos=cos, sin=sin, inverse=True, norm=False)[:, None])
 
-    def compressed_keys(self, x, qr, start_pos, cache: LayerCache, fast=False):
-        """Compressed entries (cached + new) and which of them each query keeps. -> [B,C,Dh], [B|1,S,C] bool
-        (fast: the kept entries as an index list [B|1,S,K], -1 padded)"""
+    def compressed_keys(self, x, qr, start_pos, cache: LayerCache, fast=False, kept=None):
+        """Compressed entries (cached + new) and which of them each query keeps (a C4 layer: its indexer's top-k,
+        or `kept`, the rollout engine's, in indexer replay). -> [B,C,Dh], [B|1,S,C] bool (fast: the kept entries
+        as an index list [B|1,S,K], -1 padded)"""
         if not self.ratio:
             return None, None
         new, cache.comp_state = self.compressor(x, start_pos, cache.comp_state)
         comp = cache.comp = add_entries(cache.comp, new, start_pos, self.ratio)       # [B,C,Dh]
         if self.ratio == 4:
             keep, cache.index_keys, cache.index_state = self.indexer(
-                x, qr, start_pos, cache.index_keys, cache.index_state, fast)
+                x, qr, start_pos, cache.index_keys, cache.index_state, fast, kept)
         else:
             keep = visible_entries(comp.shape[1], token_positions(start_pos, x.shape[1], x.device), self.ratio)
             if fast:
@@ -1075,8 +1106,9 @@ class Block(nn.Module):
             return hc_pre_fused(h, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
         return hc_pre_reference(h, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
-    def forward(self, h, ids, start_pos: int = 0, cache: Optional[LayerCache] = None, replay=None):
+    def forward(self, h, ids, start_pos: int = 0, cache: Optional[LayerCache] = None, replay=None, kept=None):
         # fused mHC (Triton) in training forwards: opt-in ("triton") on GPUs; in decoding: `decode_kernels`
+        # replay: the MoE's experts (R3); kept: a C4 layer's entries (indexer replay), both the rollout engine's
         decode = decode_kernels(self.cfg, h, cache)
         fused = decode or (h.is_cuda and self.cfg.kernels == "triton" and cache is None)
         post_fn = hc_post
@@ -1085,7 +1117,7 @@ class Block(nn.Module):
         mhc = "mhc" in active_recompute(self)
         x, post, comb = self.sublayer_input(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
                                             self.attn_norm, fused)
-        h = recomputed(mhc, post_fn, self.attn(x, start_pos, cache), h, post, comb)
+        h = recomputed(mhc, post_fn, self.attn(x, start_pos, cache, kept), h, post, comb)
         x, post, comb = self.sublayer_input(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
                                             self.ffn_norm, fused)
         dense = decode and h.shape[1] == 1          # a decode step: one token per row
@@ -1183,24 +1215,29 @@ class Transformer(nn.Module):
         e = self.embed(input_ids)
         return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
 
-    def run_layers(self, h, input_ids, start_pos: int = 0, cache: Optional[dict] = None, routed=None):
+    def run_layers(self, h, input_ids, start_pos: int = 0, cache: Optional[dict] = None, routed=None,
+                   indexed=None):
         """Run the layers this module holds, in id order. [B,S,M,D] -> [B,S,M,D]
 
         routed [B,S,n_layers,K] (optional): routing replay, the experts the rollout engine chose per position
         and layer; layer i's slice is an input of that layer, so a recomputed forward replays it too.
+        indexed [B,S,n_c4,index_topk] (optional): indexer replay, the entries the rollout engine's C4 layers kept
+        per position (-1 padded), the j-th C4 layer of the model (`c4_layers`) its slice j, the same way.
         A decode step on the decode seam (per-row start_pos, one token per row) runs `Block.decode_step`, its
         position data built once here (`DecodeStep`)."""
         step = DecodeStep.of(self.cfg, h, start_pos, cache)
+        c4 = {layer: j for j, layer in enumerate(c4_layers(self.cfg))}
         for key in sorted(self.layers, key=int):
             layer = self.layers[key]
             c = None if cache is None else cache.setdefault(key, LayerCache())
             rx = None if routed is None else routed[:, :, int(key)].flatten(0, 1)     # [B*S,K]
+            kx = None if indexed is None or int(key) not in c4 else indexed[:, :, c4[int(key)]]   # [B,S,K]
             if step is not None:
                 h = layer.decode_step(h, input_ids, step, c, rx)
             elif "layer" in self.recompute and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, h, input_ids, start_pos, c, rx, use_reentrant=False)
+                h = checkpoint(layer, h, input_ids, start_pos, c, rx, kx, use_reentrant=False)
             else:
-                h = layer(h, input_ids, start_pos, c, rx)
+                h = layer(h, input_ids, start_pos, c, rx, kx)
         return h
 
     def hidden(self, h: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""Indexer replay: the rollout engine's C4 kept sets replace the lightning indexer's top-k in a training forward
+(`Transformer.run_layers(indexed=)`, `model.replayed_entries`), as Miles' `--use-rollout-indexer-replay` does
+with SGLang's `return_indexer_topk` record ([sequence length - 1, C4 layers, index_topk], -1 padded).
+
+References: the model's own selection replayed changes nothing (bit for bit); another selection replayed is
+exactly what the model computes when its indexer chooses that selection itself (`Indexer.top_k` replaced),
+forward and backward; a record that cannot be this sequence's is refused, named.
+"""
+import pytest
+import torch
+
+import nanoflash.model as M
+from nanoflash.config import preset
+from nanoflash.model import Transformer, c4_layers, replayed_entries
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny forwards, one thread
+
+S = 48   # tiny: window 8, top-4 of (t + 1) // 4 entries -- the indexer selects from query 16 on
+
+
+def own_selection(model, ids) -> torch.Tensor:
+    """The entries each C4 layer's indexer keeps in one forward, as a replay record [B,S,n_c4,K] (-1 padded)."""
+    kept = {}
+    hooks = [mod.register_forward_hook(lambda m, a, out, name=name: kept.__setitem__(name, out[0]))
+             for name, mod in model.named_modules() if isinstance(mod, M.Indexer)]
+    with torch.no_grad():
+        model.run_layers(model.embed_streams(ids), ids)
+    for h in hooks:
+        h.remove()
+    K = model.cfg.index_topk
+    out = []
+    for name in sorted(kept, key=lambda n: int(n.split(".")[1])):
+        mask = kept[name]                                                            # [B,S,C] bool
+        idx = torch.where(mask, torch.arange(mask.shape[-1]), -1).sort(-1, descending=True).values
+        out.append(torch.nn.functional.pad(idx, (0, max(0, K - idx.shape[-1])), value=-1)[..., :K])
+    return torch.stack(out, 2)                                                       # [B,S,n_c4,K]
+
+
+def _model():
+    cfg = preset("tiny")
+    return Transformer(cfg).init_weights(0).float()
+
+
+def test_c4_layers_are_the_ratio_4_layers_in_order():
+    cfg = preset("tiny")
+    assert c4_layers(cfg) == [1, 3] == [i for i, r in enumerate(cfg.compress_ratios[:cfg.n_layers]) if r == 4]
+
+
+def test_replaying_the_models_own_selection_changes_nothing(gen):
+    """Bug caught: the replay applied to another C4 layer's slice, or read at a shifted query."""
+    model = _model().eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (2, S), generator=gen)
+    own = own_selection(model, ids)
+    assert own.shape == (2, S, 2, model.cfg.index_topk) and (own[:, 20:] >= 0).all()
+    with torch.no_grad():
+        want = model.run_layers(model.embed_streams(ids), ids)
+        got = model.run_layers(model.embed_streams(ids), ids, indexed=own)
+        swapped = model.run_layers(model.embed_streams(ids), ids, indexed=own.flip(2))   # layers exchanged
+    assert torch.equal(got, want)
+    assert not torch.equal(swapped, want)
+
+
+def test_replaying_another_selection_is_the_model_choosing_it(gen, monkeypatch):
+    """A selection unlike the model's (one kept entry swapped for one it dropped, at several queries of both
+    layers) gives exactly the outputs and gradients of the model whose indexer keeps that selection itself.
+    Bug caught: a replayed entry dropped, an entry kept that the record does not hold, no gradient path."""
+    model = _model().train()
+    ids = torch.randint(0, model.cfg.vocab_size, (2, S), generator=gen)
+    rec = own_selection(model, ids)
+    for b, t, j in [(0, 30, 0), (1, 41, 1), (0, S - 1, 1)]:
+        dropped = next(u for u in range((t + 1) // 4) if u not in rec[b, t, j].tolist())
+        rec[b, t, j, 0] = dropped
+    C = S // 4                                           # a C4 layer's entries over the whole sequence
+    forced = {id(model.get_submodule(f"layers.{i}.attn.indexer")): replayed_entries(rec[:, :, j], C, 4, 0, False)
+              for j, i in enumerate(c4_layers(model.cfg))}
+
+    def loss_and_grads(**kw):
+        model.zero_grad()
+        h = model.run_layers(model.embed_streams(ids), ids, **kw)
+        loss = model.logits(h).logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    got, g_got = loss_and_grads(indexed=rec)
+    with monkeypatch.context() as mp:                    # the indexer "chooses" the record's entries itself
+        mp.setattr(M.Indexer, "top_k", lambda self, q, keys, w, start_pos: forced[id(self)])
+        want, g_want = loss_and_grads()
+    plain, _ = loss_and_grads()
+    assert torch.equal(got, want) and not torch.equal(got, plain)
+    assert g_got.keys() == g_want.keys()
+    for n in g_got:
+        assert torch.equal(g_got[n], g_want[n]), n
+
+
+def test_replayed_entries_in_both_forms():
+    """The record's entries in any order, -1 anywhere: the mask holds exactly them; the kernels' index list
+    holds them first, -1 last, min(top-k, C) columns."""
+    kept = torch.tensor([[[-1, 3, 0, -1], [2, -1, 1, 3]]])                 # [1,2,4]: queries at 15 and 16
+    mask = replayed_entries(kept, 4, 4, 15, fast=False)                    # C = 4 entries, both see all 4
+    assert mask.tolist() == [[[True, False, False, True], [False, True, True, True]]]
+    lst = replayed_entries(kept, 4, 4, 15, fast=True)
+    assert lst.dtype == torch.int32 and lst.tolist() == [[[3, 0, -1, -1], [3, 2, 1, -1]]]
+    assert replayed_entries(kept, 4, 8, 15, fast=True).shape[-1] == 4      # min(top-k, C) columns
+
+
+def test_a_record_that_cannot_be_this_sequences_is_refused():
+    """An entry the query cannot see yet, or more entries than the top-k: one error naming row and query."""
+    with pytest.raises(ValueError, match=r"row 0, query 1 keeps an entry beyond its 4 visible"):
+        replayed_entries(torch.tensor([[[0, -1], [4, 1]]]), 5, 2, 14, fast=False)   # query 15 sees 0..3
+    with pytest.raises(ValueError, match=r"more than top-2"):
+        replayed_entries(torch.tensor([[[0, 1, 2]]]), 5, 2, 19, fast=True)
