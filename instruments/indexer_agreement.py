@@ -18,13 +18,12 @@ are identical, the mean number of entries swapped.
 SGLang reports its own sets when started with `--enable-return-indexer-topk` (0.5.16: `srt/server_args.py`
 2851, `srt/state_capturer/indexer_topk.py`) and asked with `"return_indexer_topk": true`: `meta_info
 ["indexer_topk"]`, base64 int32 of shape [sequence length - 1, C4 layers, index_topk], row t the entries the
-query at position t kept (raw entry indices, -1 padded), `decode_server_topk`.
+query at position t kept (raw entry indices, -1 padded), `sglang.client.decode_indexer_topk`.
 
 Tests: `pytest experiments/h200/test_long.py -q`.
 """
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
 
@@ -132,19 +131,10 @@ def agreement(model, ids: torch.Tensor, positions: torch.Tensor, quant: str = "f
     return {name: overlap_stats(a, b) for name, (a, b) in agreement_sets(model, ids, positions, quant).items()}
 
 
-def decode_server_topk(meta_info: dict, n_layers: int, topk: int) -> torch.Tensor:
-    """SGLang's `indexer_topk` record: base64 int32 -> int64 [sequence length - 1, n_layers, topk]."""
-    raw = base64.b64decode(meta_info["indexer_topk"], validate=True)
-    t = torch.frombuffer(bytearray(raw), dtype=torch.int32)
-    if t.numel() % (n_layers * topk):
-        raise ValueError(f"indexer_topk holds {t.numel()} ids, not a multiple of C4 layers x topk = {n_layers * topk}")
-    return t.to(torch.int64).view(-1, n_layers, topk)
-
-
 @torch.no_grad()
 def agreement_with_server(model, ids: torch.Tensor, server_topk: torch.Tensor, positions: torch.Tensor) -> dict:
     """Per C4 layer (in layer order, as SGLang numbers its C4 layers), the overlap of the entries nanoflash keeps
-    at query `positions` with the ones the server reported (`decode_server_topk`, row t = query t)."""
+    at query `positions` with the ones the server reported (`sglang.client.decode_indexer_topk`, row t = query t)."""
     with capture_indexer_inputs(model) as cap:
         model.run_layers(model.embed_streams(ids), ids)
     names = sorted(cap, key=lambda n: int(n.split(".")[1]))      # layers.<L>.attn.indexer

@@ -122,14 +122,14 @@ def row_chunks(B: int, S: int, tokens: int = LIVE_TOKENS) -> list:
 
 @torch.no_grad()
 def masked_entropy(model, input_ids: torch.Tensor, on: torch.Tensor, temperature: float = 1.0,
-                   tokens: int = LIVE_TOKENS) -> torch.Tensor:
+                   tokens: int = LIVE_TOKENS, indexed=None) -> torch.Tensor:
     """`token_entropy(...)[on]` without logits at the other positions: the layers run in row chunks of `tokens`
     tokens, the head only at the positions of `on`, HEAD_CHUNK at a time. [B,S] ids, [B,S] bool -> [N] fp32 in
-    the row-major order of `on` (as `tensor[on]`)."""
+    the row-major order of `on` (as `tensor[on]`). `indexed`: the batch's indexer-replay record, if it has one."""
     out = []
     for a, b in row_chunks(*input_ids.shape, tokens):
         ids, m = input_ids[a:b], on[a:b].to(input_ids.device)
-        y = model.hidden(model.run_layers(model.embed_streams(ids), ids))[m]                 # [n,D]
+        y = model.hidden(_layers(model, ids, indexed, a, b))[m]                                # [n,D]
         for c in range(0, y.shape[0], HEAD_CHUNK):
             logp = torch.log_softmax(fp32_linear(y[c:c + HEAD_CHUNK], model.head.weight, model.cfg) / temperature, -1)
             out.append(-(logp.exp() * logp).sum(-1).float().cpu())
@@ -138,18 +138,25 @@ def masked_entropy(model, input_ids: torch.Tensor, on: torch.Tensor, temperature
 
 @torch.no_grad()
 def masked_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, on: torch.Tensor,
-                    temperature: float = 1.0, tokens: int = LIVE_TOKENS) -> torch.Tensor:
+                    temperature: float = 1.0, tokens: int = LIVE_TOKENS, indexed=None) -> torch.Tensor:
     """`model.token_logprobs(...)[on]` with the head only at the positions of `on` (the full-vocabulary fp32
     head over every prompt position is most of a forward at 2-4K-token prompts), the layers in row chunks of
-    `tokens` tokens. [B,S] ids, targets, bool -> [N] fp32 on the CPU, in the row-major order of `on`."""
+    `tokens` tokens. [B,S] ids, targets, bool -> [N] fp32 on the CPU, in the row-major order of `on`.
+    `indexed`: the batch's indexer-replay record, if it has one (the trainer's forward replays it too)."""
     out = []
     for a, b in row_chunks(*input_ids.shape, tokens):
         ids, m = input_ids[a:b], on[a:b].to(input_ids.device)
-        y, t = model.hidden(model.run_layers(model.embed_streams(ids), ids))[m], targets[a:b].to(ids.device)[m]
+        y, t = model.hidden(_layers(model, ids, indexed, a, b))[m], targets[a:b].to(ids.device)[m]
         for c in range(0, y.shape[0], HEAD_CHUNK):
             logp = torch.log_softmax(fp32_linear(y[c:c + HEAD_CHUNK], model.head.weight, model.cfg) / temperature, -1)
             out.append(logp.gather(-1, t[c:c + HEAD_CHUNK, None])[:, 0].float().cpu())
     return torch.cat(out) if out else torch.zeros(0)
+
+
+def _layers(model, ids: torch.Tensor, indexed, a: int, b: int) -> torch.Tensor:
+    """The layers over rows a..b-1 (`ids`), with rows a..b-1 of the indexer-replay record if there is one."""
+    kx = None if indexed is None else indexed[a:b].to(ids.device)
+    return model.run_layers(model.embed_streams(ids), ids, indexed=kx)
 
 
 def tail_stats(d: torch.Tensor, prefix: str) -> dict:
@@ -233,13 +240,14 @@ class LiveChecks(Hook):
         on = batch.mask > 0                                                       # [B,S]
         ids, tgt = batch.input_ids.to(dev), batch.targets.to(dev)
         gap = (old - batch.rollout_logprobs)[on]
-        ent = masked_entropy(self.actor.model, ids, on, T)                         # [N] (on the CPU: synced)
+        kx = batch.indexer_topk                  # indexer replay: the trainer's and the floor's forwards replay it
+        ent = masked_entropy(self.actor.model, ids, on, T, indexed=kx)             # [N] (on the CPU: synced)
         t_ent = time.time()
         self.sim.load_state_dict(self.actor.model.state_dict())
         fp8_roundtrip_(self.sim, self.mcfg)
         t_copy = time.time()   # not synced: the roundtrip's kernels may finish inside the next forward's time
-        sim8 = masked_logprobs(self.sim, ids, tgt, on, T)                          # [N] FP8 weights only
-        sim = (masked_logprobs(self.sim, ids, tgt, on, T)                         # [N] as the server holds
+        sim8 = masked_logprobs(self.sim, ids, tgt, on, T, indexed=kx)              # [N] FP8 weights only
+        sim = (masked_logprobs(self.sim, ids, tgt, on, T, indexed=kx)             # [N] as the server holds
                if storage_roundtrip_(self.sim, self.mcfg) else sim8)
         t_floor = time.time()
         floor, floor_fp8 = (sim - old[on]).abs(), (sim8 - old[on]).abs()
@@ -416,9 +424,9 @@ class LiveChecksLong(LiveChecks):
         meta = self.prefill_metas[b] if b < len(self.prefill_metas) else {}
         if "indexer_topk" not in meta:
             return None
-        from instruments.indexer_agreement import decode_server_topk
+        from nanoflash.sglang.client import decode_indexer_topk
         try:
-            return decode_server_topk(meta, n_layers, self.mcfg.index_topk)
+            return decode_indexer_topk(meta, n_layers, self.mcfg.index_topk)
         except ValueError as e:
             self.server_topk_errors += 1
             if self.server_topk_errors == 1:

@@ -53,7 +53,10 @@ class Episode:
 
     Shapes: prompt_ids [P], response_ids [R], rollout_logprobs [R] (python lists);
     routed_experts [P+R-1, n_moe_layers, topk] int (optional, R3 routing replay: the experts the engine picked
-    at every input position of the trainer's forward).
+    at every input position of the trainer's forward);
+    indexer_topk [P+R-1, n_c4_layers, index_topk] int (optional, indexer replay: the C4 entries the engine kept
+    at every input position, stored entry + 1 so that 0 is "none" and zero padding keeps nothing, the form
+    `Transformer.run_layers(indexed=)` takes).
     """
     prompt_ids: list[int]
     response_ids: list[int]
@@ -62,16 +65,19 @@ class Episode:
     group_id: int
     finish_reason: str = "stop"
     routed_experts: Tensor | None = None
+    indexer_topk: Tensor | None = None
 
     def __post_init__(self):
         P, R = len(self.prompt_ids), len(self.response_ids)
-        rx = self.routed_experts
+        rx, kx = self.routed_experts, self.indexer_topk
         problems = {
             f"need >= 1 prompt and response token, got P={P} R={R}": P < 1 or R < 1,
             f"{len(self.rollout_logprobs)} rollout logprobs for {R} response tokens": len(self.rollout_logprobs) != R,
             f"finish_reason {self.finish_reason!r} not in {FINISH_REASONS}": self.finish_reason not in FINISH_REASONS,
             f"routed_experts shape {None if rx is None else tuple(rx.shape)}, expected [{P + R - 1}, n_moe_layers, "
             f"topk]": rx is not None and (rx.ndim != 3 or len(rx) != P + R - 1),
+            f"indexer_topk shape {None if kx is None else tuple(kx.shape)}, expected [{P + R - 1}, n_c4_layers, "
+            f"index_topk]": kx is not None and (kx.ndim != 3 or len(kx) != P + R - 1),
         }
         bad = [msg for msg, failed in problems.items() if failed]
         if bad:
@@ -91,7 +97,8 @@ class RolloutBatch:
     `--use-rollout-logprobs`). cu_seqlens[b] = sum_{c<b} (P_c + R_c - 1): the pad-free (varlen) view.
 
     Shapes: input_ids, targets [B,S] int64; mask, rollout_logprobs, advantages, old_logprobs [B,S] fp32;
-    prompt_lens, response_lens [B] int64; cu_seqlens [B+1] int32; routed_experts [B,S,n_moe_layers,topk] or None.
+    prompt_lens, response_lens [B] int64; cu_seqlens [B+1] int32; routed_experts [B,S,n_moe_layers,topk] or None;
+    indexer_topk [B,S,n_c4_layers,index_topk] (entry + 1, 0 = none) or None.
     """
     input_ids: Tensor
     targets: Tensor
@@ -103,6 +110,7 @@ class RolloutBatch:
     cu_seqlens: Tensor
     old_logprobs: Tensor | None = None
     routed_experts: Tensor | None = None
+    indexer_topk: Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -147,7 +155,8 @@ def pack(episodes: list[Episode], advantages, pad_id: int = 0) -> RolloutBatch:
     cu = torch.zeros(B + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(P + R - 1, 0)
     return RolloutBatch(input_ids[:, :S], targets, mask, rollout_lp, adv[:, None] * mask, P, R, cu,
-                        routed_experts=_pack_routed_experts(episodes, S))
+                        routed_experts=_pack_record(episodes, "routed_experts", S),
+                        indexer_topk=_pack_record(episodes, "indexer_topk", S))
 
 
 def expert_id_dtype(n_experts: int) -> torch.dtype:
@@ -156,17 +165,26 @@ def expert_id_dtype(n_experts: int) -> torch.dtype:
     return torch.uint8 if n_experts <= 256 else torch.int16 if n_experts <= 2 ** 15 else torch.int32
 
 
-def _pack_routed_experts(episodes: list[Episode], S: int) -> Tensor | None:
-    """Stack R3 routing records into [B,S,n_moe_layers,topk], zero-padded; None if no episode has one."""
-    have = [e.routed_experts is not None for e in episodes]
-    if not any(have):
+def entry_record(kept: Tensor) -> Tensor:
+    """An indexer record as the engine reports it ([T, n_c4, K] entries, -1 = none) -> entry + 1 in the smallest
+    integer type that holds it (0 = none): a flash record is 21 C4 layers x 512 entries a token."""
+    top = int(kept.max()) + 1 if kept.numel() else 0
+    return (kept + 1).to(torch.int16 if top < 2 ** 15 else torch.int32)
+
+
+def _pack_record(episodes: list[Episode], name: str, S: int) -> Tensor | None:
+    """Stack the episodes' replay records `name` (R3's routed_experts, the indexer's indexer_topk) into
+    [B,S,n_layers,K], zero-padded; None if no episode has one."""
+    recs = [getattr(e, name) for e in episodes]
+    if all(r is None for r in recs):
         return None
-    if not all(have):
-        raise ValueError(f"pack: routed_experts missing for episodes {[i for i, h in enumerate(have) if not h]}")
-    L, K = episodes[0].routed_experts.shape[1:]
-    out = torch.zeros(len(episodes), S, L, K, dtype=episodes[0].routed_experts.dtype)  # [B,S,L,K]
-    for b, e in enumerate(episodes):
-        out[b, :len(e.routed_experts)] = e.routed_experts
+    if any(r is None for r in recs):
+        raise ValueError(f"pack: {name} missing for episodes {[i for i, r in enumerate(recs) if r is None]}")
+    L, K = recs[0].shape[1:]
+    dtype = max((r.dtype for r in recs), key=lambda d: torch.iinfo(d).bits)   # the widest record's type
+    out = torch.zeros(len(episodes), S, L, K, dtype=dtype)  # [B,S,L,K]
+    for b, r in enumerate(recs):
+        out[b, :len(r)] = r
     return out
 
 

@@ -1222,7 +1222,8 @@ class Transformer(nn.Module):
         routed [B,S,n_layers,K] (optional): routing replay, the experts the rollout engine chose per position
         and layer; layer i's slice is an input of that layer, so a recomputed forward replays it too.
         indexed [B,S,n_c4,index_topk] (optional): indexer replay, the entries the rollout engine's C4 layers kept
-        per position (-1 padded), the j-th C4 layer of the model (`c4_layers`) its slice j, the same way.
+        per position, stored entry + 1 (0 = none: a zero-padded row or micro-batch keeps nothing), the j-th C4
+        layer of the model (`c4_layers`) its slice j, the same way.
         A decode step on the decode seam (per-row start_pos, one token per row) runs `Block.decode_step`, its
         position data built once here (`DecodeStep`)."""
         step = DecodeStep.of(self.cfg, h, start_pos, cache)
@@ -1231,7 +1232,7 @@ class Transformer(nn.Module):
             layer = self.layers[key]
             c = None if cache is None else cache.setdefault(key, LayerCache())
             rx = None if routed is None else routed[:, :, int(key)].flatten(0, 1)     # [B*S,K]
-            kx = None if indexed is None or int(key) not in c4 else indexed[:, :, c4[int(key)]]   # [B,S,K]
+            kx = None if indexed is None or int(key) not in c4 else indexed[:, :, c4[int(key)]].long() - 1   # [B,S,K]
             if step is not None:
                 h = layer.decode_step(h, input_ids, step, c, rx)
             elif "layer" in self.recompute and self.training and torch.is_grad_enabled():

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from nanoflash.config import GRPOConfig
 from nanoflash.rl.metrics import step_metrics
 from nanoflash.grpo import (
-    Episode, episode_advantages, filter_groups, group_advantages, logprob_mismatch_metrics, loss_denominator,
+    Episode, entry_record, episode_advantages, filter_groups, group_advantages, logprob_mismatch_metrics, loss_denominator,
     LossConfig, masked_reduce, pack, policy_loss, prompts_to_request, tis_weights,
 )
 
@@ -75,6 +75,30 @@ def test_pack_routed_experts():
     b = pack(eps, [0.0, 0.0])
     assert b.routed_experts.shape == (2, b.input_ids.shape[1], 2, 3)
     assert b.routed_experts.sum((2, 3)).tolist() == (b.cu_seqlens.diff()[:, None] > torch.arange(4)).mul(6).tolist()
+
+
+def test_pack_indexer_records_as_entry_plus_one_and_back():
+    """Indexer replay records: the engine's entries (-1 = none) stored entry + 1 in int16 (int32 past 2^15
+    entries), zero-padded past each row (0 = none, so padding keeps nothing), and back to the entries as
+    `run_layers(indexed=)` reads them. Bugs
+    caught: padding with 0 read as entry 0; a wide record cut to the first episode's int16."""
+    eps = _episodes()[:2]
+    kept = []
+    for i, e in enumerate(eps):
+        T = len(e.prompt_ids) + len(e.response_ids) - 1
+        k = torch.arange(T * 2 * 3).view(T, 2, 3) % 5 - 1                      # entries -1..3
+        if i == 1:
+            k[0, 0, 0] = 2 ** 15                                                # a 131K-token context's entry
+        kept.append(k)
+        e.indexer_topk = entry_record(k)
+    assert eps[0].indexer_topk.dtype == torch.int16 and eps[1].indexer_topk.dtype == torch.int32
+    b = pack(eps, [0.0, 0.0])
+    back = b.indexer_topk.long() - 1                                          # [B,S,2,3], as run_layers reads it
+    assert b.indexer_topk.dtype == torch.int32
+    for r, k in enumerate(kept):
+        assert torch.equal(back[r, :len(k)], k) and (back[r, len(k):] == -1).all()
+    with pytest.raises(ValueError, match=r"indexer_topk shape \(3, 2, 3\), expected \[4, n_c4_layers"):
+        Episode([1, 2], [3, 4, 5], [0.0] * 3, 1.0, 0, indexer_topk=torch.zeros(3, 2, 3, dtype=torch.int16))
 
 
 def _hand_loss_inputs():

@@ -54,8 +54,8 @@ def test_replaying_the_models_own_selection_changes_nothing(gen):
     assert own.shape == (2, S, 2, model.cfg.index_topk) and (own[:, 20:] >= 0).all()
     with torch.no_grad():
         want = model.run_layers(model.embed_streams(ids), ids)
-        got = model.run_layers(model.embed_streams(ids), ids, indexed=own)
-        swapped = model.run_layers(model.embed_streams(ids), ids, indexed=own.flip(2))   # layers exchanged
+        got = model.run_layers(model.embed_streams(ids), ids, indexed=own + 1)          # stored entry + 1
+        swapped = model.run_layers(model.embed_streams(ids), ids, indexed=own.flip(2) + 1)   # layers exchanged
     assert torch.equal(got, want)
     assert not torch.equal(swapped, want)
 
@@ -81,7 +81,7 @@ def test_replaying_another_selection_is_the_model_choosing_it(gen, monkeypatch):
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    got, g_got = loss_and_grads(indexed=rec)
+    got, g_got = loss_and_grads(indexed=(rec + 1).to(torch.int16))
     with monkeypatch.context() as mp:                    # the indexer "chooses" the record's entries itself
         mp.setattr(M.Indexer, "top_k", lambda self, q, keys, w, start_pos: forced[id(self)])
         want, g_want = loss_and_grads()
@@ -109,3 +109,129 @@ def test_a_record_that_cannot_be_this_sequences_is_refused():
         replayed_entries(torch.tensor([[[0, -1], [4, 1]]]), 5, 2, 14, fast=False)   # query 15 sees 0..3
     with pytest.raises(ValueError, match=r"more than top-2"):
         replayed_entries(torch.tensor([[[0, 1, 2]]]), 5, 2, 19, fast=True)
+
+
+def test_the_trainer_replays_the_record_in_every_forward():
+    """`rollout.indexer_replay`: the packed record travels as a micro-batch field through the trainer's
+    forward-only pass, its training forward and the recomputed forward (recompute on), and every C4 indexer
+    call gets it; the old log-probs equal a plain forward with the record replayed (the naive reference) and
+    differ from the trainer's own selection. Bug caught: the field left out of the micro-batches (replay
+    silently off), or dropped by the recomputed forward."""
+    from nanoflash import grpo
+    from nanoflash.cli import parse_args
+    from nanoflash.parallel.dims import ParallelDims
+    from nanoflash.rl.trainer import Trainer, scatter_shards
+    g = torch.Generator().manual_seed(3)
+    lengths = [(6, 22), (5, 23), (4, 4), (3, 9)]
+    cfg = parse_args(["--recipe", "smoke", "--rollout.indexer_replay", "true", "--parallel.recompute", "true",
+                      "--parallel.micro_batch_tokens", "40"])
+    mcfg = preset("tiny", **cfg.model)
+    K, n_c4 = mcfg.index_topk, len(c4_layers(mcfg))
+    eps, recs = [], []
+    for i, (P, R) in enumerate(lengths):
+        ids = torch.randint(1, mcfg.vocab_size, (P + R,), generator=g).tolist()
+        rec = torch.full((P + R - 1, n_c4, K), -1)
+        for t in range(P + R - 1):                      # a random selection of the visible entries
+            for j in range(n_c4):
+                pick = torch.randperm((t + 1) // 4, generator=g)[:K]
+                rec[t, j, :len(pick)] = pick
+        recs.append(rec)
+        eps.append(grpo.Episode(ids[:P], ids[P:], [-1.0] * R, float(i % 2), i // 2, "stop",
+                                indexer_topk=grpo.entry_record(rec)))
+    batch = grpo.pack(eps, grpo.episode_advantages(eps, 2))
+    actor = Trainer(cfg, mcfg, ParallelDims())
+    actor.start_optimizer()
+    calls = []
+    for i in c4_layers(mcfg):
+        ix = actor.model.get_submodule(f"layers.{i}.attn.indexer")
+
+        def wrapped(*a, _f=ix.forward, **k):
+            calls.append(k.get("kept", a[6] if len(a) > 6 else None) is not None)
+            return _f(*a, **k)
+        ix.forward = wrapped
+    shard, _ = scatter_shards(batch, ParallelDims(), {})
+    old = actor.logprobs(shard)
+    fwd_only, calls[:] = list(calls), []
+    m = actor.model
+    with torch.no_grad():
+        for b, rec in enumerate(recs):
+            L = len(rec)
+            ids, tgt = batch.input_ids[b:b + 1, :L], batch.targets[b:b + 1, :L]
+            lp_of = lambda **kw: torch.log_softmax(m.logits(m.run_layers(m.embed_streams(ids), ids, **kw)).float()  # noqa: E731
+                                                   / cfg.rollout.temperature, -1).gather(-1, tgt[..., None])[0, :, 0]
+            want, own = lp_of(indexed=(rec + 1)[None]), lp_of()
+            on = batch.mask[b, :L] > 0
+            assert (old[b, :L][on] - want[on]).abs().max() <= 1e-5, b
+            if L > 17:                                   # rows long enough for the top-k to select
+                assert (want[on] - own[on]).abs().max() > 1e-3, b
+    shard.old_logprobs = old
+    calls[:] = []
+    actor.train(shard)
+    assert fwd_only and all(fwd_only) and all(calls)
+    assert len(calls) == 2 * len(fwd_only)                # each micro-batch: the training and the recomputed forward
+
+
+def test_collect_asks_for_keeps_and_drops_the_records():
+    """With `rollout.indexer_replay` every request asks for `return_indexer_topk`; each kept episode carries
+    its record (SGLang's base64 int32 [T-1, n_c4, K], stored entry + 1), a group dynamic sampling drops loses
+    it, and a server that sends none stops the step with one error naming the server option."""
+    import base64
+    import types
+
+    import numpy as np
+
+    from nanoflash.config import RunConfig
+    from nanoflash.rl.collector import collect
+    from nanoflash.sglang.client import Generation
+    mcfg = preset("tiny")
+    T, K = 2, mcfg.index_topk                                    # prompt [1, 2] + one token: 2 positions
+    kept_entries = np.full((T, 2, K), -1, np.int32)
+    rec = {"indexer_topk": base64.b64encode(kept_entries.tobytes()).decode()}
+    asked = []
+
+    class _Client:
+        weight_version = None
+
+        def __init__(self, meta):
+            self.meta = meta
+
+        def generate(self, ids, sp, return_routed_experts=False, return_indexer_topk=False):
+            asked.append(return_indexer_topk)
+            return [Generation(ids, [5], [-0.1], "stop", meta_info=dict(self.meta))
+                    for _ in range(sp["n"])]
+    flips = iter(range(10 ** 6))
+    task = types.SimpleNamespace(train=["same", "mixed"], encode=lambda p: [1, 2], stop_ids=[0],
+                                 reward=lambda probs, outs: [0.0 if probs[0] == "same" else float(next(flips) % 2)
+                                                             for _ in outs])
+    cfg = RunConfig()
+    cfg.grpo.n_prompts, cfg.grpo.group_size, cfg.grpo.over_sampling_batch_size = 1, 2, 2
+    cfg.rollout.indexer_replay, cfg.rollout.max_rounds = True, 1
+    kept, seen, _, _ = collect(_Client(rec), task, 0, cfg, mcfg)
+    assert asked and all(asked) and len(seen) == 4 and len(kept) == 2
+    for e in kept:
+        assert e.indexer_topk.dtype == torch.int16 and torch.equal(e.indexer_topk.long() - 1,
+                                                                   torch.from_numpy(kept_entries).long())
+    assert all(e.indexer_topk is None for e in seen if all(e is not k for k in kept))
+    with pytest.raises(RuntimeError, match=r"sent no indexer_topk record: SGLang needs --enable-return-indexer-topk"):
+        collect(_Client({}), task, 0, cfg, mcfg)
+
+
+def test_the_live_checks_forwards_replay_the_record_too(gen):
+    """With indexer replay the trainer's old log-probs replay the record, so the live checks' entropy and FP8
+    floor forwards must too (else the floor measures a selection the gap no longer has): `masked_logprobs` /
+    `masked_entropy` with `indexed` equal the plain forward with the record, row chunk by row chunk."""
+    from instruments.live import masked_entropy, masked_logprobs
+    model = _model().eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (3, S), generator=gen)
+    tgt = torch.roll(ids, -1, 1)
+    on = torch.zeros(3, S, dtype=torch.bool)
+    on[:, 20:] = True
+    rec = own_selection(model, ids).flip(2) + 1          # the layers' selections exchanged: not the model's own
+    with torch.no_grad():
+        logp = torch.log_softmax(model.logits(model.run_layers(model.embed_streams(ids), ids, indexed=rec)), -1)
+    want = logp.gather(-1, tgt[..., None])[..., 0][on]
+    got = masked_logprobs(model, ids, tgt, on, 1.0, tokens=2 * S, indexed=rec)   # chunks of two rows
+    own = masked_logprobs(model, ids, tgt, on, 1.0, tokens=2 * S)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0) and (got - own).abs().max() > 1e-3
+    ent = -(logp.exp() * logp).sum(-1)[on]
+    assert torch.allclose(masked_entropy(model, ids, on, 1.0, tokens=2 * S, indexed=rec), ent, atol=1e-4, rtol=0)

@@ -238,6 +238,37 @@ def case_model_seam(g):
             assert rel_err(mine, ref) <= FP32_TOL, f"layer {lid} {n}: relative error {rel_err(mine, ref):.2e}"
 
 
+def case_indexer_replay(g):
+    """A C4 attention layer with a replayed selection (`Attention(kept=)`, indexer replay: random visible entries,
+    -1 padded, in any order) through the kernels against the reference: output and gradients. Bug caught: the
+    kernels' index list given -1 before entries, or unsorted entries the selection lists mishandle."""
+    import dataclasses
+    from nanoflash.config import preset
+    from nanoflash.model import Attention
+    cfg = preset("tiny", index_topk=3)
+    S = 29
+    x = torch.randn(2, S, cfg.dim, generator=g, requires_grad=True)
+    kept = torch.full((2, S, 3), -1)
+    for b in range(2):
+        for t in range(S):
+            pick = torch.randperm((t + 1) // 4, generator=g)[:3]
+            kept[b, t, torch.randperm(3, generator=g)[:len(pick)]] = pick     # -1 anywhere among them
+    a = Attention(1, cfg)
+    with torch.no_grad():
+        for n, p in a.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (1.0 if n.endswith(("attn_sink", "ape")) else 0.3))
+    res = {}
+    for mode in ("reference", "triton"):
+        a.cfg = dataclasses.replace(cfg, kernels=mode)
+        y = a(x, kept=kept)
+        res[mode] = [y] + list(torch.autograd.grad(y.square().sum(), [x] + list(a.parameters()), allow_unused=True))
+    for n, mine, ref in zip(["out", "dx"] + [n for n, _ in a.named_parameters()], res["triton"], res["reference"]):
+        if ref is None or mine is None:
+            assert mine is None and ref is None, f"{n}: gradient present in one path only"
+            continue
+        assert rel_err(mine, ref) <= FP32_TOL, f"{n}: relative error {rel_err(mine, ref):.2e}"
+
+
 def case_the_tree_under_test(g):
     """The subprocess imports the nanoflash of this checkout (tests/interp.py puts it first on PYTHONPATH).
     Bug caught (planted: the PYTHONPATH line removed, run from a git worktree): the script's sys.path starts

@@ -187,6 +187,29 @@ def test_attention_layer_kernels_vs_reference(lid):
     assert all(v <= LAYER_TOL for v in errs.values()), f"layer {lid}: {errs}"
 
 
+def test_indexer_replay_of_the_own_selection_real_geometry():
+    """The small preset's C4 layer at S = 4096 (1,024 entries, top-512) through the kernels: its own selection
+    replayed (`Attention(kept=)`, indexer replay, the entries shuffled within each row as a server may send
+    them) gives its own output and gradients, up to the kernels' summation order (FWD_TOL / GRAD_TOL)."""
+    a, cfg = _small_layer(1)
+    a.cfg = dataclasses.replace(cfg, kernels="auto")
+    x = torch.randn(1, S, cfg.dim, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad():
+        qr = a.q_norm(a.wq_a(x))
+        own = a.indexer(x, qr, 0, None, None, True)[0].long()                    # [1,S,512], -1 padded
+    g = torch.Generator(DEV).manual_seed(2)
+    kept = own.gather(-1, torch.rand(own.shape, device=DEV, generator=g).argsort(-1))   # any order, -1 anywhere
+    res = {}
+    for name, kw in (("own", {}), ("replayed", {"kept": kept})):
+        y = a(x, **kw)
+        res[name] = [y] + list(torch.autograd.grad(y.float().square().mean(), [x] + list(a.parameters()),
+                                                   allow_unused=True))
+    names = ["out", "dx"] + [n for n, _ in a.named_parameters()]
+    errs = {n: rel_err(r, o) for n, r, o in zip(names, res["replayed"], res["own"]) if o is not None}
+    print(f"\nMEASURED indexer replay: out {errs['out']:.2e}, worst {max(errs.values()):.2e}")
+    assert errs["out"] <= FWD_TOL and all(v <= GRAD_TOL for v in errs.values()), errs
+
+
 def _decode_vs_full(cfg) -> float:
     """max |prefill + decode (reference, cache) - full forward (kernels)| / max |full|, tiny fp32 model on CUDA."""
     from nanoflash.model import Transformer

@@ -204,9 +204,13 @@ def test_rank0_host_counts_the_rollout_data():
     for n_experts, id_bytes in ((8, 1), (300, 2)):
         c = dataclasses.replace(cfg, n_routed_experts=n_experts)
         got = pl.rollout_bytes(c, shape)
-        assert got == {"episodes": episodes, "r3": (4 + 2) * 3 * T * ids * id_bytes,
+        assert got == {"episodes": episodes, "r3": (4 + 2) * 3 * T * ids * id_bytes, "indexer": 0,
                        "batch": 2 * 3 * T * (32 + ids * id_bytes), "decoding": 5 * 3 * T * ids * (16 / 3 + 12)}
     assert pl.rollout_bytes(cfg, dict(shape, replay=False))["r3"] == 0
+    # indexer replay: tiny's 2 C4 layers x top-4 entries a position, stored int16 (max_seq_len 256: 64 entries)
+    got = pl.rollout_bytes(cfg, dict(shape, replay=False, indexer_replay=True))
+    assert got["indexer"] == (4 + 2) * 3 * T * 8 * 2 and got["batch"] == 2 * 3 * T * (32 + 8 * 2)
+    assert got["decoding"] == 5 * 3 * T * 8 * (16 / 3 + 12)
     run = parse_args(["--recipe", "smoke", "--rollout.routing_replay", "true"])
     setup = pl.setup_from_run(run, cfg, world=4)
     assert setup.rollout["prompts"] == 4 and setup.rollout["rounds"] == run.rollout.max_rounds

@@ -58,6 +58,7 @@ def test_routing_records_are_compact_and_dropped_with_their_group():
     """Bugs caught (issue 37): R3 records kept as int64 [T, n_layers, K] for every sample seen (~24 GiB a round
     on rank 0 at flash scale), and kept for groups dynamic sampling dropped. The ids must survive exactly."""
     import base64
+    import types
 
     import numpy as np
     import torch
@@ -72,7 +73,8 @@ def test_routing_records_are_compact_and_dropped_with_their_group():
 
     class _Task:
         reward = staticmethod(lambda probs, outs: [1.0] * len(outs))
-    (ep,) = _episodes(gens, [1, 2], 0, _Task, None, 2, 2, 256)
+    (ep,) = _episodes(gens, [1, 2], 0, _Task, None, types.SimpleNamespace(n_layers=2, n_activated_experts=2,
+                                                                            n_routed_experts=256))
     assert ep.routed_experts.dtype == torch.uint8 and ep.routed_experts.tolist() == ids.tolist()
 
 

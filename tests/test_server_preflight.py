@@ -153,3 +153,23 @@ def test_a_distributed_push_needs_one_torch_and_nccl(ckpts):
     with pytest.raises(ServerMismatch, match=r"runs torch 2\.11\.0 \(pinned by SGLang 0\.5\.16.*trainer torch 2\.13"):
         check_versions(Real("0.5.16"), {"torch": "2.13.0+cpu", "nccl": None})
     assert "not checked" in check_versions(Real("0.6.1"), {"torch": "2.13.0", "nccl": None})[0]
+
+
+def test_indexer_replay_needs_servers_that_report_their_kept_sets():
+    """`rollout.indexer_replay`: a server whose /server_info (SGLang's server args) lacks
+    enable_return_indexer_topk=True is refused before the first push, named; one started with it passes."""
+    from nanoflash.sglang.preflight import check_indexer_topk
+
+    class Info:
+        urls = ["http://sglang:30000"]
+
+        def __init__(self, **info):
+            self.info = info
+
+        def server_info(self, url):
+            return self.info
+    check_indexer_topk(Info(version="0.5.16", enable_return_indexer_topk=True))
+    for info in ({"version": "0.5.16", "enable_return_indexer_topk": False}, {"version": "0.5.16"}):
+        with pytest.raises(ServerMismatch, match=r"http://sglang:30000 reports enable_return_indexer_topk=(False|None)"
+                                                 r": rollout.indexer_replay needs"):
+            check_indexer_topk(Info(**info))

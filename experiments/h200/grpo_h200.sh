@@ -84,6 +84,8 @@ long_overrides() {
   echo "--train.data $LT:$fam:train --eval.data $LT:$fam:heldout"
   # the live checks assume one policy on both sides: not in the sync/async comparison (compare_runs)
   [ "${H20_COMPARE:-0}" = 1 ] || echo "--train.hooks instruments.live:LiveChecksLong"
+  # H20_INDEXER_REPLAY=1: the trainer replays SGLang's C4 kept sets (the server reports them: server_topk)
+  [ "${H20_INDEXER_REPLAY:-0}" = 1 ] && [ "$MODE" = gpu ] && echo "--rollout.indexer_replay true"
   # memory: SGLang's static share H20_MEM (0.30 here: its KV pool of ~40 GB holds 64 requests of 3K tokens many
   # times over) and the trainer's and the SFT's allocators capped at H20_TRAIN_MEM (0.58: 83 GB against a measured
   # peak of 60.7 GiB), leaving 12% for SGLang's per-batch memory and the CUDA contexts. 2026-12-03, one step off
@@ -184,10 +186,11 @@ card_knobs() {
 }
 server_mem() { local m=0.45; [ "$LONG" = 1 ] && m=0.30; echo "${H20_MEM:-$m}"; }   # long_overrides says why
 server_topk() {  # H20_SERVER_TOPK=1 (long task): SGLang reports its C4 kept sets, which LiveChecksLong's prefill
-  # check asks for (server_agree_*); its pinned host buffer is 4 KiB a KV token, and SGLang 0.5.16 sizes it by the
-  # KV pool (24.7M tokens at 0.25 on an H100, 2026-12-07: ~100 GB), so the pool is bounded (H20_TOPK_TOKENS,
-  # 262144: 64 requests of ~3K tokens and the 32-sequence prefill check fit; 1 GiB pinned)
-  [ "$LONG" = 1 ] && [ "${H20_SERVER_TOPK:-0}" = 1 ] || return 0
+  # check asks for (server_agree_*) and H20_INDEXER_REPLAY=1 trains on (--rollout.indexer_replay, long_overrides);
+  # its pinned host buffer is 4 KiB a KV token, and SGLang 0.5.16 sizes it by the KV pool (24.7M tokens at 0.25
+  # on an H100, 2026-12-07: ~100 GB), so the pool is bounded (H20_TOPK_TOKENS, 262144: 64 requests of ~3K
+  # tokens and the 32-sequence prefill check fit; 1 GiB pinned)
+  [ "$LONG" = 1 ] && { [ "${H20_SERVER_TOPK:-0}" = 1 ] || [ "${H20_INDEXER_REPLAY:-0}" = 1 ]; } || return 0
   echo "--enable-return-indexer-topk --max-total-tokens ${H20_TOPK_TOKENS:-262144}"
 }
 serve_sglang() {  # $1: log suffix of a restart (".1", ...)

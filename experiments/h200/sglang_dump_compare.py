@@ -4,7 +4,7 @@ nanoflash's FP8 floor on the same positions (issue 42: the past-EOS difference a
 SGLang started with `--debug-tensor-dump-output-folder DIR` saves, for every forward pass, the output of every
 leaf module (`model.layers.3.self_attn.wo_b`, `...indexer.wq_b`, `...mlp.shared_experts.down_proj`, ...) in
 `DIR/TP0_PP0_Rank0_pid*/PassNNNNN.pt`. With `--enable-return-indexer-topk` it also reports, per position, the
-C4 entries each indexer kept (`instruments.indexer_agreement.decode_server_topk`). This script:
+C4 entries each indexer kept (`nanoflash.sglang.client.decode_indexer_topk`). This script:
 
 1. samples a continuation of a long-task prompt (experiments/h200/longctx.py) from the server past its EOS
    (`ignore_eos`, the parity table's setting), so the sequence has prompt, response and past-EOS positions in
@@ -199,7 +199,7 @@ def main():
     from experiments.h200 import sglang_check as sc
     from instruments import indexer_agreement as ia
     from nanoflash.rl.data import V4Tokenizer
-    from nanoflash.sglang.client import SGLangClient
+    from nanoflash.sglang.client import SGLangClient, decode_indexer_topk
     client, t0 = SGLangClient([sc.URL], timeout=900), time.time()
     client.wait_healthy(timeout=a.wait)
     prompt = sc.long_prompt(a.len, 42)
@@ -227,7 +227,7 @@ def main():
            "unpaired_ours": sorted(set(ours) - {n for _, _, ns in pairs(theirs, ours) for n in ns})[:200]}
     if "indexer_topk" in meta:
         n_c4 = sum(1 for r in model.cfg.compress_ratios[:model.cfg.n_layers] if r == 4)
-        server_topk = ia.decode_server_topk(meta, n_c4, model.cfg.index_topk)
+        server_topk = decode_indexer_topk(meta, n_c4, model.cfg.index_topk)
         res["topk"] = topk_agreement(model, ids, server_topk, model.cfg, a.topk_positions)
     else:
         res["topk"] = "the server reported no indexer_topk (started without --enable-return-indexer-topk?)"

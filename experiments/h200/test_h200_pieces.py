@@ -997,4 +997,5 @@ def test_server_topk_bounds_the_pool_only_when_asked_on_the_long_task():
         return out.stdout.split()
     assert flags(LONG="1", H20_SERVER_TOPK="1") == ["--enable-return-indexer-topk", "--max-total-tokens", "262144"]
     assert flags(LONG="1", H20_SERVER_TOPK="1", H20_TOPK_TOKENS="131072")[-1] == "131072"
+    assert flags(LONG="1", H20_INDEXER_REPLAY="1") == flags(LONG="1", H20_SERVER_TOPK="1")    # replay needs them
     assert flags(LONG="1") == [] and flags(LONG="0", H20_SERVER_TOPK="1") == []

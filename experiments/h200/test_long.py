@@ -14,6 +14,7 @@ from experiments.h200 import longctx
 from instruments import bands, indexer_agreement as ia, live
 from nanoflash.config import preset
 from nanoflash.model import Transformer
+from nanoflash.sglang.client import decode_indexer_topk
 from nanoflash.rl import data, rewards
 
 RESPONSE_CAP = 64        # the long run's rollout.max_new_tokens (grpo_h200.sh long_overrides)
@@ -183,7 +184,7 @@ def test_indexer_agreement_reads_the_models_own_selection_and_a_planted_server(g
     own = torch.stack([ia.kept_sets(m.get_submodule(n), *cap[n], torch.arange(39), "qat") for n in names], 1)
     import base64
     meta = {"indexer_topk": base64.b64encode(own.to(torch.int32).numpy().tobytes()).decode()}
-    server = ia.decode_server_topk(meta, 2, cfg.index_topk)
+    server = decode_indexer_topk(meta, 2, cfg.index_topk)
     assert torch.equal(server, own)
     same = ia.agreement_with_server(m, ids, server, pos)
     assert all(v["identical_share"] == 1.0 for v in same.values())

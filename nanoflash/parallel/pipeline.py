@@ -49,6 +49,7 @@ from nanoflash.parallel.dims import ParallelDims
 
 LAST_STAGE_MODULES = ("norm", "head", "mtp")
 ROUTED_FIELD = "routed_experts"  # micro-batch field [B,S,n_layers,K]: routing replay, handed to run_layers
+INDEXED_FIELD = "indexer_topk"   # micro-batch field [B,S,n_c4,K], entry + 1: indexer replay, likewise
 LAST_STAGE_PARAMS = ("hc_head_fn", "hc_head_base", "hc_head_scale")
 
 
@@ -158,7 +159,7 @@ class _Schedule:
     def forward(self, h_in, mb):
         ids = mb["input_ids"]
         h = self.model.embed_streams(ids) if self.dims.is_first_stage else h_in
-        out = self.model.run_layers(h, ids, routed=mb.get(ROUTED_FIELD))
+        out = self.model.run_layers(h, ids, routed=mb.get(ROUTED_FIELD), indexed=mb.get(INDEXED_FIELD))
         if self.dims.is_last_stage:
             loss = self.loss_fn(self.model, out, mb)
             loss, metrics = loss if isinstance(loss, tuple) else (loss, {})
@@ -183,7 +184,8 @@ def forward_backward(model: nn.Module, dims: ParallelDims, microbatches, loss_fn
     h [B,S,M,D], mb) -> scalar | (scalar, {name: scalar})` runs on the last stage. Returns (loss_scale * sum
     of the losses, {name: loss_scale * sum of the metrics}) over the micro-batches on the last stage; (0, {})
     elsewhere. A micro-batch field `routed_experts` [B,S,n_layers,K] is routing replay: it travels with the
-    other fields and every stage hands it to `run_layers`, so replay works at any PP and with recompute.
+    other fields and every stage hands it to `run_layers`, so replay works at any PP and with recompute; so
+    does `indexer_topk` [B,S,n_c4,K] (indexer replay, entry + 1).
     """
     sch = _Schedule(model, dims, microbatches, loss_fn, loss_scale)
     m, p, r = len(sch.meta["fields"]), dims.pp, dims.pp_rank
@@ -226,7 +228,7 @@ def forward_only(model: nn.Module, dims: ParallelDims, microbatches, fn) -> list
         p2p_exchange([], recvs, sch.dims.staging)
         ids = mb["input_ids"]
         h = model.run_layers(model.embed_streams(ids) if dims.is_first_stage else h_in, ids,
-                             routed=mb.get(ROUTED_FIELD))
+                             routed=mb.get(ROUTED_FIELD), indexed=mb.get(INDEXED_FIELD))
         p2p_exchange(sch.send_forward(h, mb), [], sch.dims.staging)
         if dims.is_last_stage:
             results.append(fn(model, h, mb).cpu())

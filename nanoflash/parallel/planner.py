@@ -150,7 +150,7 @@ def rollout_shape(cfg, mcfg) -> dict:
     return {"prompts": chunk * -(-gc.n_prompts // chunk), "group_size": gc.group_size, "rounds": rc.max_rounds,
             "kept": gc.n_prompts, "prompt_tokens": min(PROMPT_TOKENS, mcfg.max_seq_len - 1),
             "response_tokens": min(rc.max_new_tokens, mcfg.max_seq_len - 1), "replay": rc.routing_replay,
-            "in_flight": rc.max_workers}
+            "indexer_replay": rc.indexer_replay, "in_flight": rc.max_workers}
 
 
 def rollout_bytes(cfg, shape: dict) -> dict:
@@ -159,18 +159,26 @@ def rollout_bytes(cfg, shape: dict) -> dict:
                    samples): rounds x prompts x (P x 36 + n x R x (36 + 32))
         r3         R3 records of the kept groups, [P+R-1, n_layers, K] in `grpo.expert_id_dtype`; at worst a round
                    keeps every group: (prompts + G) x n samples
-        batch      the packed global batch of G x n rows of P+R-1 positions (PACKED_TOKEN_BYTES, + R3 per token)
-        decoding   R3 payloads of the requests in flight (rollout.max_workers) being decoded (R3_DECODE_BYTES)
-    with P prompt and R response tokens a sample. `cfg`: the ModelConfig (n_layers, top-k, experts)."""
+        indexer    indexer-replay records likewise, [P+R-1, n_c4, index_topk] entries + 1 in int16 (int32 past
+                   2^15 entries, `grpo.entry_record`)
+        batch      the packed global batch of G x n rows of P+R-1 positions (PACKED_TOKEN_BYTES, + the records)
+        decoding   replay payloads of the requests in flight (rollout.max_workers) being decoded (R3_DECODE_BYTES
+                   an id: both records arrive as base64 int32 and are decoded through int64)
+    with P prompt and R response tokens a sample. `cfg`: the ModelConfig (n_layers, top-k, experts, C4 layers)."""
     P, R, n = shape["prompt_tokens"], shape["response_tokens"], shape["group_size"]
     T = min(P + R, cfg.max_seq_len) - 1   # positions of a sample's record and packed row
     ids = cfg.n_layers * cfg.n_activated_experts if shape["replay"] else 0   # R3 ids per position
     id_bytes = expert_id_dtype(cfg.n_routed_experts).itemsize
+    entries = sum(r == 4 for r in cfg.compress_ratios[:cfg.n_layers]) * cfg.index_topk \
+        if shape.get("indexer_replay") else 0                                 # indexer entries per position
+    entry_bytes = 2 if cfg.max_seq_len // 4 < 2 ** 15 else 4
+    per_pos = ids * id_bytes + entries * entry_bytes
     return {"episodes": shape["rounds"] * shape["prompts"] * (P * PY_TOKEN_BYTES + n * R * (PY_TOKEN_BYTES
                                                                                             + PY_LOGPROB_BYTES)),
             "r3": (shape["prompts"] + shape["kept"]) * n * T * ids * id_bytes,
-            "batch": shape["kept"] * n * T * (PACKED_TOKEN_BYTES + ids * id_bytes),
-            "decoding": shape["in_flight"] * n * T * ids * R3_DECODE_BYTES}
+            "indexer": (shape["prompts"] + shape["kept"]) * n * T * entries * entry_bytes,
+            "batch": shape["kept"] * n * T * (PACKED_TOKEN_BYTES + per_pos),
+            "decoding": shape["in_flight"] * n * T * (ids + entries) * R3_DECODE_BYTES}
 
 
 def owner(name: str, cfg, pp: int, ep: int, layer_split=None) -> tuple[int | None, int | None]:

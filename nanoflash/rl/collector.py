@@ -192,7 +192,8 @@ def preflight(client, rc) -> None:
     """The servers at rollout.urls hold experts as the push sends them and, for a distributed push, run the
     trainer's torch (and NCCL): `sglang.preflight`; else one line, stop, before the first push."""
     try:
-        for note in check_servers(client, rc.weights, rc.transport == "distributed"):
+        for note in check_servers(client, rc.weights, rc.transport == "distributed",
+                                  indexer_replay=rc.indexer_replay):
             print(f"rollout.urls: {note}", flush=True)
     except ServerMismatch as e:
         raise SystemExit(f"rollout.urls: {e}") from None

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoflash import grpo
-from nanoflash.sglang.client import RequestRejected, decode_routed_experts
+from nanoflash.sglang.client import RequestRejected, decode_indexer_topk, decode_routed_experts
 
 SEED_MOD = 2 ** 62  # SGLang sampling seeds are int64; keep them positive
 # Ctrl-C: each server gets this long to take `/abort_request {"abort_all"}`; a healthy one answers at once, and a
@@ -107,16 +107,25 @@ def reward_counts(task) -> dict:
 expert_id_dtype = grpo.expert_id_dtype  # R3 records in the smallest integer type of the expert count
 
 
-def _episodes(gens, prompt_ids, position, task, problem, n_layers: int, topk: int, n_experts: int) -> list:
-    """Finished generations of one prompt -> rewarded episodes (the R3 record of each, compacted)."""
+def _episodes(gens, prompt_ids, position, task, problem, mcfg, indexed: bool = False) -> list:
+    """Finished generations of one prompt -> rewarded episodes (the R3 record of each, compacted; with
+    `indexed` the indexer record of each, which the server must have sent)."""
     rs = task.reward([problem] * len(gens), [g.output_ids for g in gens])
     out = []
     for g, r in zip(gens, rs):
-        rx = None
+        rx = kx = None
         if "routed_experts" in g.meta_info:  # R3: the experts the engine chose, per input position and layer
-            rx = decode_routed_experts(g.meta_info, n_layers, topk).to(expert_id_dtype(n_experts))
+            rx = decode_routed_experts(g.meta_info, mcfg.n_layers, mcfg.n_activated_experts).to(
+                expert_id_dtype(mcfg.n_routed_experts))
+        if indexed:                          # indexer replay: the C4 entries it kept, per input position and layer
+            if "indexer_topk" not in g.meta_info:
+                raise RuntimeError("rollout.indexer_replay: a rollout server (rollout.urls) sent no indexer_topk "
+                                   "record: SGLang needs --enable-return-indexer-topk; nanoflash's embedded server "
+                                   "does not report one")
+            n_c4 = sum(r == 4 for r in mcfg.compress_ratios[:mcfg.n_layers])
+            kx = grpo.entry_record(decode_indexer_topk(g.meta_info, n_c4, mcfg.index_topk))
         out.append(grpo.Episode(prompt_ids, g.output_ids, g.logprobs, float(r), position, g.finish_reason or "stop",
-                                rx))
+                                rx, kx))
     return out
 
 
@@ -226,8 +235,8 @@ class Carry:
 
 
 def _meta_state(meta: dict) -> dict:
-    """What of a meta_info a checkpoint keeps: the R3 record (the rest is not read once a sample is carried)."""
-    return {"routed_experts": meta["routed_experts"]} if "routed_experts" in meta else {}
+    """What of a meta_info a checkpoint keeps: the replay records (the rest is not read once a sample is carried)."""
+    return {k: meta[k] for k in ("routed_experts", "indexer_topk") if k in meta}
 
 
 # ---------------------------------------------------------------------------------------------- one round
@@ -290,11 +299,13 @@ class _Sender:
     def __init__(self, client, pool, cancel: threading.Event | None):
         self.client, self.pool, self.closed, self.cancel = client, pool, threading.Event(), cancel
 
-    def submit(self, ids, sp, routed: bool):
+    def submit(self, ids, sp, routed: bool, indexed: bool = False):
+        kw = {"return_routed_experts": routed, **({"return_indexer_topk": True} if indexed else {})}
+
         def send():
             if self.closed.is_set() or (self.cancel is not None and self.cancel.is_set()):
                 return None
-            return self.client.generate(ids, sp, return_routed_experts=routed)
+            return self.client.generate(ids, sp, **kw)
         return self.pool.submit(send)
 
     def close(self, futures, cancel=None) -> None:
@@ -403,11 +414,11 @@ class _Step:
         if j is None:
             sp.update(n=self.cfg.grpo.group_size, max_new_tokens=rc.max_new_tokens,
                       sampling_seed=request_seed(seed, g.position))
-            return sender.submit(prompt, sp, rc.routing_replay)
+            return sender.submit(prompt, sp, rc.routing_replay, rc.indexer_replay)
         s = g.samples[j]
         sp.update(n=1, max_new_tokens=rc.max_new_tokens - len(s.ids),
                   sampling_seed=continuation_seed(seed, g.position, j, s.parts))
-        return sender.submit(prompt + s.ids, sp, rc.routing_replay)
+        return sender.submit(prompt + s.ids, sp, rc.routing_replay, rc.indexer_replay)
 
     def _answers(self, g: Group, reqs, r: RoundStats) -> bool:
         """Apply the answers of group `g`'s requests [(j, future)]; False if the group is lost (its prompt is
@@ -478,15 +489,15 @@ class _Step:
         """Reward a finished group; keep it if dynamic sampling does (its samples -> episodes)."""
         gc, m = self.cfg.grpo, self.mcfg
         gens = [_Gen(s) for s in g.samples]
-        eps = _episodes(gens, self.task.encode(self.problem(g)), g.position, self.task, self.problem(g),
-                        m.n_layers, m.n_activated_experts, m.n_routed_experts)
+        eps = _episodes(gens, self.task.encode(self.problem(g)), g.position, self.task, self.problem(g), m,
+                        self.cfg.rollout.indexer_replay)
         self.seen += eps
         varied = grpo.filter_groups(eps, gc.group_size)
         if not varied:
             equal[eps[0].reward] += 1
         good = varied if gc.dynamic_sampling else eps
-        for e in eps if not good else ():   # a dropped group (one prompt's samples): its R3 records are
-            e.routed_experts = None          # never trained; rank 0 holds only what it will train
+        for e in eps if not good else ():   # a dropped group (one prompt's samples): its replay records are
+            e.routed_experts = e.indexer_topk = None   # never trained; rank 0 holds only what it will train
         if good:
             self.kept += good
             self.trained_groups.append(g)

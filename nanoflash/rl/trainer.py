@@ -31,7 +31,8 @@ D = DP x EP, held only by first pipeline stages; later stages receive everything
 
 Routing replay (R3) is data: the rollout's experts `routed_experts` [B,S,n_layers,K] are a micro-batch field,
 travel through the pipeline with the other fields and reach every gate (`Transformer.run_layers(routed=)`),
-so it works at any PP and with activation recompute.
+so it works at any PP and with activation recompute. Indexer replay likewise: `indexer_topk` [B,S,n_c4,K]
+(entry + 1, 0 = none: zero padding keeps nothing) reaches every C4 layer (`run_layers(indexed=)`).
 
 Weights for the rollout engines: `state_iter()` yields this rank's (official name, device tensor) pairs.
 TEMPORARY (until per-stage weight sync): `gather_full_state` merges every rank's pieces on rank 0, refused
@@ -159,6 +160,7 @@ class Trainer:
         self.device, self.dtype = resolve_device(par.device, dims), DTYPES[tc.dtype]
         self.memory_cap_gib = cap_gpu_memory(self.device, par.gpu_memory_fraction)
         self.temperature, self.replay = cfg.rollout.temperature, cfg.rollout.routing_replay
+        self.indexer_replay = cfg.rollout.indexer_replay
         self.matched = cfg.rollout.weights == "fp32" and tc.dtype == "fp32"  # batch-invariant scoring
         hf = bool(checkpoint) and not checkpoint_is_dcp   # the HF loader checks every header, then materialises
         self.model = build_model(mcfg, dims, par, self.dtype, self.device, None if checkpoint else tc.seed,
@@ -240,7 +242,8 @@ class Trainer:
         return equalize_count(mbs, groups, self.dims, template=_template(shard, fields))
 
     def _fields(self, *extra) -> tuple:
-        return FIELDS + extra + (("routed_experts",) if self.replay else ())
+        return FIELDS + extra + (("routed_experts",) if self.replay else ()) + (
+            ("indexer_topk",) if self.indexer_replay else ())
 
     # ------------------------------------------------------------------ GRPO
     def lr_at(self, step: int) -> float:

@@ -151,6 +151,19 @@ def decode_routed_experts(meta_info: dict, n_layers: int, topk: int):
     return torch.from_numpy(arr.copy()).to(torch.int64).view(-1, n_layers, topk)  # [T-1,n_layers,K]
 
 
+def decode_indexer_topk(meta_info: dict, n_layers: int, topk: int):
+    """SGLang's indexer record (`return_indexer_topk`, 0.5.16 `state_capturer/indexer_topk.py`): base64 int32
+    -> int64 tensor [tokens - 1, n_layers, topk], row t the C4 entries query t kept (-1 padded), layer j the
+    model's j-th C4 layer (`compress_layer_id`)."""
+    import numpy as np
+    import torch
+    raw = base64.b64decode(meta_info["indexer_topk"], validate=True)
+    arr = np.frombuffer(raw, dtype=np.int32)
+    if arr.size % (n_layers * topk):
+        raise ValueError(f"indexer_topk holds {arr.size} ids, not a multiple of C4 layers x topk = {n_layers * topk}")
+    return torch.from_numpy(arr.copy()).to(torch.int64).view(-1, n_layers, topk)  # [T-1,n_c4,K]
+
+
 def parse_version(v: str) -> tuple:
     """'0.5.16.post1' -> (0, 5, 16); unparsable -> ()."""
     m = re.match(r"\s*v?(\d+)\.(\d+)\.(\d+)", str(v))
@@ -385,7 +398,8 @@ class SGLangClient:
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids: list, sampling_params: dict, return_logprob: bool = True,
-                 url: str | None = None, retry_s: float | None = None, return_routed_experts: bool = False) -> list:
+                 url: str | None = None, retry_s: float | None = None, return_routed_experts: bool = False,
+                 return_indexer_topk: bool = False) -> list:
         """Sample `sampling_params['n']` (default 1) completions of one prompt; a list of `Generation`."""
         if not input_ids or not all(isinstance(t, int) for t in input_ids):
             raise ValueError(f"input_ids must be a non-empty list of ints, got {str(input_ids)[:80]}")
@@ -395,6 +409,8 @@ class SGLangClient:
                 "return_logprob": return_logprob, "rid": rid}
         if return_routed_experts:
             body["return_routed_experts"] = True
+        if return_indexer_topk:
+            body["return_indexer_topk"] = True
         with self._lock:
             self._inflight[url] += 1
         try:

@@ -2,6 +2,8 @@
 
     check_servers(client, weights, distributed)   # -> notes; raises ServerMismatch
 
+**Indexer replay** (`rollout.indexer_replay`): every server must report its C4 kept sets (`check_indexer_topk`).
+
 **Expert storage.** The stream sends routed experts as FP8 128x128 blocks when `rollout.weights=fp8`, else in the
 trainer's dtype; a server must hold them the same way (SGLang's loader checks neither dtype nor width of what it
 is sent, `shared/docs/sglang_loader_check.md`). SGLang 0.5.16 reports no field for it. It decides once, at start-up
@@ -165,7 +167,22 @@ def check_versions(client, mine: dict | None = None) -> list[str]:
     return notes
 
 
-def check_servers(client, weights: str, distributed: bool, env=os.environ) -> list[str]:
-    """The start-up checks of every server (`Collector`): expert storage; torch/NCCL for a distributed push."""
+def check_indexer_topk(client) -> None:
+    """Indexer replay needs every server to report its C4 kept sets: SGLang 0.5.16 does when started with
+    `--enable-return-indexer-topk` (srt/server_args.py L2851; /server_info holds the server args, so the flag
+    `enable_return_indexer_topk`), and without it answers requests that ask for them with no record at all."""
+    for url in client.urls:
+        on = client.server_info(url).get("enable_return_indexer_topk")
+        if on is not True:
+            raise ServerMismatch(f"{url} reports enable_return_indexer_topk={on!r}: rollout.indexer_replay needs "
+                                 f"each server's C4 kept sets (start SGLang with --enable-return-indexer-topk; "
+                                 f"nanoflash's embedded server does not report them)")
+
+
+def check_servers(client, weights: str, distributed: bool, env=os.environ, indexer_replay: bool = False) -> list[str]:
+    """The start-up checks of every server (`Collector`): expert storage; torch/NCCL for a distributed push;
+    the indexer's kept sets for indexer replay."""
     check_experts(client, weights, env)
+    if indexer_replay:
+        check_indexer_topk(client)
     return check_versions(client) if distributed else []
