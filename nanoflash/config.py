@@ -386,8 +386,8 @@ class RolloutConfig:
     sync_addr: str = "127.0.0.1:29600"  # host:port of the trainer's rank 0 for transport=distributed (NCCL/gloo group)
     verify: bool = True               # compare /weights_checker checksums after every push
     routing_replay: bool = False      # R3: replay the rollout engine's expert choices in the trainer forward
-    indexer_replay: bool = False      # replay the rollout engine's C4 kept entries in the trainer forward (Miles
-                                      # --use-rollout-indexer-replay; SGLang --enable-return-indexer-topk)
+    indexer_replay: bool = False      # replay the rollout engine's C4 kept entries in the trainer forward (Miles'
+                                      # indexer replay; the servers must report return_indexer_topk)
     max_rounds: int = 8               # over-sampling rounds per step before training on what was kept
     partial: bool = False             # partial rollouts (Miles --partial-rollout): the groups a step's tail abort leaves
                                       # unfinished are continued next step, their tokens keeping their log-probs (TIS)

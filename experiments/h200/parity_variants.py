@@ -44,9 +44,9 @@ def _set(objs, name, value):
             setattr(o, name, v)
 
 
-def _no_c128_keys(self, x, qr, start_pos, cache, fast=False):
+def _no_c128_keys(self, x, qr, start_pos, cache, fast=False, kept=None):
     """`Attention.compressed_keys` with every entry of a ratio > 4 layer dropped (index -1 / mask False)."""
-    comp, keep = _COMPRESSED_KEYS(self, x, qr, start_pos, cache, fast)
+    comp, keep = _COMPRESSED_KEYS(self, x, qr, start_pos, cache, fast, kept)
     if self.ratio > 4:
         keep = torch.full_like(keep, -1) if fast else torch.zeros_like(keep)
     return comp, keep

@@ -71,7 +71,7 @@ from torch.utils._pytree import tree_leaves
 from nanoflash.grpo import expert_id_dtype
 from nanoflash.names import official_parameters, storage_kind
 from nanoflash.config import ParallelConfig, preset, recompute_blocks
-from nanoflash.model import FP32_KEYS, Block, Transformer, init_param_, set_recompute
+from nanoflash.model import FP32_KEYS, Block, Transformer, c4_layers, init_param_, set_recompute
 from nanoflash.parallel.expert import EXPERT_KEY, expert_range
 from nanoflash.parallel.optim import ALIGN, HOST_CHUNK_ELEMS, is_frozen
 from nanoflash.parallel.pipeline import LAST_STAGE_MODULES, LAST_STAGE_PARAMS, split_layers
@@ -169,8 +169,7 @@ def rollout_bytes(cfg, shape: dict) -> dict:
     T = min(P + R, cfg.max_seq_len) - 1   # positions of a sample's record and packed row
     ids = cfg.n_layers * cfg.n_activated_experts if shape["replay"] else 0   # R3 ids per position
     id_bytes = expert_id_dtype(cfg.n_routed_experts).itemsize
-    entries = sum(r == 4 for r in cfg.compress_ratios[:cfg.n_layers]) * cfg.index_topk \
-        if shape.get("indexer_replay") else 0                                 # indexer entries per position
+    entries = len(c4_layers(cfg)) * cfg.index_topk if shape.get("indexer_replay") else 0   # indexer entries a position
     entry_bytes = 2 if cfg.max_seq_len // 4 < 2 ** 15 else 4
     per_pos = ids * id_bytes + entries * entry_bytes
     return {"episodes": shape["rounds"] * shape["prompts"] * (P * PY_TOKEN_BYTES + n * R * (PY_TOKEN_BYTES

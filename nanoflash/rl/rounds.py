@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoflash import grpo
+from nanoflash.model import c4_layers
 from nanoflash.sglang.client import RequestRejected, decode_indexer_topk, decode_routed_experts
 
 SEED_MOD = 2 ** 62  # SGLang sampling seeds are int64; keep them positive
@@ -122,8 +123,7 @@ def _episodes(gens, prompt_ids, position, task, problem, mcfg, indexed: bool = F
                 raise RuntimeError("rollout.indexer_replay: a rollout server (rollout.urls) sent no indexer_topk "
                                    "record: SGLang needs --enable-return-indexer-topk; nanoflash's embedded server "
                                    "does not report one")
-            n_c4 = sum(r == 4 for r in mcfg.compress_ratios[:mcfg.n_layers])
-            kx = grpo.entry_record(decode_indexer_topk(g.meta_info, n_c4, mcfg.index_topk))
+            kx = grpo.entry_record(decode_indexer_topk(g.meta_info, len(c4_layers(mcfg)), mcfg.index_topk))
         out.append(grpo.Episode(prompt_ids, g.output_ids, g.logprobs, float(r), position, g.finish_reason or "stop",
                                 rx, kx))
     return out
