@@ -171,51 +171,6 @@ def test_the_trainer_replays_the_record_in_every_forward():
     assert len(calls) == 2 * len(fwd_only)                # each micro-batch: the training and the recomputed forward
 
 
-def test_collect_asks_for_keeps_and_drops_the_records():
-    """With `rollout.indexer_replay` every request asks for `return_indexer_topk`; each kept episode carries
-    its record (SGLang's base64 int32 [T-1, n_c4, K], stored entry + 1), a group dynamic sampling drops loses
-    it, and a server that sends none stops the step with one error naming the server option."""
-    import base64
-    import types
-
-    import numpy as np
-
-    from nanoflash.config import RunConfig
-    from nanoflash.rl.collector import collect
-    from nanoflash.sglang.client import Generation
-    mcfg = preset("tiny")
-    T, K = 2, mcfg.index_topk                                    # prompt [1, 2] + one token: 2 positions
-    kept_entries = np.full((T, 2, K), -1, np.int32)
-    rec = {"indexer_topk": base64.b64encode(kept_entries.tobytes()).decode()}
-    asked = []
-
-    class _Client:
-        weight_version = None
-
-        def __init__(self, meta):
-            self.meta = meta
-
-        def generate(self, ids, sp, return_routed_experts=False, return_indexer_topk=False):
-            asked.append(return_indexer_topk)
-            return [Generation(ids, [5], [-0.1], "stop", meta_info=dict(self.meta))
-                    for _ in range(sp["n"])]
-    flips = iter(range(10 ** 6))
-    task = types.SimpleNamespace(train=["same", "mixed"], encode=lambda p: [1, 2], stop_ids=[0],
-                                 reward=lambda probs, outs: [0.0 if probs[0] == "same" else float(next(flips) % 2)
-                                                             for _ in outs])
-    cfg = RunConfig()
-    cfg.grpo.n_prompts, cfg.grpo.group_size, cfg.grpo.over_sampling_batch_size = 1, 2, 2
-    cfg.rollout.indexer_replay, cfg.rollout.max_rounds = True, 1
-    kept, seen, _, _ = collect(_Client(rec), task, 0, cfg, mcfg)
-    assert asked and all(asked) and len(seen) == 4 and len(kept) == 2
-    for e in kept:
-        assert e.indexer_topk.dtype == torch.int16 and torch.equal(e.indexer_topk.long() - 1,
-                                                                   torch.from_numpy(kept_entries).long())
-    assert all(e.indexer_topk is None for e in seen if all(e is not k for k in kept))
-    with pytest.raises(RuntimeError, match=r"sent no indexer_topk record: SGLang needs --enable-return-indexer-topk"):
-        collect(_Client({}), task, 0, cfg, mcfg)
-
-
 def test_the_live_checks_forwards_replay_the_record_too(gen):
     """With indexer replay the trainer's old log-probs replay the record, so the live checks' entropy and FP8
     floor forwards must too (else the floor measures a selection the gap no longer has): `masked_logprobs` /

@@ -203,19 +203,40 @@ def case_index_scores(g):
         assert rel_err(got[:, vis], want[:, vis]) <= SCORE_TOL, f"start_pos={start_pos}: scores"
 
 
+def _random_attention(lid, cfg, g):
+    """Attention layer `lid` of `cfg` with random parameters (sinks and ape at scale 1, the rest 0.3)."""
+    from nanoflash.model import Attention
+    a = Attention(lid, cfg)
+    with torch.no_grad():
+        for n, p in a.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (1.0 if n.endswith(("attn_sink", "ape")) else 0.3))
+    return a
+
+
+def _out_and_grads(a, x, **kw):
+    """[y, dx, d(every parameter)] of sum(y^2) for one forward of layer `a`."""
+    y = a(x, **kw)
+    return [y] + list(torch.autograd.grad(y.square().sum(), [x] + list(a.parameters()), allow_unused=True))
+
+
+def _assert_same(a, res, what):
+    """The kernels' output and gradients (res["triton"]) against the reference's, within FP32_TOL."""
+    for n, mine, ref in zip(["out", "dx"] + [n for n, _ in a.named_parameters()], res["triton"], res["reference"]):
+        if ref is None or mine is None:
+            assert mine is None and ref is None, f"{what} {n}: gradient present in one path only"
+            continue
+        assert rel_err(mine, ref) <= FP32_TOL, f"{what} {n}: relative error {rel_err(mine, ref):.2e}"
+
+
 def case_model_seam(g):
     """Attention (sliding, C4 with a top-k that drops entries, ratio 8) and Indexer with cfg.kernels="triton"
     against cfg.kernels="reference": output, and gradients of the input and of every parameter."""
     import dataclasses
     from nanoflash.config import preset
-    from nanoflash.model import Attention
     cfg = preset("tiny", index_topk=3)
     x = torch.randn(2, 29, cfg.dim, generator=g, requires_grad=True)
     for lid in (0, 1, 2):
-        a = Attention(lid, cfg)
-        with torch.no_grad():
-            for n, p in a.named_parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if n.endswith(("attn_sink", "ape")) else 0.3))
+        a = _random_attention(lid, cfg, g)
         res = {}
         for mode in ("reference", "triton"):
             a.cfg = dataclasses.replace(cfg, kernels=mode)
@@ -227,15 +248,8 @@ def case_model_seam(g):
                 mine = torch.zeros(*keep.shape[:2], C + 1, dtype=torch.bool)
                 mine = mine.scatter_(-1, torch.where(sel < 0, C, sel).long(), True)[..., :C]   # -1 -> spare
                 assert torch.equal(mine, keep), "indexer selection differs from the reference"
-            y = a(x)
-            res[mode] = [y] + list(torch.autograd.grad(y.square().sum(), [x] + list(a.parameters()),
-                                                       allow_unused=True))
-        names = ["out", "dx"] + [n for n, _ in a.named_parameters()]
-        for n, mine, ref in zip(names, res["triton"], res["reference"]):
-            if ref is None or mine is None:
-                assert mine is None and ref is None, f"layer {lid} {n}: gradient present in one path only"
-                continue
-            assert rel_err(mine, ref) <= FP32_TOL, f"layer {lid} {n}: relative error {rel_err(mine, ref):.2e}"
+            res[mode] = _out_and_grads(a, x)
+        _assert_same(a, res, f"layer {lid}")
 
 
 def case_indexer_replay(g):
@@ -244,7 +258,6 @@ def case_indexer_replay(g):
     kernels' index list given -1 before entries, or unsorted entries the selection lists mishandle."""
     import dataclasses
     from nanoflash.config import preset
-    from nanoflash.model import Attention
     cfg = preset("tiny", index_topk=3)
     S = 29
     x = torch.randn(2, S, cfg.dim, generator=g, requires_grad=True)
@@ -253,20 +266,12 @@ def case_indexer_replay(g):
         for t in range(S):
             pick = torch.randperm((t + 1) // 4, generator=g)[:3]
             kept[b, t, torch.randperm(3, generator=g)[:len(pick)]] = pick     # -1 anywhere among them
-    a = Attention(1, cfg)
-    with torch.no_grad():
-        for n, p in a.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (1.0 if n.endswith(("attn_sink", "ape")) else 0.3))
+    a = _random_attention(1, cfg, g)
     res = {}
     for mode in ("reference", "triton"):
         a.cfg = dataclasses.replace(cfg, kernels=mode)
-        y = a(x, kept=kept)
-        res[mode] = [y] + list(torch.autograd.grad(y.square().sum(), [x] + list(a.parameters()), allow_unused=True))
-    for n, mine, ref in zip(["out", "dx"] + [n for n, _ in a.named_parameters()], res["triton"], res["reference"]):
-        if ref is None or mine is None:
-            assert mine is None and ref is None, f"{n}: gradient present in one path only"
-            continue
-        assert rel_err(mine, ref) <= FP32_TOL, f"{n}: relative error {rel_err(mine, ref):.2e}"
+        res[mode] = _out_and_grads(a, x, kept=kept)
+    _assert_same(a, res, "replayed C4 layer")
 
 
 def case_the_tree_under_test(g):

@@ -82,11 +82,9 @@ def test_collect_drops_the_routing_records_of_dropped_groups():
     """A group whose rewards are all equal is dropped by dynamic sampling; its episodes stay in the metrics
     (`seen`) without their R3 records; kept groups keep theirs."""
     import base64
-    import types
 
     import numpy as np
 
-    from nanoflash.config import RunConfig, preset
     from nanoflash.rl.collector import collect
     from nanoflash.sglang.client import Generation
     mcfg = preset("tiny")
@@ -98,17 +96,66 @@ def test_collect_drops_the_routing_records_of_dropped_groups():
 
         def generate(self, ids, sp, return_routed_experts=False):
             return [Generation(ids, [5], [-0.1], "stop", meta_info=rec) for _ in range(sp["n"])]
+    task, cfg = _same_and_mixed(routing_replay=True)
+    kept, seen, _, _ = collect(_Client(), task, 0, cfg, mcfg)
+    assert len(seen) == 4 and len(kept) == 2
+    assert all(e.routed_experts is not None for e in kept)
+    assert all(e.routed_experts is None for e in seen if all(e is not k for k in kept))
+def test_collect_asks_for_keeps_and_drops_the_indexer_records():
+    """With `rollout.indexer_replay` every request asks for `return_indexer_topk`; each kept episode carries
+    its record (SGLang's base64 int32 [T-1, n_c4, K], stored entry + 1), a group dynamic sampling drops loses
+    it, and a server that sends none stops the step with one error naming the server option."""
+    import base64
+
+    import numpy as np
+
+    from nanoflash.rl.collector import collect
+    from nanoflash.sglang.client import Generation
+    mcfg = preset("tiny")
+    T, K = 2, mcfg.index_topk                                    # prompt [1, 2] + one token: 2 positions
+    kept_entries = np.full((T, 2, K), -1, np.int32)
+    rec = {"indexer_topk": base64.b64encode(kept_entries.tobytes()).decode()}
+    asked = []
+
+    class _Client:
+        weight_version = None
+
+        def __init__(self, meta):
+            self.meta = meta
+
+        def generate(self, ids, sp, return_routed_experts=False, return_indexer_topk=False):
+            asked.append(return_indexer_topk)
+            return [Generation(ids, [5], [-0.1], "stop", meta_info=dict(self.meta))
+                    for _ in range(sp["n"])]
+    task, cfg = _same_and_mixed(indexer_replay=True)
+    kept, seen, _, _ = collect(_Client(rec), task, 0, cfg, mcfg)
+    assert asked and all(asked) and len(seen) == 4 and len(kept) == 2
+    for e in kept:
+        assert e.indexer_topk.dtype == torch.int16 and torch.equal(e.indexer_topk.long() - 1,
+                                                                   torch.from_numpy(kept_entries).long())
+    assert all(e.indexer_topk is None for e in seen if all(e is not k for k in kept))
+    with pytest.raises(RuntimeError, match=r"sent no indexer_topk record: SGLang needs --enable-return-indexer-topk"):
+        collect(_Client({}), task, 0, cfg, mcfg)
+
+
+def _same_and_mixed(**rollout):
+    """A task of two prompts, "same" (every reward 0: dynamic sampling drops its group) and "mixed" (rewards
+    alternate), and a run config of one prompt a step, groups of 2, one round, `rollout` fields set."""
+    import types
+
+    from nanoflash.config import RunConfig
     flips = iter(range(10 ** 6))
     task = types.SimpleNamespace(train=["same", "mixed"], encode=lambda p: [1, 2], stop_ids=[0],
                                  reward=lambda probs, outs: [0.0 if probs[0] == "same" else float(next(flips) % 2)
                                                              for _ in outs])
     cfg = RunConfig()
     cfg.grpo.n_prompts, cfg.grpo.group_size, cfg.grpo.over_sampling_batch_size = 1, 2, 2
-    cfg.rollout.routing_replay, cfg.rollout.max_rounds = True, 1
-    kept, seen, _, _ = collect(_Client(), task, 0, cfg, mcfg)
-    assert len(seen) == 4 and len(kept) == 2
-    assert all(e.routed_experts is not None for e in kept)
-    assert all(e.routed_experts is None for e in seen if all(e is not k for k in kept))
+    cfg.rollout.max_rounds = 1
+    for k, v in rollout.items():
+        setattr(cfg.rollout, k, v)
+    return task, cfg
+
+
 def test_a_server_restarted_right_after_the_first_push_is_refused(served):
     """Issue 39 item 3. Bug caught: the first push is version 0 (step 0), which is also what a fresh server
     reports, so a server restarted between the first push and step 1 passed the check and step 1 trained on

@@ -331,19 +331,28 @@ def test_readme_long_hold_h100_is_its_files():
     assert d["sft_s"] > 0 and sft["ended"] == "not_reached" and near["why"].startswith("seconds budget")
 
 
+def _hold_section(results: str, nth: str):
+    """A long hold's files and README section: (docs/results/<results>, the section's text on one line, sft.json)."""
+    res = os.path.join(ROOT, "docs", "results", results)
+    flat = " ".join(readme().split(f"### The long hold, {nth} run (2026-12-07", 1)[1].split("\n### ", 1)[0].split())
+    with open(os.path.join(res, "sft.json")) as f:
+        return res, flat, json.load(f)
+
+
+def _sft_parts(d: dict):
+    """sft.json's curriculum phases, the last phase's chain accuracies, the glance steps' P(worked), the final check."""
+    sft = d["curriculum"][-1]
+    return (d["curriculum"], [c["acc"] for c in sft["checks"]],
+            [c["p_worked"] for c in d["curve"] if c.get("phase") == "glance"], d["final"]["val_forced_by_class"])
+
+
 def test_readme_long_hold2_h100_is_its_files():
     """README.md's section on the second long hold (2026-12-07, H100) quotes docs/results/long_hold2_h100/: the
     SFT's phases and glance steps (sft.json), the step-0 eval (run/metrics.jsonl) and step 1's per-token live
     values by band (run/live_tokens/step_0001.pt, banded from qpos as instruments.bands does)."""
     import torch
-    res = os.path.join(ROOT, "docs", "results", "long_hold2_h100")
-    flat = " ".join(readme().split("### The long hold, second run (2026-12-07", 1)[1].split("\n### ", 1)[0].split())
-    with open(os.path.join(res, "sft.json")) as f:
-        d = json.load(f)
-    near, mid, sft = d["curriculum"]
-    acc = [c["acc"] for c in sft["checks"]]
-    glance = [c["p_worked"] for c in d["curve"] if c.get("phase") == "glance"]
-    fin = d["final"]["val_forced_by_class"]
+    res, flat, d = _hold_section("long_hold2_h100", "second")
+    (near, mid, sft), acc, glance, fin = _sft_parts(d)
     with open(os.path.join(res, "run", "metrics.jsonl")) as f:
         ev0 = next(r for r in map(json.loads, f) if r.get("kind") == "eval" and r["step"] == 0)
     t = torch.load(os.path.join(res, "run", "live_tokens", "step_0001.pt"), weights_only=False)
@@ -516,14 +525,8 @@ def test_readme_long_hold3_h100_is_its_files():
     the parity rows (parity.json; run 9's and the first hold's for the past-EOS comparison)."""
     import torch
     from instruments import runstats
-    res = os.path.join(ROOT, "docs", "results", "long_hold3_h100")
-    flat = " ".join(readme().split("### The long hold, third run (2026-12-07", 1)[1].split("\n### ", 1)[0].split())
-    with open(os.path.join(res, "sft.json")) as f:
-        d = json.load(f)
-    near, mid, sft = d["curriculum"]
-    acc = [c["acc"] for c in sft["checks"]]
-    glance = [c["p_worked"] for c in d["curve"] if c.get("phase") == "glance"]
-    fin = d["final"]["val_forced_by_class"]
+    res, flat, d = _hold_section("long_hold3_h100", "third")
+    (near, mid, sft), acc, glance, fin = _sft_parts(d)
     with open(os.path.join(res, "run", "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f]
     train = [r for r in recs if r["kind"] == "train"]
