@@ -311,8 +311,12 @@ pipeline() {  # SFT -> [wait while $W/HOLD exists] -> GRPO -> report -> parity o
     --modes bf16,qat,qat8 --variants shared_expert_no_clamp,fp8_index_scores,no_c128_entries"
   [ "$LONG" = 1 ] && [ "$MODE" = dry ] && par="--prompts 2 --n 2 --new-tokens 8 --prompt-len 100 --prompt-len-max 160
     --sweep 64 --synth long --modes bf16,qat,qat8 --variants shared_expert_no_clamp,fp8_index_scores"
-  stamp parity; $PY experiments/h200/sglang_check.py parity --dir $W/warm --restore 1 --out $W/parity.json \
-    --wait 600 $par && report || echo "FAILED parity"
+  # H20_PARITY=0: no parity (a hold for the GRPO run alone; the third long hold's parity stands), its ~180 s
+  # given to GRPO by the deadline (deadline_reserve)
+  if [ "${H20_PARITY:-1}" = 1 ]; then
+    stamp parity; $PY experiments/h200/sglang_check.py parity --dir $W/warm --restore 1 --out $W/parity.json \
+      --wait 600 $par && report || echo "FAILED parity"
+  fi
   [ "${H20_DIAGNOSE:-0}" = 1 ] && [ "$MODE" = gpu ] && { stamp diagnose; diagnose; }
   touch $W/DONE; stamp done
 }
@@ -441,15 +445,20 @@ snapshot() {  # everything from here on runs from its own copy: a later command 
 grpo_run() {  # train.py on the warm start into $W/run, $1: more overrides (after the mode's: the last one wins)
   $PY train.py --recipe experiments/h200/h200.txt --train.checkpoint $W/warm --rollout.urls $URL --out $W/run \
     --rollout.health_timeout_s 900 $(overrides) ${1:-} & local tp=$! st=0
-  # the long run's deadline: Ctrl-C for train.py once the hold (H20_HOLD_S from `go`) has only the report, the
-  # parity and the collect left (260 s: the first long hold's report 12 s and parity 198 s, 2026-12-07, plus 40 s
-  # of collect; 150 s before), whatever ran late before it, so they still run (its steps so far are all logged;
+  # the long run's deadline: Ctrl-C for train.py once the hold (H20_HOLD_S from `go`) has only what follows GRPO
+  # left (deadline_reserve), whatever ran late before it, so that still runs (its steps so far are all logged;
   # the last eval point may then be missing); H20_GRPO_DEADLINE_S: seconds from train.py's start instead
-  local dl=${H20_GRPO_DEADLINE_S:-}; [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=$(hold_left 260)
+  local dl=${H20_GRPO_DEADLINE_S:-}
+  [ -z "$dl" ] && [ "$LONG" = 1 ] && [ "$MODE" = gpu ] && dl=$(hold_left $(deadline_reserve))
   [ -n "$dl" ] && deadline $tp $dl
   wait $tp || st=$?
   kill ${DEADLINE_PID:-} 2> /dev/null   # a deadline left waiting would signal whatever process gets the pid next
   return $st
+}
+deadline_reserve() {  # seconds of the hold the long run's deadline keeps for the report, the parity and the
+  # collect: 260 (the first long hold's report 12 s and parity 198 s, 2026-12-07, plus 40 s of collect; 150 s
+  # before); 80 with H20_PARITY=0 (the report, 14 s in the third hold, and the collect)
+  [ "${H20_PARITY:-1}" = 1 ] && echo 260 || echo 80
 }
 grpo_once_more() {  # grpo_run; a CUDA OOM in a step (the second long hold's step 1, 2026-12-07) cost the rest of
   # the hold: train.py starts once more from the warm start with half the micro-batch tokens (oom_half) if GRPO has
@@ -457,7 +466,7 @@ grpo_once_more() {  # grpo_run; a CUDA OOM in a step (the second long hold's ste
   local from half; from=$(( $(wc -l < $W/pipeline.log) + 1 ))   # train.py's output starts on this line
   grpo_run && return 0
   echo "FAILED train (or stopped at the deadline)"
-  half=$(oom_half $from) && [ "$(hold_left 560)" -gt 1 ] || return 1
+  half=$(oom_half $from) && [ "$(hold_left $((300 + $(deadline_reserve))))" -gt 1 ] || return 1
   rm -rf $W/run_oom && mv $W/run $W/run_oom
   stamp "train again: CUDA out of memory, micro-batches of $half tokens (the failed run: run_oom)"
   grpo_run "--parallel.micro_batch_tokens $half" || { echo "FAILED train (or stopped at the deadline)"; return 1; }

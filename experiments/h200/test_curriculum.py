@@ -460,8 +460,16 @@ def test_readme_deadline_reserve_and_carried_caches_are_the_scripts_and_files():
     quotes the two holds' step-0 evals and start-ups."""
     flat = " ".join(readme().split())
     sh = open(os.path.join(ROOT, "experiments", "h200", "grpo_h200.sh")).read()
-    reserve = re.search(r'\[ "\$MODE" = gpu \] && dl=\$\(hold_left (\d+)\)', sh).group(1)   # grpo_run's
+    assert '[ "$MODE" = gpu ] && dl=$(hold_left $(deadline_reserve))' in sh                    # grpo_run's
+    reserve, bare = re.search(r'\[ "\$\{H20_PARITY:-1\}" = 1 \] && echo (\d+) \|\| echo (\d+)', sh).groups()
     assert f"has only {reserve} s left, for the report" in flat and f"keeps {reserve} s for the report" in flat
+    assert f"the deadline then keeps {bare} s (`deadline_reserve`)" in flat
+    *_, third = _time_column(readme(), *HOLD_COLUMNS[2][:2])
+    train = [r for r in third if r["kind"] == "train"]
+    warm = next(r for r in third if r["kind"] == "eval_warm" and r["step"] > 0)
+    assert (f"took **{sum(r['step_s'] for r in train) / len(train):.1f} s a step**, the live checks "
+            f"{sum(r['live_s'] for r in train) / len(train):.1f} s of it") in flat
+    assert f"({warm['warm_eval_s']:.1f} s at step {warm['step']})" in flat
     first, second = ({k: _first(recs, k) for k in ("eval", "startup")}
                      for _, _, _, recs in (_time_column(readme(), h, r) for h, r, _ in HOLD_COLUMNS[:2]))
     assert (f"its step-0 eval took {second['eval']['eval_s']:.1f} s ({first['eval']['eval_s']:.1f} s without them) "

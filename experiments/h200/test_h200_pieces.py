@@ -906,16 +906,18 @@ def test_oom_half_reads_only_this_runs_output_and_halves_its_micro_batch(tmp_pat
     assert half(["=== train", oom], 1, "--parallel.micro_batch_tokens 1024") is None
 
 
-@pytest.mark.parametrize("fails,t0_ago,calls,rc", [
-    ("oom", 100, ["", "--parallel.micro_batch_tokens 4096"], 0),     # retried at half, which runs
-    ("oom oom", 100, ["", "--parallel.micro_batch_tokens 4096"], 1),  # once only
-    ("oom", 1000, [""], 1),                                           # < 300 s of GRPO left beyond the reserve
-    ("other", 100, [""], 1)])                                         # a failure that is not an OOM: no retry
-def test_grpo_once_more_retries_a_cuda_oom_once_at_half_the_micro_batch(tmp_path, fails, t0_ago, calls, rc):
+@pytest.mark.parametrize("fails,t0_ago,calls,rc,parity", [
+    ("oom", 100, ["", "--parallel.micro_batch_tokens 4096"], 0, "1"),     # retried at half, which runs
+    ("oom oom", 100, ["", "--parallel.micro_batch_tokens 4096"], 1, "1"),  # once only
+    ("oom", 1000, [""], 1, "1"),                                           # < 300 s of GRPO left beyond the reserve
+    ("oom", 1000, ["", "--parallel.micro_batch_tokens 4096"], 0, "0"),     # ... which is 80 s without the parity
+    ("other", 100, [""], 1, "1")])                                         # a failure that is not an OOM: no retry
+def test_grpo_once_more_retries_a_cuda_oom_once_at_half_the_micro_batch(tmp_path, fails, t0_ago, calls, rc, parity):
     """grpo_h200.sh's grpo_once_more with train.py faked (grpo_run: writes its output into pipeline.log as the
     pipeline's stdout, fails as `fails` says): one retry after a CUDA OOM, with half the micro-batch tokens, only
-    while the hold (1,440 s from $W/T0) leaves 560 s; the failed run moved to run_oom."""
-    funcs = (_sh_functions("grpo_once_more", "oom_half", "hold_left")
+    while the hold (1,440 s from $W/T0) leaves 300 s beyond the deadline's reserve (260 s; 80 s with
+    H20_PARITY=0); the failed run moved to run_oom."""
+    funcs = (_sh_functions("grpo_once_more", "oom_half", "hold_left", "deadline_reserve")
              + "; overrides() { echo --parallel.micro_batch_tokens 8192; }; stamp() { echo \"=== $1\"; }")
     fake = ('grpo_run() { echo "call:$1" >> $W/calls; mkdir -p $W/run; touch $W/run/m$(wc -l < $W/calls)\n'
             '  set -- $FAILS; local f; f=$(eval echo \\${$(wc -l < $W/calls):-ok})\n'
@@ -925,7 +927,7 @@ def test_grpo_once_more_retries_a_cuda_oom_once_at_half_the_micro_batch(tmp_path
     (tmp_path / "pipeline.log").write_text("=== sft\n")
     out = subprocess.run(["bash", "-c", f"{funcs}\n{fake}\ngrpo_once_more >> $W/pipeline.log"], capture_output=True,
                          text=True, env={**os.environ, "W": str(tmp_path), "R": ROOT, "FAILS": fails,
-                                         "H20_HOLD_S": "1440"})
+                                         "H20_HOLD_S": "1440", "H20_PARITY": parity})
     assert out.returncode == rc, (out.stdout, out.stderr)
     assert (tmp_path / "calls").read_text().split("\n")[:-1] == [f"call:{c}" for c in calls]
     log = (tmp_path / "pipeline.log").read_text()
