@@ -474,10 +474,13 @@ def run_summary(run_dir: str, window=None, gpu_rows=()) -> dict:
     timed = [r for r in train if r["step"] >= FIRST_TIMED_STEP and r["step"] not in restarted] or train
     mean = lambda k, rs=timed: sum(r.get(k) or 0.0 for r in rs) / len(rs)  # noqa: E731
     steps_s = sorted(r["step_s"] for r in timed)
+    n_t, m_t = len(steps_s), sum(steps_s) / len(steps_s)
+    se_t = (sum((x - m_t) ** 2 for x in steps_s) / (n_t - 1) / n_t) ** 0.5 if n_t > 1 else None   # SE of the mean
     gen, trained = sum(r.get("samples_generated", 0) for r in train), sum(r.get("samples_trained", 0) for r in train)
     pushes = [r for r in train if r.get("sync_tensors")]
     out = {"steps": len(train), "steps_timed": len(timed), "server_restarts": len(restarted),
-           "restart_steps": sorted(restarted), "step_s_mean": mean("step_s"), "step_s_median": steps_s[len(steps_s) // 2],
+           "restart_steps": sorted(restarted), "step_s_mean": mean("step_s"), "step_s_se": se_t,
+           "step_s_median": steps_s[len(steps_s) // 2],
            "rollout_s": mean("rollout_s"), "rollout_wait_s": mean("rollout_wait_s"),
            "boundary_wait_s": mean("boundary_wait_s"), "train_s": mean("train_s"), "sync_s": mean("sync_s"),
            "gap_mean": mean("train_rollout_logprob_abs_diff", train), "tis_mean": mean("tis", train),
@@ -495,6 +498,16 @@ def run_summary(run_dir: str, window=None, gpu_rows=()) -> dict:
         out.update(gpu_util_mean=sum(g[1] for g in rows) / len(rows), gpu_mem_max_mib=max(g[2] for g in rows),
                    gpu_samples=len(rows))
     return out
+
+
+def _ratio_ci95(s: dict, y: dict):
+    """The 95% interval of mean(async step) / mean(sync step), each mean's SE from its steps' scatter (the delta
+    method: relative SEs add in quadrature); None without two timed steps a run."""
+    if s.get("step_s_se") is None or y.get("step_s_se") is None:
+        return None
+    r = y["step_s_mean"] / s["step_s_mean"]
+    se = r * ((s["step_s_se"] / s["step_s_mean"]) ** 2 + (y["step_s_se"] / y["step_s_mean"]) ** 2) ** 0.5
+    return [r - 1.96 * se, r + 1.96 * se]
 
 
 def cmd_compare(a):
@@ -520,7 +533,8 @@ def cmd_compare(a):
         # a run that stopped early (a crash, the hold's end) times fewer steps: the ratio is reported, the bar is not
         complete = s["steps"] == y["steps"]
         common = sorted({e["step"] for e in s["evals"]} & {e["step"] for e in y["evals"]})
-        bars = {"async_over_sync_step_s": ratio, "step_ratio_bar": STEP_RATIO_BAR, "step_ratio_met": ratio <= STEP_RATIO_BAR if complete else None,
+        bars = {"async_over_sync_step_s": ratio, "step_ratio_ci95": _ratio_ci95(s, y),
+                "step_ratio_bar": STEP_RATIO_BAR, "step_ratio_met": ratio <= STEP_RATIO_BAR if complete else None,
                 "complete": complete, "steps": {"sync": s["steps"], "async": y["steps"]},
                 "pushes_all_verified": all(r["pushes"] == r["pushes_verified"] > 0 for r in (s, y))}
         if common:

@@ -716,7 +716,8 @@ def test_compare_of_a_sync_and_an_async_run(tmp_path):
     """Issue 41's compare.json from two scripted runs: the step time over steps 2..N, pass@1 at the last common
     eval against 2 SE of the difference, pushes verified only when every push record names its servers.
     Bugs caught: step 1 (no rollout beside it one step off) in the mean, the SEs added instead of combined in
-    quadrature, a push that no server verified counted as verified."""
+    quadrature, a push that no server verified counted as verified; the step ratio's interval from the steps'
+    SEs (its delta-method formula) with step 1 in it or an SE of the steps instead of their mean."""
     from experiments.h200 import grpo_h200
 
     def run(name, step_s, passes, verified=1):
@@ -740,6 +741,12 @@ def test_compare_of_a_sync_and_an_async_run(tmp_path):
     grpo_h200.cmd_compare(a)
     bars = json.load(open(tmp_path / "c.json"))["bars"]
     assert bars["pass_within_2se"] and not bars["pushes_all_verified"]
+    assert bars["step_ratio_ci95"] == pytest.approx([0.6, 0.6])           # steps 2..N without scatter
+    a.sync, a.async_run = run("sync2", [20.0, 10.0, 12.0], []), run("async2", [30.0, 6.0, 7.0], [])
+    grpo_h200.cmd_compare(a)
+    bars = json.load(open(tmp_path / "c.json"))["bars"]
+    r, se = 6.5 / 11, 6.5 / 11 * ((1.0 / 11) ** 2 + (0.5 / 6.5) ** 2) ** 0.5   # SEs of the means: 1.0 and 0.5
+    assert bars["step_ratio_ci95"] == pytest.approx([r - 1.96 * se, r + 1.96 * se])
 
 
 def test_compare_of_an_async_run_cut_short_by_a_server_restart(tmp_path):
@@ -829,6 +836,9 @@ def test_rollouts_md_quotes_the_h100_comparison_as_measured(tmp_path):
     missing = [r for r in rows if f"| {r[0]} | {r[1]} | {r[2]} |" not in doc]
     assert not missing, missing
     assert f"**{bars['async_over_sync_step_s']:.2f}x**" in doc and f"met, by {0.7 - bars['async_over_sync_step_s']:.3f}" in doc
+    lo, hi = bars["step_ratio_ci95"]
+    assert f"its 95% interval from the {s['steps_timed']} timed steps of each run is {lo:.2f}-{hi:.2f}" in doc
+    assert s["steps_timed"] == y["steps_timed"] and lo < bars["step_ratio_bar"] < hi       # "not beyond its scatter"
     assert f"differs by {bars['pass_diff']:.3f}" in doc and f"({bars['pass_diff_se']:.3f})" in doc
     assert bars["complete"] and bars["step_ratio_met"] and bars["pass_within_2se"] and bars["pushes_all_verified"]
     assert abs(bars["pass_diff"]) <= bars["pass_diff_se"]                        # "within 1 SE", as the prose says
