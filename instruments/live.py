@@ -68,6 +68,7 @@ from nanoflash.rl.evaluate import evaluate
 from nanoflash.rl.hooks import Hook
 from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
 from nanoflash.sglang import probe as probe_lib
+from nanoflash.sglang.client import decode_indexer_topk
 from nanoflash.sglang.layout import sglang_fp8
 from nanoflash.sglang.buckets import served_dtype
 
@@ -424,7 +425,6 @@ class LiveChecksLong(LiveChecks):
         meta = self.prefill_metas[b] if b < len(self.prefill_metas) else {}
         if "indexer_topk" not in meta:
             return None
-        from nanoflash.sglang.client import decode_indexer_topk
         try:
             return decode_indexer_topk(meta, n_layers, self.mcfg.index_topk)
         except ValueError as e:

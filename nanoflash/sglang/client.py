@@ -142,26 +142,25 @@ def parse_generation(item: dict, prompt_ids: list, server: str) -> Generation:
 
 def decode_routed_experts(meta_info: dict, n_layers: int, topk: int):
     """SGLang's R3 record (`return_routed_experts`): base64 int32 -> int64 tensor [tokens - 1, n_layers, topk]."""
-    import numpy as np
-    import torch
-    raw = base64.b64decode(meta_info["routed_experts"], validate=True)
-    arr = np.frombuffer(raw, dtype=np.int32)
-    if arr.size % (n_layers * topk):
-        raise ValueError(f"routed_experts holds {arr.size} ids, not a multiple of n_layers*topk = {n_layers * topk}")
-    return torch.from_numpy(arr.copy()).to(torch.int64).view(-1, n_layers, topk)  # [T-1,n_layers,K]
+    return _decode_record(meta_info, "routed_experts", n_layers, topk)
 
 
 def decode_indexer_topk(meta_info: dict, n_layers: int, topk: int):
     """SGLang's indexer record (`return_indexer_topk`, 0.5.16 `state_capturer/indexer_topk.py`): base64 int32
     -> int64 tensor [tokens - 1, n_layers, topk], row t the C4 entries query t kept (-1 padded), layer j the
     model's j-th C4 layer (`compress_layer_id`)."""
+    return _decode_record(meta_info, "indexer_topk", n_layers, topk)
+
+
+def _decode_record(meta_info: dict, key: str, n_layers: int, topk: int):
+    """A per-position record of meta_info[key] (base64 int32) -> int64 [tokens - 1, n_layers, topk]."""
     import numpy as np
     import torch
-    raw = base64.b64decode(meta_info["indexer_topk"], validate=True)
+    raw = base64.b64decode(meta_info[key], validate=True)
     arr = np.frombuffer(raw, dtype=np.int32)
     if arr.size % (n_layers * topk):
-        raise ValueError(f"indexer_topk holds {arr.size} ids, not a multiple of C4 layers x topk = {n_layers * topk}")
-    return torch.from_numpy(arr.copy()).to(torch.int64).view(-1, n_layers, topk)  # [T-1,n_c4,K]
+        raise ValueError(f"{key} holds {arr.size} ids, not a multiple of layers x top-k = {n_layers * topk}")
+    return torch.from_numpy(arr.copy()).to(torch.int64).view(-1, n_layers, topk)  # [T-1,n_layers,K]
 
 
 def parse_version(v: str) -> tuple:
