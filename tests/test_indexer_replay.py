@@ -111,21 +111,16 @@ def test_a_record_that_cannot_be_this_sequences_is_refused():
         replayed_entries(torch.tensor([[[0, 1, 2]]]), 5, 2, 19, fast=True)
 
 
-def test_the_trainer_replays_the_record_in_every_forward():
-    """`rollout.indexer_replay`: the packed record travels as a micro-batch field through the trainer's
-    forward-only pass, its training forward and the recomputed forward (recompute on), and every C4 indexer
-    call gets it; the old log-probs equal a plain forward with the record replayed (the naive reference) and
-    differ from the trainer's own selection. Bug caught: the field left out of the micro-batches (replay
-    silently off), or dropped by the recomputed forward."""
-    from nanoflash import grpo
+def _replay_cfg(pp: int):
     from nanoflash.cli import parse_args
-    from nanoflash.parallel.dims import ParallelDims
-    from nanoflash.rl.trainer import Trainer, scatter_shards
-    g = torch.Generator().manual_seed(3)
-    lengths = [(6, 22), (5, 23), (4, 4), (3, 9)]
-    cfg = parse_args(["--recipe", "smoke", "--rollout.indexer_replay", "true", "--parallel.recompute", "true",
-                      "--parallel.micro_batch_tokens", "40"])
-    mcfg = preset("tiny", **cfg.model)
+    return parse_args(["--recipe", "smoke", "--rollout.indexer_replay", "true", "--parallel.recompute", "true",
+                       "--parallel.micro_batch_tokens", "40", "--parallel.pp", str(pp)])
+
+
+def _replay_batch(mcfg, lengths=((6, 22), (5, 23), (4, 4), (3, 9)), seed=3):
+    """Episodes of random tokens, each with a random indexer record (visible entries, -1 padded), packed."""
+    from nanoflash import grpo
+    g = torch.Generator().manual_seed(seed)
     K, n_c4 = mcfg.index_topk, len(c4_layers(mcfg))
     eps, recs = [], []
     for i, (P, R) in enumerate(lengths):
@@ -138,7 +133,57 @@ def test_the_trainer_replays_the_record_in_every_forward():
         recs.append(rec)
         eps.append(grpo.Episode(ids[:P], ids[P:], [-1.0] * R, float(i % 2), i // 2, "stop",
                                 indexer_topk=grpo.entry_record(rec)))
-    batch = grpo.pack(eps, grpo.episode_advantages(eps, 2))
+    return grpo.pack(eps, grpo.episode_advantages(eps, 2)), recs
+
+
+def _pp2_rank(rank, world):
+    from nanoflash.parallel.dims import ParallelDims
+    from nanoflash.rl.trainer import Trainer, scatter_shards
+    cfg = _replay_cfg(2)
+    mcfg = preset("tiny", **cfg.model)
+    dims = ParallelDims(pp=2)
+    actor = Trainer(cfg, mcfg, dims)
+    actor.start_optimizer()
+    batch = _replay_batch(mcfg)[0] if rank == 0 else None
+    shard, _ = scatter_shards(batch, dims, {})
+    old = actor.logprobs(shard)
+    if shard is not None:
+        shard.old_logprobs = old
+    m = actor.train(shard)
+    return {"stage": dims.pp_rank, "old": old, "loss": m.get("loss")}
+
+
+def test_indexer_replay_at_pp2_with_recompute_equals_one_process():
+    """PP2 (tiny: C4 layer 1 on stage 0, layer 3 on stage 1) with recompute: the record reaches both stages'
+    C4 layers by the global layer order, so the old log-probs and the loss equal the single process's. Bug
+    caught (planted): the C4 layers numbered per stage (stage 1's layer 3 read the record's first slice)."""
+    from conftest import run_ranks
+    from nanoflash.parallel.dims import ParallelDims
+    from nanoflash.rl.trainer import Trainer, scatter_shards
+    cfg = _replay_cfg(1)
+    mcfg = preset("tiny", **cfg.model)
+    actor = Trainer(cfg, mcfg, ParallelDims())
+    actor.start_optimizer()
+    shard, _ = scatter_shards(_replay_batch(mcfg)[0], ParallelDims(), {})
+    shard.old_logprobs = old = actor.logprobs(shard)
+    loss = actor.train(shard)["loss"]
+    results = run_ranks(_pp2_rank, 2)
+    first = next(r for r in results if r["stage"] == 0)
+    assert (first["old"] - old).abs().max() <= 1e-5
+    assert all(r["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6) for r in results if r["loss"] is not None)
+
+
+def test_the_trainer_replays_the_record_in_every_forward():
+    """`rollout.indexer_replay`: the packed record travels as a micro-batch field through the trainer's
+    forward-only pass, its training forward and the recomputed forward (recompute on), and every C4 indexer
+    call gets it; the old log-probs equal a plain forward with the record replayed (the naive reference) and
+    differ from the trainer's own selection. Bug caught: the field left out of the micro-batches (replay
+    silently off), or dropped by the recomputed forward."""
+    from nanoflash.parallel.dims import ParallelDims
+    from nanoflash.rl.trainer import Trainer, scatter_shards
+    cfg = _replay_cfg(1)
+    mcfg = preset("tiny", **cfg.model)
+    batch, recs = _replay_batch(mcfg)
     actor = Trainer(cfg, mcfg, ParallelDims())
     actor.start_optimizer()
     calls = []
