@@ -508,19 +508,24 @@ class Indexer(nn.Module):
         return self.top_k(self.query(qr, step.host), keys, self.head_weights(x), step.host), keys, state
 
 
-def replayed_entries(kept: torch.Tensor, C: int, topk: int, start_pos, fast: bool) -> torch.Tensor:
-    """Indexer replay: the rollout engine's kept entries [B,S,K] (-1 padded, any order) in the form the indexer
-    returns: the keep mask [B,S,C] bool, or (fast) the index list [B,S,min(topk, C)] int32, -1 last. An entry
-    the query cannot see (u >= (t+1)//4), or more entries than the top-k keeps, is a record of another
-    sequence or model: an error naming the first such query."""
-    kept = kept.to(torch.int64)
-    pos = token_positions(start_pos, kept.shape[1], kept.device)                       # [S] or [B,S]
-    n_visible = ((pos + 1) // 4).expand(kept.shape[:2])                                # [B,S]
-    bad = (kept >= n_visible[..., None]) | ((kept >= 0).sum(-1) > topk)[..., None]
+def check_replay_record(kept: torch.Tensor, topk: int) -> None:
+    """An indexer-replay record of one sequence, [T, n_c4, K] entries (-1 padded), row t the query at position t:
+    an entry the query cannot see (u >= (t+1)//4), or more entries than the top-k keeps, is a record of another
+    sequence or model -- an error naming the first such query. Checked once, where the record enters (the
+    collector), not in every forward that replays it."""
+    n_visible = (torch.arange(kept.shape[0], device=kept.device) + 1) // 4                 # [T]
+    bad = (kept >= n_visible[:, None, None]) | ((kept >= 0).sum(-1) > topk)[..., None]
     if bad.any():
-        b, t, _ = bad.nonzero()[0].tolist()
-        raise ValueError(f"indexer replay: row {b}, query {t} keeps an entry beyond its {int(n_visible[b, t])} "
-                         f"visible ones or more than top-{topk}: not this sequence's record")
+        t, j, _ = bad.nonzero()[0].tolist()
+        raise ValueError(f"indexer replay: query {t} keeps an entry beyond its {int(n_visible[t])} visible ones "
+                         f"or more than top-{topk} in C4 layer {j}: not this sequence's record")
+
+
+def replayed_entries(kept: torch.Tensor, C: int, topk: int, start_pos, fast: bool) -> torch.Tensor:
+    """Indexer replay: the rollout engine's kept entries [B,S,K] (-1 padded, any order; `check_replay_record`)
+    in the form the indexer returns: the keep mask [B,S,C] bool, or (fast) the index list [B,S,min(topk, C)]
+    int32, -1 last."""
+    kept = kept.to(torch.int64)
     if fast:
         k = min(topk, C)
         return kept.sort(-1, descending=True).values[..., :k].to(torch.int32).contiguous()

@@ -11,7 +11,7 @@ import torch
 
 import nanoflash.model as M
 from nanoflash.config import preset
-from nanoflash.model import Transformer, c4_layers, replayed_entries
+from nanoflash.model import Transformer, c4_layers, check_replay_record, replayed_entries
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny forwards, one thread
 
@@ -104,11 +104,16 @@ def test_replayed_entries_in_both_forms():
 
 
 def test_a_record_that_cannot_be_this_sequences_is_refused():
-    """An entry the query cannot see yet, or more entries than the top-k: one error naming row and query."""
-    with pytest.raises(ValueError, match=r"row 0, query 1 keeps an entry beyond its 4 visible"):
-        replayed_entries(torch.tensor([[[0, -1], [4, 1]]]), 5, 2, 14, fast=False)   # query 15 sees 0..3
-    with pytest.raises(ValueError, match=r"more than top-2"):
-        replayed_entries(torch.tensor([[[0, 1, 2]]]), 5, 2, 19, fast=True)
+    """An entry the query cannot see yet, or more entries than the top-k: one error naming query and layer."""
+    rec = torch.full((20, 2, 2), -1)
+    rec[16:, :, 0] = 3                                   # queries 16..19 see entries 0..3 (4 or 5 of them)
+    check_replay_record(rec, 2)
+    rec[15, 1, 1] = 4                                    # query 15 sees 0..3
+    with pytest.raises(ValueError, match=r"query 15 keeps an entry beyond its 4 visible ones or more than top-2 in "
+                                         r"C4 layer 1"):
+        check_replay_record(rec, 2)
+    with pytest.raises(ValueError, match=r"query 19 keeps an entry beyond its 5 visible ones or more than top-2"):
+        check_replay_record(torch.tensor([[[-1, -1, -1]]] * 19 + [[[0, 1, 2]]]), 2)
 
 
 def _replay_cfg(pp: int):

@@ -104,7 +104,8 @@ def test_collect_drops_the_routing_records_of_dropped_groups():
 def test_collect_asks_for_keeps_and_drops_the_indexer_records():
     """With `rollout.indexer_replay` every request asks for `return_indexer_topk`; each kept episode carries
     its record (SGLang's base64 int32 [T-1, n_c4, K], stored entry + 1), a group dynamic sampling drops loses
-    it, and a server that sends none stops the step with one error naming the server option."""
+    it, and a server that sends none stops the step with one error naming the server option; a record that
+    cannot be the sequence's (an entry its query cannot see) is refused where it enters, named."""
     import base64
 
     import numpy as np
@@ -136,6 +137,10 @@ def test_collect_asks_for_keeps_and_drops_the_indexer_records():
     assert all(e.indexer_topk is None for e in seen if all(e is not k for k in kept))
     with pytest.raises(RuntimeError, match=r"sent no indexer_topk record: SGLang needs --enable-return-indexer-topk"):
         collect(_Client({}), task, 0, cfg, mcfg)
+    kept_entries[1, 0, 0] = 5                                 # query 1 sees no entry: another sequence's record
+    wrong = {"indexer_topk": base64.b64encode(kept_entries.tobytes()).decode()}
+    with pytest.raises(ValueError, match=r"query 1 keeps an entry beyond its 0 visible ones"):
+        collect(_Client(wrong), task, 0, cfg, mcfg)
 
 
 def _same_and_mixed(**rollout):

@@ -57,6 +57,7 @@ import math
 import os
 import random
 import re
+import statistics
 import sys
 import time
 
@@ -474,8 +475,7 @@ def run_summary(run_dir: str, window=None, gpu_rows=()) -> dict:
     timed = [r for r in train if r["step"] >= FIRST_TIMED_STEP and r["step"] not in restarted] or train
     mean = lambda k, rs=timed: sum(r.get(k) or 0.0 for r in rs) / len(rs)  # noqa: E731
     steps_s = sorted(r["step_s"] for r in timed)
-    n_t, m_t = len(steps_s), sum(steps_s) / len(steps_s)
-    se_t = (sum((x - m_t) ** 2 for x in steps_s) / (n_t - 1) / n_t) ** 0.5 if n_t > 1 else None   # SE of the mean
+    se_t = statistics.stdev(steps_s) / len(steps_s) ** 0.5 if len(steps_s) > 1 else None   # SE of the mean
     gen, trained = sum(r.get("samples_generated", 0) for r in train), sum(r.get("samples_trained", 0) for r in train)
     pushes = [r for r in train if r.get("sync_tensors")]
     out = {"steps": len(train), "steps_timed": len(timed), "server_restarts": len(restarted),

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoflash import grpo
-from nanoflash.model import c4_layers
+from nanoflash.model import c4_layers, check_replay_record
 from nanoflash.sglang.client import RequestRejected, decode_indexer_topk, decode_routed_experts
 
 SEED_MOD = 2 ** 62  # SGLang sampling seeds are int64; keep them positive
@@ -123,7 +123,9 @@ def _episodes(gens, prompt_ids, position, task, problem, mcfg, indexed: bool = F
                 raise RuntimeError("rollout.indexer_replay: a rollout server (rollout.urls) sent no indexer_topk "
                                    "record: SGLang needs --enable-return-indexer-topk; nanoflash's embedded server "
                                    "does not report one")
-            kx = grpo.entry_record(decode_indexer_topk(g.meta_info, len(c4_layers(mcfg)), mcfg.index_topk))
+            kept = decode_indexer_topk(g.meta_info, len(c4_layers(mcfg)), mcfg.index_topk)
+            check_replay_record(kept, mcfg.index_topk)
+            kx = grpo.entry_record(kept)
         out.append(grpo.Episode(prompt_ids, g.output_ids, g.logprobs, float(r), position, g.finish_reason or "stop",
                                 rx, kx))
     return out
