@@ -63,7 +63,7 @@ import time
 import torch
 
 from instruments import bands
-from nanoflash.model import fp32_linear
+from nanoflash.model import check_replay_record, fp32_linear
 from nanoflash.rl.evaluate import evaluate
 from nanoflash.rl.hooks import Hook
 from nanoflash.quant import dequantize_fp8_block, quantize_fp8_block
@@ -228,7 +228,7 @@ class LiveChecks(Hook):
         self.probe_seed = cfg.train.seed + 7
         self.prefill_errors = 0
         self.prefill_flags, self.prefill_metas = dict(self.PREFILL_FLAGS), []
-        self.server_topk_errors = 0
+        self.server_topk_errors = self.server_topk_unreplayable = 0
         self.dump_dir = os.path.join(cfg.train.out_dir, "live_tokens")
         os.makedirs(self.dump_dir, exist_ok=True)
 
@@ -382,7 +382,7 @@ class LiveChecksLong(LiveChecks):
             ids = batch.input_ids[b:b + 1, :lens[b] - 1].to(self.actor.device)
             found = ia.agreement_sets(self.actor.model, ids, qpos.to(self.actor.device))
             names = sorted(found, key=lambda n: int(n.split(".")[1]))   # C4 layers in order, as SGLang counts them
-            theirs = self._server_topk(b, len(names))                    # [L-1, n_c4, K] or None
+            theirs = self._server_topk(b, len(names), lens[b])           # [>= L-1, n_c4, K] or None
             for i, name in enumerate(names):
                 sets.setdefault(name, []).append(found[name])
                 if theirs is not None:
@@ -405,7 +405,8 @@ class LiveChecksLong(LiveChecks):
         # second long hold's step 1 died in that update (an OOM) with these values computed and never logged
         with open(os.path.join(self.dump_dir, f"agree_{step:04d}.json"), "w") as f:
             json.dump({**agree, "server_swaps": swaps}, f)
-        return {**out, **agree, "server_topk_errors": self.server_topk_errors}
+        return {**out, **agree, "server_topk_errors": self.server_topk_errors,
+                "server_topk_unreplayable": self.server_topk_unreplayable}
 
     def _agreement_rows(self, lens: list, sel: int) -> list:
         """The AGREEMENT_ROWS longest rows, and the row holding the step's largest |gap| - floor among the
@@ -419,16 +420,27 @@ class LiveChecksLong(LiveChecks):
             rows += [worst] if worst not in rows else []
         return rows
 
-    def _server_topk(self, b: int, n_layers: int):
-        """SGLang's kept sets for row b from its prefill answer ([L-1, n_layers, index_topk] int64), or None
-        (not asked, not answered, or not decodable: counted in `server_topk_errors`, named once)."""
+    def _server_topk(self, b: int, n_layers: int, length: int):
+        """SGLang's kept sets for row b (`length` tokens) from its prefill answer ([>= length - 1, n_layers,
+        index_topk] int64), or None (not asked, not answered, not decodable or too short: counted in
+        `server_topk_errors`, named once). A record indexer replay would refuse (`model.check_replay_record`,
+        the collector's check) is still compared, and counted in `server_topk_unreplayable`, named once."""
         meta = self.prefill_metas[b] if b < len(self.prefill_metas) else {}
         if "indexer_topk" not in meta:
             return None
         try:
-            return decode_indexer_topk(meta, n_layers, self.mcfg.index_topk)
+            kept = decode_indexer_topk(meta, n_layers, self.mcfg.index_topk)
+            if kept.shape[0] < length - 1:
+                raise ValueError(f"{kept.shape[0]} rows for a sequence of {length} tokens (want {length - 1})")
         except ValueError as e:
             self.server_topk_errors += 1
             if self.server_topk_errors == 1:
                 print(f"live: SGLang's indexer_topk not read: {e}")
             return None
+        try:
+            check_replay_record(kept, self.mcfg.index_topk)
+        except ValueError as e:
+            self.server_topk_unreplayable += 1
+            if self.server_topk_unreplayable == 1:
+                print(f"live: SGLang's indexer_topk could not be replayed: {e}")
+        return kept

@@ -281,6 +281,10 @@ def summarize(recs: list) -> dict:
         agree = agreement_summary(train, prefix)
         if agree:
             out[name] = agree
+    for key in ("server_topk_errors", "server_topk_unreplayable"):   # LiveChecksLong's counts, run-long: the last
+        _, counts = column(train, key)
+        if counts:
+            out[key] = counts[-1]
     _, trunc = column(train, "truncated_frac")
     if trunc:
         out["rollout_truncated_frac_mean"] = sum(trunc) / len(trunc)

@@ -240,3 +240,43 @@ def test_the_live_checks_forwards_replay_the_record_too(gen):
     assert torch.allclose(got, want, atol=1e-5, rtol=0) and (got - own).abs().max() > 1e-3
     ent = -(logp.exp() * logp).sum(-1)[on]
     assert torch.allclose(masked_entropy(model, ids, on, 1.0, tokens=2 * S, indexed=rec), ent, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("score", ["exact", "batched"])
+def test_the_embedded_server_reports_the_kept_sets_of_its_scoring_forward(gen, score):
+    """`return_indexer_topk` on nanoflash's server: each sample's record is SGLang's format ([prompt + output - 1,
+    C4 layers, index_topk] int32, -1 padded) holding the entries the model's own indexer keeps on that sample
+    (`own_selection`, a forward of its own), scored alone or in one right-padded forward with a longer sample;
+    R3 records travel beside it; the client decodes it and the collector's check accepts it. Bugs caught: the
+    record of the other sample of the padded batch or of the padding, C4 layers in another order, a row
+    shifted by one, the entries of the prompt alone."""
+    import threading
+    from nanoflash.server.engine import RolloutEngine, parse_sampling
+    from nanoflash.sglang.client import decode_indexer_topk
+    model = _model().eval()
+    engine = RolloutEngine(_model(), weights="fp32", score=score)
+    prompts = {"a": torch.randint(0, 256, (30,), generator=gen).tolist(),
+               "b": torch.randint(0, 256, (37,), generator=gen).tolist()}
+    out, threads = {}, []
+    engine.pause("in_place")                                    # both join one step: one padded scoring forward
+    for k, p in prompts.items():
+        sp = parse_sampling({"n": 1, "max_new_tokens": 6, "stop_token_ids": [],
+                             "sampling_seed": 5}, 256)
+        threads.append(threading.Thread(target=lambda k=k, p=p, sp=sp: out.__setitem__(
+            k, engine.generate(p, sp, rid=k, records=("routed_experts", "indexer_topk"))), daemon=True))
+        threads[-1].start()
+    while len(engine.waiting) < 2:
+        threading.Event().wait(0.002)
+    engine.unpause()
+    for t in threads:
+        t.join(timeout=60)
+    K, n_c4 = model.cfg.index_topk, len(c4_layers(model.cfg))
+    for k, p in prompts.items():
+        meta = out[k][0]["meta_info"]
+        full = torch.tensor(p + out[k][0]["output_ids"])
+        got = decode_indexer_topk(meta, n_c4, K)                                          # [L-1,n_c4,K]
+        want = own_selection(model, full[None, :-1])[0]
+        assert got.shape == (len(full) - 1, n_c4, K) and "routed_experts" in meta, k
+        assert torch.equal(got, want.long()), k
+        assert (got[:15] < 0).sum() > 0 and (got[-1] >= 0).all(), k   # early queries padded, the last selects
+        check_replay_record(got, K)

@@ -267,11 +267,32 @@ def test_live_checks_long_logs_bands_an_fp8_index_floor_and_the_topk_agreement(t
         for key, want in (("server_agree", server_ov[name]), ("server_fp8_agree", server_fp8_ov[name])):
             assert out[f"{key}_{layer}_overlap_mean"] == pytest.approx(sum(want) / len(want)), key
             assert out[f"{key}_{layer}_identical_share"] == pytest.approx(sum(w == 1 for w in want) / len(want)), key
-    assert out["server_topk_errors"] == 0
+    assert out["server_topk_errors"] == out["server_topk_unreplayable"] == 0
     with open(tmp_path / "live_tokens" / "agree_0001.json") as f:                  # kept before the update
         saved = json.load(f)
     assert saved.pop("server_swaps") == [[0, planted[1], int(planted[2].split(".")[1]), 1]]   # the planted swap
     assert saved == {k: v for k, v in out.items() if k.startswith(("agree_", "server_agree_", "server_fp8_agree_"))}
+
+
+def test_a_server_record_replay_would_refuse_is_counted_and_a_short_one_is_not_read():
+    """The hold reads whether indexer replay could train on SGLang's records: a record with an entry its query
+    cannot see is still compared but counted in `server_topk_unreplayable`; one with fewer rows than the
+    sequence's L - 1 is not read (`server_topk_errors`). Bug caught: a record of another sequence compared as
+    if it were this one's, or a hold that cannot tell whether replay would run."""
+    from instruments.live import LiveChecksLong
+    from nanoflash.server.engine import encode_record
+    hook = LiveChecksLong.__new__(LiveChecksLong)
+    hook.mcfg, hook.server_topk_errors, hook.server_topk_unreplayable = preset("tiny"), 0, 0
+    K, L = hook.mcfg.index_topk, 24
+    good = torch.full((L - 1, 2, K), -1, dtype=torch.int32)
+    good[:, :, 0] = (torch.arange(L - 1) + 1).div(4, rounding_mode="floor")[:, None] - 1   # the last visible
+    bad = good.clone()
+    bad[10, 1, 1] = 3                                      # query 10 sees entries 0..1 only
+    hook.prefill_metas = [{"indexer_topk": encode_record(r)} for r in (good, bad, good[:L - 3])]
+    assert torch.equal(hook._server_topk(0, 2, L), good.long())
+    assert hook.server_topk_errors == hook.server_topk_unreplayable == 0
+    assert torch.equal(hook._server_topk(1, 2, L), bad.long()) and hook.server_topk_unreplayable == 1
+    assert hook._server_topk(2, 2, L) is None and hook.server_topk_errors == 1
 
 
 class _RefusingServer(_FakeServer):

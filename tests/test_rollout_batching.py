@@ -171,7 +171,7 @@ def test_batched_scoring_is_one_padded_forward_within_tolerance_of_the_trainer()
     engine.pause("in_place")
     for k, (p, sp) in jobs.items():   # with R3 records
         threads.append(threading.Thread(target=lambda k=k, p=p, sp=sp: out.__setitem__(
-            k, engine.generate(p, sp, rid=k, routed=True)), daemon=True))
+            k, engine.generate(p, sp, rid=k, records=("routed_experts",))), daemon=True))
         threads[-1].start()
     wait_until(lambda: len(engine.waiting) == 3, "the requests to queue")
     engine.unpause()

@@ -264,6 +264,21 @@ def test_fp8_rollout_with_routing_replay(tmp_path):
         assert 0.0 < r["train_rollout_logprob_abs_diff"] < 0.5, r
 
 
+def test_matched_precision_with_both_replays_through_the_embedded_server(tmp_path):
+    """fp32 engine and trainer with R3 and indexer replay: the embedded server's records ([P+R-1, layers, K],
+    SGLang's format) pass the collector's checks, travel packed into every forward, and the log-probs stay
+    exactly equal. (The smoke's 10-token prompts keep every visible C4 entry, so this tests the path; the
+    selection itself: tests/test_indexer_replay.py.) Bug caught: a record a row off (refused by the check),
+    one dropped on the way (train.py refuses a server without it), or replay changing the math."""
+    out = str(tmp_path / "replay")
+    run_train(out, "--rollout.weights", "fp32", "--rollout.routing_replay", "true", "--rollout.indexer_replay",
+              "true", "--steps", "2", "--eval.every", "0")
+    trained = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl"), "train") if "grad_norm" in r]
+    assert len(trained) == 2
+    for r in trained:
+        assert r["train_rollout_logprob_abs_diff"] == 0.0, r
+
+
 def test_plot_helpers_against_hand_values():
     assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
     a, b = linear_fit([0.0, 1.0, 2.0], [1.0, 3.0, 5.0])

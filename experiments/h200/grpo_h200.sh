@@ -85,7 +85,8 @@ long_overrides() {
   # the live checks assume one policy on both sides: not in the sync/async comparison (compare_runs)
   [ "${H20_COMPARE:-0}" = 1 ] || echo "--train.hooks instruments.live:LiveChecksLong"
   # H20_INDEXER_REPLAY=1: the trainer replays SGLang's C4 kept sets (the server reports them: server_topk)
-  [ "${H20_INDEXER_REPLAY:-0}" = 1 ] && [ "$MODE" = gpu ] && echo "--rollout.indexer_replay true"
+  # (the dry run's embedded server reports them too)
+  [ "${H20_INDEXER_REPLAY:-0}" = 1 ] && echo "--rollout.indexer_replay true"
   # memory: SGLang's static share H20_MEM (0.30 here: its KV pool of ~40 GB holds 64 requests of 3K tokens many
   # times over) and the trainer's and the SFT's allocators capped at H20_TRAIN_MEM (0.58: 83 GB against a measured
   # peak of 60.7 GiB), leaving 12% for SGLang's per-batch memory and the CUDA contexts. 2026-12-03, one step off

@@ -44,9 +44,11 @@ the GEMM shapes differ, so the bits may: on the CPU fp32 the padded log-probs we
 one. "auto": exact on the CPU and with fp32 weights, batched otherwise (the FP8 and bf16 engines differ from a
 bf16 trainer by ~0.08 anyway, docs/benchmarks.md B11). A lone sample is always scored alone.
 
-Routing replay (R3): with `return_routed_experts` the result carries, in SGLang's format (base64 int32
-[prompt + output - 1, n_layers, top-k]), the experts every MoE layer chose in that same scoring forward --
-exactly the routing a trainer forward on the same tokens and weights computes.
+Replay records, in SGLang's format (base64 int32, one row per input position of the scoring forward:
+prompt + output - 1), from that same scoring forward -- exactly what a trainer forward on the same tokens and
+weights computes: with `return_routed_experts` (R3) [rows, n_layers, top-k], the experts every MoE layer chose;
+with `return_indexer_topk` (indexer replay) [rows, C4 layers, index_topk], the entries each C4 layer's indexer
+kept (-1 padded), layer j the model's j-th C4 layer (`model.c4_layers`), as SGLang 0.5.16 reports them.
 
 Decoding uses the model's incremental cache when a start-up self-check (two rows at different positions, one
 step, against the full forward) agrees, else re-runs the full forward of every row each step, right-padded
@@ -70,6 +72,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import hashlib
 import math
 import threading
@@ -80,6 +83,7 @@ from typing import Optional
 
 import torch
 
+from nanoflash.model import Indexer, c4_layers
 from nanoflash.quant import FP8_BLOCK, dequantize_fp8_block
 from nanoflash.sglang.layout import LoaderState, from_sglang, unpermute_ape
 from nanoflash.sglang.transports import iter_sglang_buckets
@@ -110,6 +114,7 @@ SAMPLING_KEYS = {"n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_t
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32}
 BATCHING = ("continuous", "serial")      # RolloutEngine(batching=): every running request per forward, or one
 SCORING = ("auto", "exact", "batched")   # RolloutEngine(score=): see the module docstring
+RECORDS = ("routed_experts", "indexer_topk")   # replay records a request may ask for (SGLang's meta_info keys)
 
 
 class BadRequest(ValueError):
@@ -449,8 +454,12 @@ class RolloutEngine:
             raise FloatingPointError(f"non-finite log-prob {lp} of the health token")
 
     @torch.no_grad()
-    def generate(self, input_ids: list, sp: dict, rid: str | None = None, routed: bool = False) -> list:
-        """One prompt, `sp['n']` samples -> SGLang-shaped result dicts."""
+    def generate(self, input_ids: list, sp: dict, rid: str | None = None, records: tuple = ()) -> list:
+        """One prompt, `sp['n']` samples -> SGLang-shaped result dicts; `records`: the replay records (RECORDS)
+        each result carries."""
+        unknown = set(records) - set(RECORDS)
+        if unknown:
+            raise BadRequest(f"replay records {sorted(unknown)} unknown: this engine reports {list(RECORDS)}")
         rid, t0 = rid or uuid.uuid4().hex, time.monotonic()
         max_len = self.cfg.max_seq_len
         if len(input_ids) + sp["max_new_tokens"] > max_len:  # "context length": the phrase SGLang's 400 uses too
@@ -466,7 +475,7 @@ class RolloutEngine:
                 fr = {"type": "abort", "message": "Abort in waiting queue"}
                 return [self._answer(rid, t0, input_ids, sp, [], [], fr, version) for _ in range(n)]
             try:
-                return self._run(self._request(input_ids, sp, rid, t0, routed))
+                return self._run(self._request(input_ids, sp, rid, t0, tuple(records)))
             finally:
                 self._release(n)
         finally:
@@ -476,11 +485,11 @@ class RolloutEngine:
                     del self.inflight[rid]
                     self.aborted.discard(rid)
 
-    def _request(self, prompt: list, sp: dict, rid: str, t0: float, routed: bool) -> "Request":
+    def _request(self, prompt: list, sp: dict, rid: str, t0: float, records: tuple) -> "Request":
         with self.lock:
             seed = sp["seed"] if sp["seed"] is not None else int(torch.randint(0, 2**62, (1,), generator=self.seed_gen))
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        return Request(rid, t0, list(prompt), sp, routed, gen, [[] for _ in range(sp["n"])], [None] * sp["n"])
+        return Request(rid, t0, list(prompt), sp, records, gen, [[] for _ in range(sp["n"])], [None] * sp["n"])
 
     def _run(self, req: "Request") -> list:
         """Wait for `req`'s result, running the steps while no other request's thread does (the driver: one
@@ -580,68 +589,82 @@ class RolloutEngine:
 
     def _score_finished(self) -> None:
         """Score every finished sample with the trainer's `token_logprobs` ("exact": one forward per sample;
-        "batched": one right-padded forward per temperature) and build the results."""
+        "batched": one right-padded forward per temperature), read the replay records it asked for from that
+        forward, and build the results."""
         reqs = list(self.finished)   # they leave `finished` once scored (a failure reaches them from there)
         items = [(r, i) for r in reqs for i in range(r.n)]
         fulls = [r.prompt + r.output(i) for r, i in items]
-        lps, routes = [[] for _ in items], [None] * len(items)
+        lps, recs = [[] for _ in items], [None] * len(items)
         scored = [k for k, (r, i) in enumerate(items) if r.output(i)]
         for T in sorted({items[k][0].sp["temperature"] or 1.0 for k in scored}):
             group = [k for k in scored if (items[k][0].sp["temperature"] or 1.0) == T]
             if self.score_mode == "exact" or len(group) == 1:
                 for k in group:
                     full = torch.tensor(fulls[k], dtype=torch.long, device=self.device)
-                    lps[k] = self.score(full, len(items[k][0].prompt), T)
-                    routes[k] = self.routed_experts(full, scored=True) if items[k][0].routed else None
+                    with self._capture(items[k][0].records) as kept:
+                        lps[k] = self.score(full, len(items[k][0].prompt), T)
+                    recs[k] = self._records(items[k][0].records, kept, [len(full) - 1])[0]
             else:
                 self._score_padded([fulls[k] for k in group], [items[k][0] for k in group], T,
-                                   [lps, routes], group)
-        for k, (r, i) in enumerate(items):   # unscored (no tokens): the routing of the prompt alone
-            if r.routed and routes[k] is None:
-                routes[k] = self.routed_experts(torch.tensor(fulls[k], device=self.device), scored=False)
+                                   [lps, recs], group)
+        for k, (r, i) in enumerate(items):   # unscored (no tokens): the records of the prompt alone
+            if r.records and recs[k] is None:
+                recs[k] = self.prompt_records(torch.tensor(fulls[k], device=self.device), r.records)
         version, answers = self.weight_version, {}   # the version of the weights that scored them
         for k, (r, i) in enumerate(items):
             answers.setdefault(id(r), []).append(self._answer(r.rid, r.t0, r.prompt, r.sp, r.output(i), lps[k],
-                                                              r.finish_reason(i), version, routes[k]))
+                                                              r.finish_reason(i), version, recs[k]))
         for r in reqs:
             r.result = answers[id(r)]
         self.finished = self.finished[len(reqs):]
 
     def _score_padded(self, fulls: list, reqs: list, T: float, into: list, at: list) -> None:
-        """Log-probs (and R3 records where asked) of several samples in one forward, right-padded: every block
-        is causal (window and compressed entries end at the query, the indexer sees only ended windows, MoE and
-        mHC act per token), so padding after a sample changes none of its positions -- but the GEMM shapes
+        """Log-probs (and the replay records asked for) of several samples in one forward, right-padded: every
+        block is causal (window and compressed entries end at the query, the indexer sees only ended windows, MoE
+        and mHC act per token), so padding after a sample changes none of its positions -- but the GEMM shapes
         differ from a batch of one, so the bits may too (module docstring)."""
         L = max(len(f) for f in fulls)
         ids = torch.tensor([f + [0] * (L - len(f)) for f in fulls], device=self.device)            # [N,L]
-        lp = self.model.token_logprobs(ids[:, :-1], ids[:, 1:], temperature=T).tolist()             # [N,L-1]
-        routed = self._layer_routes().view(len(fulls), L - 1, self.cfg.n_layers, -1) if any(
-            r.routed for r in reqs) else None                                                       # [N,L-1,n,K]
+        names = tuple(n for n in RECORDS if any(n in r.records for r in reqs))
+        with self._capture(names) as kept:
+            lp = self.model.token_logprobs(ids[:, :-1], ids[:, 1:], temperature=T).tolist()         # [N,L-1]
+        recs = self._records(names, kept, [len(f) - 1 for f in fulls])
         for j, (f, r, k) in enumerate(zip(fulls, reqs, at)):
             into[0][k] = lp[j][len(r.prompt) - 1:len(f) - 1]
-            into[1][k] = encode_routes(routed[j, :len(f) - 1]) if r.routed else None
+            into[1][k] = {n: v for n, v in recs[j].items() if n in r.records} if r.records else None
 
-    def _answer(self, rid, t0, prompt, sp, ids, lps, fr, version, routes=None) -> dict:
+    def _answer(self, rid, t0, prompt, sp, ids, lps, fr, version, records=None) -> dict:
         res = {"output_ids": ids, "meta_info": {
             "id": rid, "finish_reason": fr, "prompt_tokens": len(prompt), "completion_tokens": len(ids),
             "cached_tokens": 0, "weight_version": version, "e2e_latency": time.monotonic() - t0,
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
-        if routes is not None:
-            res["meta_info"]["routed_experts"] = routes
+        res["meta_info"].update(records or {})
         return res
 
-    def _layer_routes(self) -> torch.Tensor:
-        """The experts every MoE layer chose in the last forward (`MoE.last_indices`). -> [N,n_layers,K]"""
-        layers = self.model.layers
-        return torch.stack([layers[k].ffn.last_indices for k in sorted(layers, key=int)], 1)
+    def _capture(self, names: tuple):
+        """Context for a scoring forward: yields {C4 layer: what its indexer kept} when `names` asks for the
+        indexer record (`capture_kept`), else an empty dict."""
+        return capture_kept(self.model) if "indexer_topk" in names else contextlib.nullcontext({})
+
+    def _records(self, names: tuple, kept: dict, rows: list) -> list:
+        """The replay records `names` of the last forward's N rows, row j cut to its first rows[j] positions ->
+        per row {name: base64 int32}. routed_experts from `MoE.last_indices` [N*L,K] -> [N,L,n_layers,K];
+        indexer_topk from `kept` -> [N,L,C4 layers,index_topk]."""
+        parts = {}
+        if "routed_experts" in names:
+            layers = self.model.layers
+            idx = torch.stack([layers[k].ffn.last_indices for k in sorted(layers, key=int)], 1)  # [N*L,n,K]
+            parts["routed_experts"] = idx.view(len(rows), -1, *idx.shape[1:])
+        if "indexer_topk" in names:
+            parts["indexer_topk"] = kept_record(kept, self.cfg)
+        return [{n: encode_record(t[j, :rows[j]]) for n, t in parts.items()} for j in range(len(rows))]
 
     @torch.no_grad()
-    def routed_experts(self, full: torch.Tensor, scored: bool) -> str:
-        """R3 record in SGLang's format: base64 of int32 [len(full) - 1, n_layers, top-k], the experts every
-        MoE layer chose for each input position of the scoring forward (`MoE.last_indices`)."""
-        if not scored:
+    def prompt_records(self, full: torch.Tensor, names: tuple) -> dict:
+        """The replay records `names` of a sample with no tokens: one forward of full[:-1]. full [L]"""
+        with self._capture(names) as kept:
             self.model(full[None, :-1])
-        return encode_routes(self._layer_routes())
+        return self._records(names, kept, [len(full) - 1])[0]
 
     def input_logprobs(self, input_ids: list, start: int, temperature: float) -> list:
         """SGLang's `input_token_logprobs` for `logprob_start_len=start`: [[log p(x_i | x_<i), x_i, None] for i
@@ -659,9 +682,39 @@ class RolloutEngine:
         return lp[0, prompt_len - 1:].tolist()
 
 
-def encode_routes(idx: torch.Tensor) -> str:
-    """R3 record: base64 of the int32 bytes of idx [positions, n_layers, K]."""
+def encode_record(idx: torch.Tensor) -> str:
+    """A replay record as SGLang sends it: base64 of the int32 bytes of idx [positions, layers, K]."""
     return base64.b64encode(idx.to(torch.int32).cpu().contiguous().numpy().tobytes()).decode("ascii")
+
+
+@contextlib.contextmanager
+def capture_kept(model):
+    """While active, each C4 layer's indexer records what it kept in its last prefill-shaped forward (its
+    `forward`'s first output: the keep mask [B,S,C] bool, or the kernels' index list [B,S,<=K] int32, -1 padded,
+    or the replayed record): yields {C4 layer id: that tensor}."""
+    out, hooks = {}, []
+    for i in c4_layers(model.cfg):
+        indexer = model.layers[str(i)].attn.indexer
+        assert isinstance(indexer, Indexer), f"layer {i}: compress ratio 4 without an Indexer ({type(indexer)})"
+        hooks.append(indexer.register_forward_hook(lambda m, args, res, i=i: out.__setitem__(i, res[0].detach())))
+    try:
+        yield out
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def kept_record(kept: dict, cfg) -> torch.Tensor:
+    """SGLang's indexer record from `capture_kept`'s tensors: [B,S,C4 layers,index_topk] int32, each row the
+    kept entry indices, highest first, -1 padded (a C4 layer with no entries yet: all -1)."""
+    K, rows = cfg.index_topk, []
+    for i in c4_layers(cfg):
+        keep = kept[i]
+        if keep.dtype == torch.bool:   # the mask [B,S,C]: its True columns, at most K of them
+            keep = torch.where(keep, torch.arange(keep.shape[-1], device=keep.device), -1)
+        keep = keep.to(torch.int32).sort(-1, descending=True).values[..., :K]                       # [B,S,<=K]
+        rows.append(torch.nn.functional.pad(keep, (0, K - keep.shape[-1]), value=-1))               # [B,S,K]
+    return torch.stack(rows, 2)
 
 
 @dataclass(eq=False)   # identity: a request is "in" the batch, not an equal one
@@ -673,7 +726,7 @@ class Request:
     t0: float
     prompt: list
     sp: dict
-    routed: bool
+    records: tuple                     # replay records asked for (RECORDS)
     gen: torch.Generator
     out: list                          # per sample: the ids drawn so far
     done: list                         # per sample: None, or (ids up to and with the stop id, the stop id)

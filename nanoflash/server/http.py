@@ -76,7 +76,7 @@ import torch
 from nanoflash.checkpoint import load_hf_checkpoint
 from nanoflash.config import ModelConfig, preset
 from nanoflash.model import Transformer
-from nanoflash.server.engine import (BATCHING, DEFAULT_MAX_RUNNING, MAX_N, SCORING, BadRequest, RolloutEngine,
+from nanoflash.server.engine import (BATCHING, DEFAULT_MAX_RUNNING, MAX_N, RECORDS, SCORING, BadRequest, RolloutEngine,
                                      check_ids, parse_sampling)
 from nanoflash.server.http_guard import BoundedHTTPServer, HTTPError, HTTPLimits, make_handler
 from nanoflash.server.trace import MAX_TRACE_BYTES, checked_ids, trace
@@ -161,6 +161,7 @@ class RolloutServer:
                 "dp_size": 1, "pp_size": 1, "model_path": self.model_path or "nanoflash", "quantization": None,
                 "load_format": "auto" if self.model_path else "dummy", "torch_version": self.versions["torch"],
                 "nccl_version": self.versions["nccl"], "weights": self.engine.weights,
+                "enable_return_indexer_topk": True,   # SGLang's flag; this engine reports the records when asked
                 "weight_version": self.engine.weight_version}
 
     def r_get_model_info(self, _):
@@ -190,12 +191,13 @@ class RolloutServer:
             raise BadRequest(f"/generate: {len(prompts)} prompt(s) x n={sp['n']} x max_new_tokens="
                              f"{sp['max_new_tokens']} = {asked} tokens exceeds this server's "
                              f"max_request_tokens={self.max_request_tokens}; split the request")
-        rid, routed, start = body.get("rid"), bool(body.get("return_routed_experts")), body.get("logprob_start_len", -1)
+        rid, start = body.get("rid"), body.get("logprob_start_len", -1)
+        records = tuple(n for n in RECORDS if body.get(f"return_{n}"))   # return_routed_experts, return_indexer_topk
         if type(start) is not int or start < -1:
             raise BadRequest(f"/generate: logprob_start_len={start!r} is invalid: want an int >= -1")
         out = []
         for i, p in enumerate(prompts):
-            res = self.engine.generate(p, sp, rid=f"{rid}-{i}" if rid and batch else rid, routed=routed)
+            res = self.engine.generate(p, sp, rid=f"{rid}-{i}" if rid and batch else rid, records=records)
             if start >= 0 and body.get("return_logprob"):   # SGLang's prefill scoring of the input itself
                 lps = self.engine.input_logprobs(p, start, sp["temperature"])
                 for r in res:
