@@ -176,7 +176,7 @@ def check_indexer_topk(client) -> None:
         if on is not True:
             raise ServerMismatch(f"{url} reports enable_return_indexer_topk={on!r}: rollout.indexer_replay needs "
                                  f"each server's C4 kept sets (start SGLang with --enable-return-indexer-topk; "
-                                 f"nanoflash's embedded server does not report them)")
+                                 f"nanoflash's embedded server always reports them)")
 
 
 def check_servers(client, weights: str, distributed: bool, env=os.environ, indexer_replay: bool = False) -> list[str]:
