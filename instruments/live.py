@@ -160,6 +160,12 @@ def _layers(model, ids: torch.Tensor, indexed, a: int, b: int) -> torch.Tensor:
     return model.run_layers(model.embed_streams(ids), ids, indexed=kx)
 
 
+def full_tokens(batch, b: int) -> list:
+    """Row b's whole sequence (prompt + response, L tokens) from a packed batch."""
+    L = int(batch.prompt_lens[b] + batch.response_lens[b])
+    return [int(batch.input_ids[b, 0])] + batch.targets[b, :L - 1].tolist()
+
+
 def tail_stats(d: torch.Tensor, prefix: str) -> dict:
     """mean / p99 / max of a 1-D tensor of per-token values, keys prefixed."""
     d = d.double()
@@ -212,7 +218,6 @@ class LiveChecks(Hook):
 
     name = "warm"   # the eval record: eval_warm
     SIM_INDEXER_QUANT = "qat"   # the floor model's indexer precision (ModelConfig.indexer_quant): qat = FP4 QAT
-    PREFILL_FLAGS: dict = {}    # more fields of the prefill scoring request
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -227,8 +232,6 @@ class LiveChecks(Hook):
         self.probe_prompt = task.encode(task.heldout[0] if task.heldout else task.train[0])
         self.probe_seed = cfg.train.seed + 7
         self.prefill_errors = 0
-        self.prefill_flags, self.prefill_metas = dict(self.PREFILL_FLAGS), []
-        self.server_topk_errors = self.server_topk_unreplayable = 0
         self.dump_dir = os.path.join(cfg.train.out_dir, "live_tokens")
         os.makedirs(self.dump_dir, exist_ok=True)
 
@@ -279,18 +282,10 @@ class LiveChecks(Hook):
     def _prefill(self, batch):
         """The step's sequences scored again by the server in one prefill (`probe.prefill_logprobs`), aligned
         as batch.rollout_logprobs [B,S]; None (and `prefill_errors` counted) if the server refuses."""
-        rows = []
-        for b in range(len(batch)):
-            L = int(batch.prompt_lens[b] + batch.response_lens[b])
-            rows.append([int(batch.input_ids[b, 0])] + batch.targets[b, :L - 1].tolist())   # the full L tokens
+        rows = [full_tokens(batch, b) for b in range(len(batch))]
         try:
             lps = self._prefill_rows(rows)
         except Exception as e:   # a diagnostic: the run goes on without it, the failure counted and named
-            if self.prefill_flags:   # a server that refuses the extra fields is asked without them from now on
-                print(f"live: prefill scoring with {sorted(self.prefill_flags)} failed ({type(e).__name__}: "
-                      f"{str(e)[:200]}); asking without them from now on")
-                self.prefill_flags = {}
-                return self._prefill(batch)
             self.prefill_errors += 1
             print(f"live: prefill scoring failed ({self.prefill_errors}): {type(e).__name__}: {str(e)[:200]}")
             return None
@@ -300,12 +295,10 @@ class LiveChecks(Hook):
         return pre
 
     def _prefill_rows(self, rows: list) -> list:
-        """`probe.prefill_logprobs` of the rows, PREFILL_ROWS a request, with `prefill_flags`; each row's
-        meta_info kept in `prefill_metas` (what the flags asked the server for)."""
-        T, self.prefill_metas = self.cfg.rollout.temperature, []
+        """`probe.prefill_logprobs` of the rows, PREFILL_ROWS a request."""
+        T = self.cfg.rollout.temperature
         return [lp for a in range(0, len(rows), PREFILL_ROWS)
-                for lp in probe_lib.prefill_logprobs(self.rollouts.client, rows[a:a + PREFILL_ROWS], T,
-                                                     flags=self.prefill_flags, metas=self.prefill_metas)]
+                for lp in probe_lib.prefill_logprobs(self.rollouts.client, rows[a:a + PREFILL_ROWS], T)]
 
     # ------------------------------------------------------------------ per push
     def after_push(self, version) -> dict:
@@ -357,16 +350,23 @@ class LiveChecksLong(LiveChecks):
     (layer = its index), also written at once to `live_tokens/agree_NNNN.json` (a step that dies in its update
     keeps them).
 
-    The prefill scoring request also asks for SGLang's own kept sets (`return_indexer_topk`; a server started
-    with `--enable-return-indexer-topk` answers them, another leaves them out, one that refuses the field is
-    asked without it from then on). Where they came, the same positions are compared with them:
+    The rows it reads are scored by the server once more, in a prefill that asks for SGLang's own kept sets
+    (`return_indexer_topk`; a server started with `--enable-return-indexer-topk` answers them, another leaves
+    them out, one that refuses the field is not asked again): only those rows, since a record is 4 KiB a token
+    and layer pair of base64 JSON (~0.4 GB for a step of 32 rows of 3K tokens). Where they came, the same
+    positions are compared with them:
     `server_agree_<layer>_*` (nanoflash's exact sets against SGLang's) and `server_fp8_agree_<layer>_*` (the
     FP8 reproduction against SGLang's: 1.0 when the floor models SGLang's selection exactly), and the json
     lists every position whose exact set differs from SGLang's, `server_swaps` [row, query position, layer,
     entries swapped], to set beside the step's per-token file (its `row` and `qpos`)."""
 
     SIM_INDEXER_QUANT = "fp8"
-    PREFILL_FLAGS = {"return_indexer_topk": True}
+    TOPK_FLAGS = {"return_indexer_topk": True}
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.ask_topk = True   # until a server refuses the field
+        self.server_topk_errors = self.server_topk_unreplayable = 0
 
     @torch.no_grad()
     def before_update(self, batch, old: torch.Tensor, step: int) -> dict:
@@ -374,7 +374,9 @@ class LiveChecksLong(LiveChecks):
         out = super().before_update(batch, old, step)
         t0, sel, sets, server, swaps = time.time(), bands.edges(self.mcfg)[1], {}, {}, []
         lens = (batch.prompt_lens + batch.response_lens).tolist()
-        for b in self._agreement_rows(lens, sel):
+        rows = self._agreement_rows(lens, sel)
+        metas = self._server_records(batch, rows)
+        for b in rows:
             qpos = (batch.mask[b] > 0).nonzero()[:, 0]
             qpos = qpos[qpos >= sel]                      # scored positions where the top-k selects
             if not len(qpos):
@@ -382,7 +384,7 @@ class LiveChecksLong(LiveChecks):
             ids = batch.input_ids[b:b + 1, :lens[b] - 1].to(self.actor.device)
             found = ia.agreement_sets(self.actor.model, ids, qpos.to(self.actor.device))
             names = sorted(found, key=lambda n: int(n.split(".")[1]))   # C4 layers in order, as SGLang counts them
-            theirs = self._server_topk(b, len(names), lens[b])           # [>= L-1, n_c4, K] or None
+            theirs = self._server_topk(metas.get(b, {}), len(names), lens[b])   # [>= L-1, n_c4, K] or None
             for i, name in enumerate(names):
                 sets.setdefault(name, []).append(found[name])
                 if theirs is not None:
@@ -420,12 +422,27 @@ class LiveChecksLong(LiveChecks):
             rows += [worst] if worst not in rows else []
         return rows
 
-    def _server_topk(self, b: int, n_layers: int, length: int):
-        """SGLang's kept sets for row b (`length` tokens) from its prefill answer ([>= length - 1, n_layers,
-        index_topk] int64), or None (not asked, not answered, not decodable or too short: counted in
+    def _server_records(self, batch, rows: list) -> dict:
+        """{row: meta_info} of one prefill of `rows` asking for SGLang's kept sets; {} once a server refused the
+        field (named once: it is not asked again; `server_topk_errors` counts it)."""
+        if not self.ask_topk or not rows:
+            return {}
+        metas = []
+        try:
+            probe_lib.prefill_logprobs(self.rollouts.client, [full_tokens(batch, b) for b in rows],
+                                       self.cfg.rollout.temperature, flags=self.TOPK_FLAGS, metas=metas)
+        except Exception as e:   # a diagnostic: the run goes on without SGLang's sets
+            self.ask_topk, self.server_topk_errors = False, self.server_topk_errors + 1
+            print(f"live: prefill with {sorted(self.TOPK_FLAGS)} failed ({type(e).__name__}: {str(e)[:200]}); "
+                  f"not asked again")
+            return {}
+        return dict(zip(rows, metas))
+
+    def _server_topk(self, meta: dict, n_layers: int, length: int):
+        """SGLang's kept sets for a row of `length` tokens from its prefill answer `meta` ([>= length - 1,
+        n_layers, index_topk] int64), or None (not answered, not decodable or too short: counted in
         `server_topk_errors`, named once). A record indexer replay would refuse (`model.check_replay_record`,
         the collector's check) is still compared, and counted in `server_topk_unreplayable`, named once."""
-        meta = self.prefill_metas[b] if b < len(self.prefill_metas) else {}
         if "indexer_topk" not in meta:
             return None
         try:

@@ -33,7 +33,7 @@ import torch
 from nanoflash.config import preset
 from nanoflash.grpo import Episode, pack
 from nanoflash.model import Transformer
-from instruments.live import LiveChecks
+from instruments.live import LiveChecks, full_tokens
 from nanoflash.rl.hooks import HookContext
 
 T = 0.7               # rollout temperature (not 1, so a dropped temperature shows)
@@ -89,17 +89,23 @@ class _FakeServer:
     """Answers the live check's prefill request with recorded log-probs (SGLang's input_token_logprobs shape)."""
     urls = ["http://fake"]
 
-    def __init__(self, recorded, topk=None):
+    def __init__(self, recorded, topk=None, seqs=None):
         self.recorded = recorded          # one list of L-1 log-probs per sequence
         self.topk = topk                  # one int32 [L-1, C4 layers, index_topk] per sequence: SGLang's kept sets
+        self.seqs = seqs                  # the sequences, to answer a request for some of them (else: all, in order)
+        self.bodies = []
 
     def post(self, url, path, body):
         assert path == "/generate" and body["logprob_start_len"] == 0
-        out = [{"meta_info": {"input_token_logprobs": [[None, x[0]]] + [[lp, t] for lp, t in zip(rec, x[1:])]}}
-               for x, rec in zip(body["input_ids"], self.recorded)]
-        if body.get("return_indexer_topk") and self.topk is not None:   # SGLang's record: base64 int32
-            for o, t in zip(out, self.topk):
-                o["meta_info"]["indexer_topk"] = base64.b64encode(t.to(torch.int32).numpy().tobytes()).decode()
+        self.bodies.append(body)
+        which = ([self.seqs.index(list(x)) for x in body["input_ids"]] if self.seqs is not None
+                 else range(len(body["input_ids"])))
+        out = []
+        for x, i in zip(body["input_ids"], which):
+            meta = {"input_token_logprobs": [[None, x[0]]] + [[lp, t] for lp, t in zip(self.recorded[i], x[1:])]}
+            if body.get("return_indexer_topk") and self.topk is not None:   # SGLang's record: base64 int32
+                meta["indexer_topk"] = base64.b64encode(self.topk[i].to(torch.int32).numpy().tobytes()).decode()
+            out.append({"meta_info": meta})
         return out
 
 
@@ -244,7 +250,8 @@ def test_live_checks_long_logs_bands_an_fp8_index_floor_and_the_topk_agreement(t
             fp8.setdefault(name, []).append(a == c)
             server_ov.setdefault(name, []).append(len(a & sv) / len(a))
             server_fp8_ov.setdefault(name, []).append(len(c & sv) / len(c))
-    ctx = HookContext(run_cfg, cfg, actor, types.SimpleNamespace(client=_FakeServer(recorded, server)), None, task)
+    fake = _FakeServer(recorded, server, [full_tokens(batch, b) for b in range(len(batch))])
+    ctx = HookContext(run_cfg, cfg, actor, types.SimpleNamespace(client=fake), None, task)
     hook = LiveChecksLong(ctx)
     assert hook.sim.cfg.indexer_quant == "fp8" and hook.sim.cfg.qat
     with torch.device(default_device) if default_device else contextlib.nullcontext():
@@ -268,6 +275,8 @@ def test_live_checks_long_logs_bands_an_fp8_index_floor_and_the_topk_agreement(t
             assert out[f"{key}_{layer}_overlap_mean"] == pytest.approx(sum(want) / len(want)), key
             assert out[f"{key}_{layer}_identical_share"] == pytest.approx(sum(w == 1 for w in want) / len(want)), key
     assert out["server_topk_errors"] == out["server_topk_unreplayable"] == 0
+    asked = [b for b in fake.bodies if b.get("return_indexer_topk")]          # the agreement rows only
+    assert [len(b["input_ids"]) for b in fake.bodies] == [len(batch), 2] and len(asked) == 1, fake.bodies
     with open(tmp_path / "live_tokens" / "agree_0001.json") as f:                  # kept before the update
         saved = json.load(f)
     assert saved.pop("server_swaps") == [[0, planted[1], int(planted[2].split(".")[1]), 1]]   # the planted swap
@@ -288,11 +297,11 @@ def test_a_server_record_replay_would_refuse_is_counted_and_a_short_one_is_not_r
     good[:, :, 0] = (torch.arange(L - 1) + 1).div(4, rounding_mode="floor")[:, None] - 1   # the last visible
     bad = good.clone()
     bad[10, 1, 1] = 3                                      # query 10 sees entries 0..1 only
-    hook.prefill_metas = [{"indexer_topk": encode_record(r)} for r in (good, bad, good[:L - 3])]
-    assert torch.equal(hook._server_topk(0, 2, L), good.long())
+    good_m, bad_m, short_m = ({"indexer_topk": encode_record(r)} for r in (good, bad, good[:L - 3]))
+    assert torch.equal(hook._server_topk(good_m, 2, L), good.long())
     assert hook.server_topk_errors == hook.server_topk_unreplayable == 0
-    assert torch.equal(hook._server_topk(1, 2, L), bad.long()) and hook.server_topk_unreplayable == 1
-    assert hook._server_topk(2, 2, L) is None and hook.server_topk_errors == 1
+    assert torch.equal(hook._server_topk(bad_m, 2, L), bad.long()) and hook.server_topk_unreplayable == 1
+    assert hook._server_topk(short_m, 2, L) is None and hook.server_topk_errors == 1
 
 
 class _RefusingServer(_FakeServer):
@@ -304,20 +313,22 @@ class _RefusingServer(_FakeServer):
         return super().post(url, path, body)
 
 
-def test_live_prefill_asks_without_the_topk_field_once_a_server_refuses_it(gen):
-    """LiveChecksLong asks its prefill for SGLang's kept sets; a server that refuses the field costs one
-    retried request, not the step's prefill check: the same log-probs come back, no error is counted, and
-    later steps no longer ask. Bug caught: a refusal counted as a prefill failure every step (the prefill gap
-    lost for the whole run)."""
+def test_a_server_refusing_the_topk_field_costs_one_request_not_the_prefill_check(gen):
+    """LiveChecksLong asks SGLang's kept sets in a prefill of the agreement rows alone; a server that refuses the
+    field is named once and not asked again, and the step's prefill check (all rows, no extra field) is
+    untouched. Bug caught: a refusal counted as a prefill failure every step (the prefill gap lost for the
+    whole run), or the field asked on every row's prefill (a record is ~4 KiB a token and layer pair)."""
     from instruments.live import LiveChecksLong
     batch = _batch(preset("tiny"), gen)
     recorded = [[-0.5] * (int(batch.prompt_lens[b] + batch.response_lens[b]) - 1) for b in range(len(batch))]
     hook = LiveChecksLong.__new__(LiveChecksLong)
     hook.cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(temperature=T))
-    hook.rollouts = types.SimpleNamespace(client=_RefusingServer(recorded))
-    hook.prefill_errors, hook.prefill_flags, hook.prefill_metas = 0, dict(LiveChecksLong.PREFILL_FLAGS), []
-    assert hook.prefill_flags == {"return_indexer_topk": True}
+    server = _RefusingServer(recorded, seqs=[full_tokens(batch, b) for b in range(len(batch))])
+    hook.rollouts = types.SimpleNamespace(client=server)
+    hook.prefill_errors, hook.ask_topk, hook.server_topk_errors = 0, True, 0
     pre = hook._prefill(batch)
     on = batch.mask > 0
     assert pre is not None and torch.allclose(pre[on], torch.full((int(on.sum()),), -0.5))
-    assert hook.prefill_errors == 0 and hook.prefill_flags == {} and len(hook.prefill_metas) == len(batch)
+    assert hook._server_records(batch, [1, 3]) == {} and hook.server_topk_errors == 1 and not hook.ask_topk
+    assert hook._server_records(batch, [1, 3]) == {} and len(server.bodies) == 1   # not asked again
+    assert hook.prefill_errors == 0 and not server.bodies[0].get("return_indexer_topk")

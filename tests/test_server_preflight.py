@@ -173,3 +173,54 @@ def test_indexer_replay_needs_servers_that_report_their_kept_sets():
         with pytest.raises(ServerMismatch, match=r"http://sglang:30000 reports enable_return_indexer_topk=(False|None)"
                                                  r": rollout.indexer_replay needs"):
             check_indexer_topk(Info(**info))
+
+
+def test_indexer_replay_probes_each_servers_record_at_start_up(ckpts):
+    """With the model's config the preflight asks each server once for a record (a prompt long enough for the
+    top-k to select) and refuses, named, one the trainer could not replay. The embedded server's passes (its
+    kept sets are the trainer's rule); SGLang-shaped fakes with the record one row short, an entry the query
+    cannot see, too few kept entries at the last query, or no record at all are refused. Bug caught: a record
+    format that differs from what the collector checks found at step 1 of a GPU hold instead of at start-up."""
+    import base64
+    import torch
+    from nanoflash.model import c4_layers
+    from nanoflash.sglang.client import Generation
+    from nanoflash.sglang.preflight import check_indexer_topk
+    httpd, url = embedded(ckpts["fp8"])
+    mcfg = ModelConfig.from_hf_config(ckpts["fp8"])
+    try:
+        check_indexer_topk(SGLangClient(url), mcfg)                   # the embedded server's record: accepted
+    finally:
+        httpd.shutdown()
+    K, n_c4 = mcfg.index_topk, len(c4_layers(mcfg))
+
+    class Fake:
+        urls = ["http://sglang:30000"]
+
+        def __init__(self, edit):
+            self.edit = edit
+
+        def server_info(self, url):
+            return {"enable_return_indexer_topk": True}
+
+        def generate(self, prompt, sp, url=None, return_indexer_topk=False):
+            P = len(prompt)
+            rec = torch.full((P, n_c4, K), -1, dtype=torch.int32)   # each query keeps its last min(K, C) entries
+            for t in range(P):
+                C = (t + 1) // 4
+                rec[t, :, :min(K, C)] = torch.arange(C - 1, C - 1 - min(K, C), -1, dtype=torch.int32)
+            meta = self.edit(rec, {})
+            return [Generation(list(prompt), [5], [-0.1], "length", None, url, meta)]
+
+    def put(rec, meta):
+        return {**meta, "indexer_topk": base64.b64encode(rec.numpy().tobytes()).decode()}
+    check_indexer_topk(Fake(put), mcfg)
+    bad = {"rows": lambda r, m: put(r[1:], m),
+           "beyond its": lambda r, m: put(r.index_put_((torch.tensor([9]), torch.tensor([0]), torch.tensor([0])),
+                                                       torch.tensor([5], dtype=torch.int32)), m),
+           "keeps": lambda r, m: put(r.index_fill_(0, torch.tensor([r.shape[0] - 1]), -1), m),
+           "no indexer_topk": lambda r, m: m}
+    for what, edit in bad.items():
+        with pytest.raises(ServerMismatch, match=rf"http://sglang:30000: its indexer record cannot be replayed "
+                                                 rf"\(.*{what}"):
+            check_indexer_topk(Fake(edit), mcfg)

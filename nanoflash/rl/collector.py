@@ -188,12 +188,13 @@ def wait_for_servers(client, timeout_s: float) -> None:
                          f"loading?)") from None
 
 
-def preflight(client, rc) -> None:
-    """The servers at rollout.urls hold experts as the push sends them and, for a distributed push, run the
-    trainer's torch (and NCCL): `sglang.preflight`; else one line, stop, before the first push."""
+def preflight(client, rc, mcfg=None) -> None:
+    """The servers at rollout.urls hold experts as the push sends them, for a distributed push run the
+    trainer's torch (and NCCL), and for indexer replay send records the trainer can replay (probed with the
+    model's config `mcfg`): `sglang.preflight`; else one line, stop, before the first push."""
     try:
         for note in check_servers(client, rc.weights, rc.transport == "distributed",
-                                  indexer_replay=rc.indexer_replay):
+                                  indexer_replay=rc.indexer_replay, mcfg=mcfg):
             print(f"rollout.urls: {note}", flush=True)
     except ServerMismatch as e:
         raise SystemExit(f"rollout.urls: {e}") from None
@@ -223,7 +224,7 @@ class Collector:
                                                                   retry_s=rc.retry_s,
                                                                   update_timeout=rc.update_timeout_s), [], []
             wait_for_servers(self.client, rc.health_timeout_s)  # a cold SGLang start outlasts the client's retries
-            preflight(self.client, rc)
+            preflight(self.client, rc, mcfg)
         else:  # disk pushes land below the run directory; groups: the sync host (any, if not loopback)
             host = rc.sync_addr.rpartition(":")[0]
             self.client, self.engines, self.httpds = start_embedded(

@@ -2,7 +2,9 @@
 
     check_servers(client, weights, distributed)   # -> notes; raises ServerMismatch
 
-**Indexer replay** (`rollout.indexer_replay`): every server must report its C4 kept sets (`check_indexer_topk`).
+**Indexer replay** (`rollout.indexer_replay`): every server must report its C4 kept sets (`check_indexer_topk`:
+the flag, then one greedy request long enough for the top-k to select, whose record must be one the trainer
+can replay -- the seam tested against the live server at every start, not only against nanoflash's own).
 
 **Expert storage.** The stream sends routed experts as FP8 128x128 blocks when `rollout.weights=fp8`, else in the
 trainer's dtype; a server must hold them the same way (SGLang's loader checks neither dtype nor width of what it
@@ -45,7 +47,8 @@ import struct
 import torch
 import torch.distributed as dist
 
-from nanoflash.sglang.client import parse_version
+from nanoflash.model import c4_layers, check_replay_record
+from nanoflash.sglang.client import decode_indexer_topk, parse_version
 
 FP4_ENV = "SGLANG_DSV4_FP4_EXPERTS"
 # SGLang release -> the torch its wheel pins (Requires-Dist: torch==...), for servers that report no torch
@@ -167,22 +170,55 @@ def check_versions(client, mine: dict | None = None) -> list[str]:
     return notes
 
 
-def check_indexer_topk(client) -> None:
+def check_indexer_topk(client, mcfg=None) -> None:
     """Indexer replay needs every server to report its C4 kept sets: SGLang 0.5.16 does when started with
     `--enable-return-indexer-topk` (srt/server_args.py L2851; /server_info holds the server args, so the flag
-    `enable_return_indexer_topk`), and without it answers requests that ask for them with no record at all."""
+    `enable_return_indexer_topk`), and without it answers requests that ask for them with no record at all.
+    With the model's config `mcfg`, each server is then asked once (`probe_indexer_record`)."""
     for url in client.urls:
         on = client.server_info(url).get("enable_return_indexer_topk")
         if on is not True:
             raise ServerMismatch(f"{url} reports enable_return_indexer_topk={on!r}: rollout.indexer_replay needs "
                                  f"each server's C4 kept sets (start SGLang with --enable-return-indexer-topk; "
                                  f"nanoflash's embedded server always reports them)")
+        if mcfg is not None:
+            probe_indexer_record(client, url, mcfg)
 
 
-def check_servers(client, weights: str, distributed: bool, env=os.environ, indexer_replay: bool = False) -> list[str]:
+def probe_indexer_record(client, url: str, mcfg) -> None:
+    """One greedy token after a prompt of 4 x index_topk + 8 tokens (fewer if max_seq_len is shorter), asking
+    for the record: it must be what the collector accepts and the trainer replays -- one row per input position
+    (prompt + 1 - 1), C4 layers x index_topk a row (`client.decode_indexer_topk`), no entry a query cannot see
+    and at most index_topk (`model.check_replay_record`), and the last query keeping min(index_topk, its visible
+    entries). Else one ServerMismatch naming the server and what differs."""
+    K, n_c4 = mcfg.index_topk, len(c4_layers(mcfg))
+    P = max(8, min(4 * K + 8, mcfg.max_seq_len - 1))
+    prompt = [(7 * i + 3) % min(mcfg.vocab_size, 1000) for i in range(P)]
+    try:
+        gen = client.generate(prompt, {"max_new_tokens": 1, "temperature": 0.0}, url=url,
+                              return_indexer_topk=True)[0]
+        kept = decode_indexer_topk(gen.meta_info, n_c4, K) if "indexer_topk" in gen.meta_info else None
+        if kept is None:
+            raise ValueError("the answer holds no indexer_topk")
+        rows = P + len(gen.output_ids) - 1
+        if kept.shape[0] != rows:
+            raise ValueError(f"{kept.shape[0]} rows for {P} prompt + {len(gen.output_ids)} output tokens "
+                             f"(want {rows})")
+        check_replay_record(kept, K)
+        want = min(K, P // 4)                   # the last prompt query (position P - 1) sees P // 4 entries
+        if int((kept[P - 1] >= 0).sum(-1).min()) != want:
+            raise ValueError(f"the query at {P - 1} keeps {(kept[P - 1] >= 0).sum(-1).tolist()} entries per C4 "
+                             f"layer, want {want}")
+    except (ValueError, RuntimeError) as e:
+        raise ServerMismatch(f"{url}: its indexer record cannot be replayed ({e}); rollout.indexer_replay needs "
+                             f"[tokens - 1, {n_c4} C4 layers, index_topk {K}] of the entries each query kept") from None
+
+
+def check_servers(client, weights: str, distributed: bool, env=os.environ, indexer_replay: bool = False,
+                  mcfg=None) -> list[str]:
     """The start-up checks of every server (`Collector`): expert storage; torch/NCCL for a distributed push;
-    the indexer's kept sets for indexer replay."""
+    the indexer's kept sets for indexer replay (probed with the model's config `mcfg` when given)."""
     check_experts(client, weights, env)
     if indexer_replay:
-        check_indexer_topk(client)
+        check_indexer_topk(client, mcfg)
     return check_versions(client) if distributed else []
