@@ -148,7 +148,12 @@ def decode_routed_experts(meta_info: dict, n_layers: int, topk: int):
 def decode_indexer_topk(meta_info: dict, n_layers: int, topk: int):
     """SGLang's indexer record (`return_indexer_topk`, 0.5.16 `state_capturer/indexer_topk.py`): base64 int32
     -> int64 tensor [tokens - 1, n_layers, topk], row t the C4 entries query t kept (-1 padded), layer j the
-    model's j-th C4 layer (`compress_layer_id`)."""
+    model's j-th C4 layer (`compress_layer_id`, counted over C4 layers alone: `mem_cache/deepseek_v4_memory_pool.py`
+    L959). Query t sees (t + 1) // 4 entries, the rule `model.visible_entries` has: the indexer is given
+    `c4_topk_lengths_raw` (`layers/attention/deepseek_v4_backend.py` L652) = seq_len // 4 with seq_len = t + 1,
+    not the clamped-to-1 length flash_mla reads (`kernels/ops/attention/dsv4/metadata_kernel.py` L41-42), and
+    its top-k marks every entry at or past that length -1 (`layers/attention/dsv4/indexer.py` L248-326, the
+    torch reference of the CUDA `topk_transform_512`): queries 0-2 keep nothing."""
     return _decode_record(meta_info, "indexer_topk", n_layers, topk)
 
 
