@@ -280,3 +280,25 @@ def test_the_embedded_server_reports_the_kept_sets_of_its_scoring_forward(gen, s
         assert torch.equal(got, want.long()), k
         assert (got[:15] < 0).sum() > 0 and (got[-1] >= 0).all(), k   # early queries padded, the last selects
         check_replay_record(got, K)
+
+
+def test_a_model_without_c4_layers_reports_no_record_as_sglang():
+    """SGLang 0.5.16 disables the capture when the model has no indexer layer (`create_indexer_capturer`:
+    "No indexer layers found") and answers without a record; the embedded server does the same and says so in
+    /server_info, so indexer replay's preflight refuses it by name. Bug caught: a crash stacking no layers."""
+    from nanoflash.server.engine import RolloutEngine, parse_sampling
+    from nanoflash.server.http import serve
+    from nanoflash.sglang.client import SGLangClient
+    from nanoflash.sglang.preflight import ServerMismatch, check_indexer_topk
+    cfg = preset("tiny", compress_ratios=(0, 128, 0, 128, 0))
+    assert c4_layers(cfg) == []
+    engine = RolloutEngine(Transformer(cfg).init_weights(0), weights="fp32")
+    sp = parse_sampling({"n": 1, "max_new_tokens": 2, "stop_token_ids": [], "sampling_seed": 1}, 256)
+    meta = engine.generate(list(range(1, 21)), sp, records=("routed_experts", "indexer_topk"))[0]["meta_info"]
+    assert "routed_experts" in meta and "indexer_topk" not in meta
+    httpd, url = serve(engine)
+    try:
+        with pytest.raises(ServerMismatch, match="enable_return_indexer_topk=False"):
+            check_indexer_topk(SGLangClient(url), cfg)
+    finally:
+        httpd.shutdown()

@@ -655,7 +655,7 @@ class RolloutEngine:
             layers = self.model.layers
             idx = torch.stack([layers[k].ffn.last_indices for k in sorted(layers, key=int)], 1)  # [N*L,n,K]
             parts["routed_experts"] = idx.view(len(rows), -1, *idx.shape[1:])
-        if "indexer_topk" in names:
+        if "indexer_topk" in names and c4_layers(self.cfg):   # none (no C4 layer): no record, as SGLang
             parts["indexer_topk"] = kept_record(kept, self.cfg)
         return [{n: encode_record(t[j, :rows[j]]) for n, t in parts.items()} for j in range(len(rows))]
 

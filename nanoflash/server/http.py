@@ -75,7 +75,7 @@ import torch
 
 from nanoflash.checkpoint import load_hf_checkpoint
 from nanoflash.config import ModelConfig, preset
-from nanoflash.model import Transformer
+from nanoflash.model import Transformer, c4_layers
 from nanoflash.server.engine import (BATCHING, DEFAULT_MAX_RUNNING, MAX_N, RECORDS, SCORING, BadRequest, RolloutEngine,
                                      check_ids, parse_sampling)
 from nanoflash.server.http_guard import BoundedHTTPServer, HTTPError, HTTPLimits, make_handler
@@ -161,7 +161,8 @@ class RolloutServer:
                 "dp_size": 1, "pp_size": 1, "model_path": self.model_path or "nanoflash", "quantization": None,
                 "load_format": "auto" if self.model_path else "dummy", "torch_version": self.versions["torch"],
                 "nccl_version": self.versions["nccl"], "weights": self.engine.weights,
-                "enable_return_indexer_topk": True,   # SGLang's flag; this engine reports the records when asked
+                # SGLang's flag: this engine reports the records when asked, if the model has a C4 layer
+                "enable_return_indexer_topk": bool(c4_layers(e.cfg)),
                 "weight_version": self.engine.weight_version}
 
     def r_get_model_info(self, _):
