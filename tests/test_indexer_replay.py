@@ -302,3 +302,21 @@ def test_a_model_without_c4_layers_reports_no_record_as_sglang():
             check_indexer_topk(SGLangClient(url), cfg)
     finally:
         httpd.shutdown()
+
+
+def test_rl_notes_quotes_the_records_size_of_the_flash_config():
+    """docs/rl_notes.md §2.5 sizes the indexer record for V4-Flash; the numbers are the flash preset's (C4 layers,
+    index_topk, MoE layers and top-k) at SGLang's int32 and base64's 4/3, and the recipe keeps replay off.
+    Bug caught: a number left stale after the config or the format changed."""
+    import os
+    from nanoflash.cli import parse_args
+    cfg = preset("flash")
+    n_c4, K = len(c4_layers(cfg)), cfg.index_topk
+    text = " ".join(open(os.path.join(os.path.dirname(__file__), "..", "docs", "rl_notes.md")).read().split())
+    per_token = n_c4 * K * 4
+    want = (f"{n_c4} C4 layers x {K} entries x 4 B = {per_token:,} B a token ({per_token * 4 // 3:,} B as base64 "
+            f"JSON), against R3's {cfg.n_layers} layers x {cfg.n_activated_experts} experts x 4 B = "
+            f"{cfg.n_layers * cfg.n_activated_experts * 4:,} B; a 4K-token sample carries "
+            f"~{round(4096 * per_token * 4 / 3 / 1e6)} MB of JSON")
+    assert want in text, want
+    assert not parse_args(["--recipe", "flash"]).rollout.indexer_replay
