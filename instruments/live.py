@@ -6,7 +6,7 @@ Four things the loop's own metrics do not show, each a hook point of `nanoflash.
 
 1. **The train-rollout gap at token level** (`before_update`, after the trainer's recompute, before the update): per
    response token d_t = |log p_train(y_t) - log p_rollout(y_t)| at the rollout temperature; mean, p99, max,
-   and the trainer's token entropy H_t = -sum_v p(v) log p(v) at the same positions (a gap is only large
+   and the served model's token entropy H_t = -sum_v p(v) log p(v) at the same positions (a gap is only large
    where the distribution is flat, so entropy is the context it needs).
 2. **The FP8 noise floor on the same tokens, in the same step**: a second copy of the model (`sim`) holds the
    trainer's weights as the server holds them -- every weight SGLang serves FP8 rounded to FP8 128x128 blocks
@@ -44,11 +44,15 @@ indexer keeps against those SGLang's FP8 scores would keep, on the scored positi
 (`indexer_agreement`). Its forwards run in row chunks of LIVE_TOKENS tokens and score the entropy at the response
 positions only, so 2-4K-token sequences never hold [rows, S, vocabulary] logits.
 
-Costs per step: two forward passes over the batch (entropy, sim; a third when the weights the push sends bf16
+The entropy is the served model's -- the sim's, the weights as SGLang holds them, whose distribution the
+rollout samples -- from the floor's own forward (`masked_scores`: log-probs and entropy together); until
+2026-12-08 it was the trainer's, from a forward of its own (they differ by the FP8 rounding, ~the floor).
+
+Costs per step: one forward pass over the batch (the sim's; a second when the weights the push sends bf16
 do not hold bf16 values, i.e. without `optim.round_to_served`), one prefill request to the server and
 one round trip of the weights to the served format on the GPU; per eval point two extra pushes and one extra eval.
-Each step's record times them: `entropy_s`, `sim_copy_s` (the weights copied and rounded), `floor_s` (the sim's
-forwards) and `prefill_s`, inside `live_s`; LiveChecksLong's agreement after it, `agree_s`.
+Each step's record times them: `sim_copy_s` (the weights copied and rounded), `floor_s` (the sim's forwards)
+and `prefill_s`, inside `live_s`; LiveChecksLong's agreement after it, `agree_s`.
 
 Tests: `pytest experiments/h200/test_h200_pieces.py -q`.
 """
@@ -74,7 +78,7 @@ from nanoflash.sglang.buckets import served_dtype
 
 ENTROPY_ROWS = 16  # rows per entropy forward: [16, S, 129280] fp32 logits stay under 1 GiB at S <= 128
 LIVE_TOKENS = 16384   # tokens per row chunk of the live forwards (the recipe's parallel.micro_batch_tokens)
-HEAD_CHUNK = 1024     # response positions per head chunk of `masked_entropy`: [1024, 129280] fp32 = 0.5 GiB
+HEAD_CHUNK = 1024     # response positions per head chunk of `masked_scores`: [1024, 129280] fp32 = 0.5 GiB
 AGREEMENT_ROWS = 2    # LiveChecksLong: sequences a step whose scored positions the indexer agreement reads
 PREFILL_ROWS = 32  # sequences per prefill request: the server's [tokens, 129280] fp32 logits stay ~1.5 GiB
 WARM_VERSION = 1_000_000  # weight version of the warm start's re-evaluation push (+ the eval step)
@@ -122,36 +126,22 @@ def row_chunks(B: int, S: int, tokens: int = LIVE_TOKENS) -> list:
 
 
 @torch.no_grad()
-def masked_entropy(model, input_ids: torch.Tensor, on: torch.Tensor, temperature: float = 1.0,
-                   tokens: int = LIVE_TOKENS, indexed=None) -> torch.Tensor:
-    """`token_entropy(...)[on]` without logits at the other positions: the layers run in row chunks of `tokens`
-    tokens, the head only at the positions of `on`, HEAD_CHUNK at a time. [B,S] ids, [B,S] bool -> [N] fp32 in
-    the row-major order of `on` (as `tensor[on]`). `indexed`: the batch's indexer-replay record, if it has one."""
-    out = []
-    for a, b in row_chunks(*input_ids.shape, tokens):
-        ids, m = input_ids[a:b], on[a:b].to(input_ids.device)
-        y = model.hidden(_layers(model, ids, indexed, a, b))[m]                                # [n,D]
-        for c in range(0, y.shape[0], HEAD_CHUNK):
-            logp = torch.log_softmax(fp32_linear(y[c:c + HEAD_CHUNK], model.head.weight, model.cfg) / temperature, -1)
-            out.append(-(logp.exp() * logp).sum(-1).float().cpu())
-    return torch.cat(out) if out else torch.zeros(0)
-
-
-@torch.no_grad()
-def masked_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, on: torch.Tensor,
-                    temperature: float = 1.0, tokens: int = LIVE_TOKENS, indexed=None) -> torch.Tensor:
-    """`model.token_logprobs(...)[on]` with the head only at the positions of `on` (the full-vocabulary fp32
-    head over every prompt position is most of a forward at 2-4K-token prompts), the layers in row chunks of
-    `tokens` tokens. [B,S] ids, targets, bool -> [N] fp32 on the CPU, in the row-major order of `on`.
-    `indexed`: the batch's indexer-replay record, if it has one (the trainer's forward replays it too)."""
-    out = []
+def masked_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, on: torch.Tensor,
+                  temperature: float = 1.0, tokens: int = LIVE_TOKENS, indexed=None):
+    """At the positions of `on`: `model.token_logprobs(...)` and `token_entropy(...)` from one forward, the head
+    only there (the full-vocabulary fp32 head over every prompt position is most of a forward at 2-4K-token
+    prompts), HEAD_CHUNK positions at a time, the layers in row chunks of `tokens` tokens. `indexed`: the
+    batch's indexer-replay record, if it has one (the trainer's forward replays it too).
+    [B,S] ids, targets, bool -> (log-probs [N], entropies [N]) fp32 on the CPU, in the row-major order of `on`."""
+    lps, ents = [], []
     for a, b in row_chunks(*input_ids.shape, tokens):
         ids, m = input_ids[a:b], on[a:b].to(input_ids.device)
         y, t = model.hidden(_layers(model, ids, indexed, a, b))[m], targets[a:b].to(ids.device)[m]
         for c in range(0, y.shape[0], HEAD_CHUNK):
             logp = torch.log_softmax(fp32_linear(y[c:c + HEAD_CHUNK], model.head.weight, model.cfg) / temperature, -1)
-            out.append(logp.gather(-1, t[c:c + HEAD_CHUNK, None])[:, 0].float().cpu())
-    return torch.cat(out) if out else torch.zeros(0)
+            lps.append(logp.gather(-1, t[c:c + HEAD_CHUNK, None])[:, 0].float().cpu())
+            ents.append(-(logp.exp() * logp).sum(-1).float().cpu())
+    return (torch.cat(lps), torch.cat(ents)) if lps else (torch.zeros(0), torch.zeros(0))
 
 
 def _layers(model, ids: torch.Tensor, indexed, a: int, b: int) -> torch.Tensor:
@@ -175,7 +165,7 @@ def tail_stats(d: torch.Tensor, prefix: str) -> dict:
 
 def token_stats(gap: torch.Tensor, floor: torch.Tensor, ent: torch.Tensor) -> dict:
     """One step's numbers from per-token values over its response tokens (1-D, same order): gap = log p_train -
-    log p_rollout, floor = |log p_sim - log p_train|, ent = the trainer's entropy. Tails of |gap| and floor, the
+    log p_rollout, floor = |log p_sim - log p_train|, ent = the served model's (sim's) entropy. Tails of |gap| and floor, the
     entropy's mean and p99, gap / floor, and both means over the tokens above the median entropy (where FP8
     noise is measurable: a near-deterministic token has almost none, so there the ratio shows what else differs;
     0 with a single token). Finer splits (by token, first token vs rest) come from the per-token files."""
@@ -245,14 +235,14 @@ class LiveChecks(Hook):
         ids, tgt = batch.input_ids.to(dev), batch.targets.to(dev)
         gap = (old - batch.rollout_logprobs)[on]
         kx = batch.indexer_topk                  # indexer replay: the trainer's and the floor's forwards replay it
-        ent = masked_entropy(self.actor.model, ids, on, T, indexed=kx)             # [N] (on the CPU: synced)
-        t_ent = time.time()
         self.sim.load_state_dict(self.actor.model.state_dict())
         fp8_roundtrip_(self.sim, self.mcfg)
         t_copy = time.time()   # not synced: the roundtrip's kernels may finish inside the next forward's time
-        sim8 = masked_logprobs(self.sim, ids, tgt, on, T, indexed=kx)              # [N] FP8 weights only
-        sim = (masked_logprobs(self.sim, ids, tgt, on, T, indexed=kx)             # [N] as the server holds
-               if storage_roundtrip_(self.sim, self.mcfg) else sim8)
+        sim8, ent = masked_scores(self.sim, ids, tgt, on, T, indexed=kx)           # [N] FP8 weights only
+        if storage_roundtrip_(self.sim, self.mcfg):                               # [N] as the server holds
+            sim, ent = masked_scores(self.sim, ids, tgt, on, T, indexed=kx)
+        else:
+            sim = sim8
         t_floor = time.time()
         floor, floor_fp8 = (sim - old[on]).abs(), (sim8 - old[on]).abs()
         pos = on.cumsum(1) - 1                                    # [B,S] index in the response (one per row)
@@ -264,7 +254,7 @@ class LiveChecks(Hook):
                "floor_fp8_mean": float(floor_fp8.mean()),
                "gap_over_floor_fp8": float(gap.abs().sum() / floor_fp8.sum().clamp_min(1e-12)),
                "sim_vs_rollout_mean": float((sim - batch.rollout_logprobs[on]).abs().mean()),
-               "entropy_s": t_ent - t0, "sim_copy_s": t_copy - t_ent, "floor_s": t_floor - t_copy}
+               "sim_copy_s": t_copy - t0, "floor_s": t_floor - t_copy}
         t1 = time.time()
         pre = self._prefill(batch)                                # [B,S] the server's prefill scores, or None
         if pre is not None:

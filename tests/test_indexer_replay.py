@@ -223,9 +223,9 @@ def test_the_trainer_replays_the_record_in_every_forward():
 
 def test_the_live_checks_forwards_replay_the_record_too(gen):
     """With indexer replay the trainer's old log-probs replay the record, so the live checks' entropy and FP8
-    floor forwards must too (else the floor measures a selection the gap no longer has): `masked_logprobs` /
-    `masked_entropy` with `indexed` equal the plain forward with the record, row chunk by row chunk."""
-    from instruments.live import masked_entropy, masked_logprobs
+    floor forwards must too (else the floor measures a selection the gap no longer has): `masked_scores`' log-probs
+    and entropy with `indexed` equal the plain forward with the record, row chunk by row chunk."""
+    from instruments.live import masked_scores
     model = _model().eval()
     ids = torch.randint(0, model.cfg.vocab_size, (3, S), generator=gen)
     tgt = torch.roll(ids, -1, 1)
@@ -235,11 +235,11 @@ def test_the_live_checks_forwards_replay_the_record_too(gen):
     with torch.no_grad():
         logp = torch.log_softmax(model.logits(model.run_layers(model.embed_streams(ids), ids, indexed=rec)), -1)
     want = logp.gather(-1, tgt[..., None])[..., 0][on]
-    got = masked_logprobs(model, ids, tgt, on, 1.0, tokens=2 * S, indexed=rec)   # chunks of two rows
-    own = masked_logprobs(model, ids, tgt, on, 1.0, tokens=2 * S)
+    got, got_ent = masked_scores(model, ids, tgt, on, 1.0, tokens=2 * S, indexed=rec)   # chunks of two rows
+    own, _ = masked_scores(model, ids, tgt, on, 1.0, tokens=2 * S)
     assert torch.allclose(got, want, atol=1e-5, rtol=0) and (got - own).abs().max() > 1e-3
     ent = -(logp.exp() * logp).sum(-1)[on]
-    assert torch.allclose(masked_entropy(model, ids, on, 1.0, tokens=2 * S, indexed=rec), ent, atol=1e-4, rtol=0)
+    assert torch.allclose(got_ent, ent, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("score", ["exact", "batched"])

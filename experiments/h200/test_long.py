@@ -147,12 +147,12 @@ def test_masked_entropy_logprobs_and_row_chunks_match_the_whole_batch(gen):
     ids = torch.randint(0, cfg.vocab_size, (5, 9), generator=gen)
     on = torch.rand(5, 9, generator=gen) > 0.5
     want = live.token_entropy(m, ids, 0.7)[on]
-    got = live.masked_entropy(m, ids, on, 0.7, tokens=20)                       # 2 rows per chunk
-    torch.testing.assert_close(got, want, atol=LOGP_TOL, rtol=0)
     tgt = torch.randint(0, cfg.vocab_size, (5, 9), generator=gen)
-    with torch.no_grad():
-        torch.testing.assert_close(live.masked_logprobs(m, ids, tgt, on, 0.7, tokens=10),
-                                   m.token_logprobs(ids, tgt, temperature=0.7)[on], atol=LOGP_TOL, rtol=0)
+    for tokens in (20, 10):                                                      # 2 rows per chunk, then 1
+        lp, got = live.masked_scores(m, ids, tgt, on, 0.7, tokens=tokens)
+        torch.testing.assert_close(got, want, atol=LOGP_TOL, rtol=0)
+        with torch.no_grad():
+            torch.testing.assert_close(lp, m.token_logprobs(ids, tgt, temperature=0.7)[on], atol=LOGP_TOL, rtol=0)
     assert live.row_chunks(5, 9, 20) == [(0, 2), (2, 4), (4, 5)] and live.row_chunks(2, 50, 20) == [(0, 1), (1, 2)]
 
 
