@@ -320,3 +320,21 @@ def test_rl_notes_quotes_the_records_size_of_the_flash_config():
             f"~{round(4096 * per_token * 4 / 3 / 1e6)} MB of JSON")
     assert want in text, want
     assert not parse_args(["--recipe", "flash"]).rollout.indexer_replay
+
+
+def test_kept_record_reads_the_mask_and_the_kernels_index_list_alike(gen):
+    """The embedded engine's record from either form an indexer returns -- the reference's keep mask [B,S,C] and
+    the kernels' index list [B,S,min(K,C)] (-1 padded, any order; on a GPU) -- is the same [B,S,C4 layers,K]
+    (highest entry first, -1 padded to index_topk), and all -1 for a layer with no entries yet. Bug caught: the
+    GPU's index list taken as a mask, or not padded to index_topk."""
+    from nanoflash.server.engine import kept_record
+    cfg = preset("tiny")
+    K, (a, b) = cfg.index_topk, c4_layers(cfg)
+    mask = torch.rand(2, 9, 7, generator=gen) < 0.4
+    mask &= mask.cumsum(-1) <= K                                                 # at most K kept a query
+    lists = torch.where(mask, torch.arange(7), -1).to(torch.int32).sort(-1, descending=True).values[..., :K]
+    lists = lists.gather(-1, torch.rand(2, 9, K, generator=gen).argsort(-1))      # K columns, any order
+    want = kept_record({a: mask, b: torch.zeros(2, 9, 0, dtype=torch.bool)}, cfg)
+    got = kept_record({a: lists, b: torch.zeros(2, 9, 0, dtype=torch.int32)}, cfg)
+    assert want.shape == (2, 9, 2, K) and (want[:, :, 1] == -1).all()
+    assert torch.equal(got, want) and (want[:, :, 0] >= 0).sum() == mask.sum()
