@@ -85,8 +85,8 @@ long_overrides() {
   # the live checks assume one policy on both sides: not in the sync/async comparison (compare_runs)
   [ "${H20_COMPARE:-0}" = 1 ] || echo "--train.hooks instruments.live:LiveChecksLong"
   # H20_INDEXER_REPLAY=1: the trainer replays SGLang's C4 kept sets (the server reports them: server_topk)
-  # (the dry run's embedded server reports them too)
-  [ "${H20_INDEXER_REPLAY:-0}" = 1 ] && echo "--rollout.indexer_replay true"
+  # (the dry run's embedded server reports them too); not once SGLang had to boot without them (server_up: NO_TOPK)
+  [ "${H20_INDEXER_REPLAY:-0}" = 1 ] && [ ! -e $W/NO_TOPK ] && echo "--rollout.indexer_replay true"
   # memory: SGLang's static share H20_MEM (0.30 here: its KV pool of ~40 GB holds 64 requests of 3K tokens many
   # times over) and the trainer's and the SFT's allocators capped at H20_TRAIN_MEM (0.58: 83 GB against a measured
   # peak of 60.7 GiB), leaving 12% for SGLang's per-batch memory and the CUDA contexts. 2026-12-03, one step off
@@ -190,8 +190,10 @@ server_topk() {  # H20_SERVER_TOPK=1 (long task): SGLang reports its C4 kept set
   # check asks for (server_agree_*) and H20_INDEXER_REPLAY=1 trains on (--rollout.indexer_replay, long_overrides);
   # its pinned host buffer is 4 KiB a KV token, and SGLang 0.5.16 sizes it by the KV pool (24.7M tokens at 0.25
   # on an H100, 2026-12-07: ~100 GB), so the pool is bounded (H20_TOPK_TOKENS, 262144: 64 requests of ~3K
-  # tokens and the 32-sequence prefill check fit; 1 GiB pinned)
+  # tokens and the 32-sequence prefill check fit; 1 GiB pinned). Never run on a GPU before: if SGLang does not
+  # boot with them, server_up boots it once without them ($W/NO_TOPK) and the hold goes on without SGLang's sets
   [ "$LONG" = 1 ] && { [ "${H20_SERVER_TOPK:-0}" = 1 ] || [ "${H20_INDEXER_REPLAY:-0}" = 1 ]; } || return 0
+  [ -e $W/NO_TOPK ] && return 0
   echo "--enable-return-indexer-topk --max-total-tokens ${H20_TOPK_TOKENS:-262144}"
 }
 serve_sglang() {  # $1: log suffix of a restart (".1", ...)
@@ -247,6 +249,9 @@ server_up() {
       sleep 2
     done
     echo "server not up (start $try): $(grep -m1 -E 'Error|error:' $W/server*.log | tail -c 400)"
+    if [ $try = 1 ] && [ -n "$(server_topk)" ]; then   # the second boot without the report (and without replay)
+      touch $W/NO_TOPK; stamp "SGLang did not boot with $(server_topk): booting it without (no kept sets, no replay)"
+    fi
     [ $try = 1 ] && { stop_server; serve_sglang ".boot"; }
   done
   return 1

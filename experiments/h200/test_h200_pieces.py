@@ -11,6 +11,7 @@ import os
 import random
 import re
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -1011,3 +1012,26 @@ def test_server_topk_bounds_the_pool_only_when_asked_on_the_long_task():
     assert flags(LONG="1", H20_SERVER_TOPK="1", H20_TOPK_TOKENS="131072")[-1] == "131072"
     assert flags(LONG="1", H20_INDEXER_REPLAY="1") == flags(LONG="1", H20_SERVER_TOPK="1")    # replay needs them
     assert flags(LONG="1") == [] and flags(LONG="0", H20_SERVER_TOPK="1") == []
+    with tempfile.TemporaryDirectory() as w:   # SGLang did not boot with them once (server_up): never again
+        open(os.path.join(w, "NO_TOPK"), "w").close()
+        assert flags(LONG="1", H20_SERVER_TOPK="1", W=w) == []
+
+
+def test_long_overrides_replay_only_when_asked_and_while_sglang_reports_its_sets(tmp_path):
+    """grpo_h200.sh's long_overrides: H20_INDEXER_REPLAY=1 gives train.py `--rollout.indexer_replay true` (the dry
+    run's embedded server reports the records too), but not once SGLang had to boot without the report
+    ($W/NO_TOPK, server_up): train.py's preflight would refuse such a server and the hold would be lost. Bug
+    caught: replay asked of a server started without the report, or never asked in the dry run."""
+    funcs = _sh_functions("long_overrides")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("H20_")}
+
+    def args(**env):
+        out = subprocess.run(["bash", "-c", f"{funcs}; long_overrides"], capture_output=True, text=True,
+                             env={**base, "LT": "py:experiments.h200.longctx", "W": str(tmp_path), **env})
+        assert not out.stderr, out.stderr   # (its status is its last test's: 1 in the dry run, as in the script)
+        return " ".join(out.stdout.split())
+    for mode in ("dry", "gpu"):
+        assert "--rollout.indexer_replay true" in args(MODE=mode, H20_INDEXER_REPLAY="1"), mode
+        assert "indexer_replay" not in args(MODE=mode), mode
+    (tmp_path / "NO_TOPK").touch()
+    assert "indexer_replay" not in args(MODE="gpu", H20_INDEXER_REPLAY="1")
