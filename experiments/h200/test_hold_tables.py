@@ -8,7 +8,6 @@ agreement claimed for a run that did not read it.
 Run: `pytest experiments/h200/test_hold_tables.py -q`.
 """
 import copy
-import importlib.util
 import os
 import re
 
@@ -19,10 +18,8 @@ HOLD3 = os.path.join(ROOT, "docs", "results", "long_hold3_h100")
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("hold_tables", os.path.join(ROOT, "scripts", "hold_tables.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from scripts import hold_tables   # the repository root is on the path (conftest.py)
+    return hold_tables
 
 
 def test_every_hold_table_in_the_readme_is_rendered_from_its_files():
