@@ -8,10 +8,11 @@ table reads it through `instruments.runstats.summarize` (the numbers the report'
 `instruments.bands.summarize`: one row per bar of issue 42 -- steps, the far share, |dlogp| against the FP8
 floor overall and per position band, the excess's drift and jumps, the held-out gain against the warm start
 re-evaluated, the reward's slope, the pushes -- with what was measured and whether it meets the bar, then rows
-that are not bars (the C4 top-512 agreement, with SGLang's own kept sets where the run read them, and the step
-time). `--write-docs` writes it into experiments/h200/README.md between `<!-- HOLD_TABLE:<name> -->` and
-`<!-- /HOLD_TABLE:<name> -->` (name: the directory's); experiments/h200/test_hold_tables.py checks every such
-block against its files, so a hold's section quotes its bars from one regenerated place.
+that are not bars (the C4 top-k agreement, with the rollout server's own kept sets -- SGLang's, in a hold --
+where the run read them, and the step time). `--write-docs` writes it into experiments/h200/README.md between
+`<!-- HOLD_TABLE:<name> -->` and `<!-- /HOLD_TABLE:<name> -->` (name: the directory's);
+experiments/h200/test_hold_tables.py checks every such block against its files, so a hold's section quotes its
+bars from one regenerated place. `grpo_h200.sh collect` prints it for a long run (bars.md).
 """
 import argparse
 import json
@@ -56,18 +57,19 @@ def bar_rows(recs: list) -> list:
     rows.append((f"mean \\|dlogp\\| / FP8 floor <= {runstats.FLOOR_BAR}x, overall",
                  f"{s['gap_mean']:.4f} / {s['floor_mean']:.4f} = {s['gap_over_floor']:.2f}x",
                  s["gap_over_floor"] <= runstats.FLOOR_BAR))
-    for label, k in BANDS:
+    for label, k in BANDS:   # a band no scored token fell in (the CPU dry run's short prompts) has no bar to meet
         rows.append((f"... at positions {label}",
                      f"{b[k]['gap_mean']:.4f} / {b[k]['floor_mean']:.4f} = {b[k]['gap_over_floor']:.2f}x "
-                     f"({b[k]['tokens']:,} tokens)", b[k]["gap_over_floor"] <= runstats.FLOOR_BAR))
+                     f"({b[k]['tokens']:,} tokens)", b[k]["gap_over_floor"] <= runstats.FLOOR_BAR)
+                    if b[k]["tokens"] else (f"... at positions {label}", "no tokens", None))
     lo, hi = ctx["excess_drift"]["ci95"]
-    rising = [label for label, k in BANDS if b[k]["excess_increasing"]]
+    rising = [label for label, k in BANDS if b[k].get("excess_increasing")]
     rows.append(("no increasing drift of the excess (gap - floor): slope's 95% CI",
                  f"[{lo:.1e}, {hi:.1e}] a step; bands increasing: {', '.join(rising) or 'none'}",
                  lo <= 0 and not rising))
     steps = [r["step"] for r in train]
     over = sorted({steps[i] for i in ctx["excess_jumps"]["over_at"]}
-                  | {t for _, k in BANDS for t in b[k]["excess_jumps"]["over_steps"]})
+                  | {t for _, k in BANDS for t in b[k].get("excess_jumps", {}).get("over_steps", [])})
     rows.append(("no jump of the excess beyond 3 SE (overall or in a band)",
                  "steps " + ", ".join(map(str, over)) if over else "none", not over))
     gain = [w for w in s["warm"] if w["step"] > 0]
@@ -87,16 +89,16 @@ def bar_rows(recs: list) -> list:
     rows.append(("every push verified", f"{s['pushes_verified']} of {s['pushes']}",
                  s["pushes"] > 0 and s["pushes_verified"] == s["pushes"]))
     for key, what in (("indexer_agreement", "nanoflash's exact kept sets vs its FP8 reproduction"),
-                      ("indexer_agreement_server", "nanoflash's exact kept sets vs SGLang's own"),
-                      ("indexer_agreement_server_fp8", "the FP8 reproduction vs SGLang's own")):
+                      ("indexer_agreement_server", "nanoflash's exact kept sets vs the server's own"),
+                      ("indexer_agreement_server_fp8", "the FP8 reproduction vs the server's own")):
         agree = s.get(key)
         if agree:
             layers = sorted(agree, key=lambda n: int(n.split("_")[1]))
-            rows.append((f"C4 top-512 overlap, {what} (layers {' / '.join(n.split('_')[1] for n in layers)})",
+            rows.append((f"C4 top-k overlap, {what} (layers {' / '.join(n.split('_')[1] for n in layers)})",
                          " / ".join(f"{agree[n]['overlap_mean']:.3f}" for n in layers)
                          + f" on {agree[layers[0]]['positions']:,} positions", None))
     if "indexer_agreement_server" not in s:
-        rows.append(("C4 top-512 overlap with SGLang's own kept sets", "not read in this run", None))
+        rows.append(("C4 top-k overlap with the server's own kept sets", "not read in this run", None))
     t = s["time_mean_s"]
     rows.append(("a step (mean)", f"{t['step_s']:.1f} s, of which the live checks {t['live_s']:.1f} s", None))
     return rows

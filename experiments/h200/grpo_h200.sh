@@ -424,6 +424,10 @@ collect() {  # <= 8 files back: one tarball of the results + the logs (a run sti
       $(cd $W && ls -d watchdog.log server.*.log diagnose.json run_oom/metrics.jsonl run_oom/live_tokens 2>/dev/null)
   fi
   tail -c 4000000 $W/server.log > "$out/server.log"; cp $W/pipeline.log "$out/" 2>/dev/null
+  if [ ! -d $W/run_sync ] && [ -s $W/run/metrics.jsonl ]; then   # the long run's bars, as the README will show them
+    (cd "$R" && $PY scripts/hold_tables.py $W > "$out/bars.md" 2>&1) || echo "(no bars table yet)" >> "$out/bars.md"
+    tail -n 20 "$out/bars.md"
+  fi
   [ "$MODE" = gpu ] && jit_save "$out/jit"
   ls -la "$out" "$out/jit" 2> /dev/null
 }

@@ -80,12 +80,14 @@ def test_each_verdict_flips_at_its_bar(monkeypatch):
     slope = "reward slope positive (its 95% CI above 0)"
     assert at(reward_slope__ci95=[1e-4, 0.01])[slope] and not at(reward_slope__ci95=[0.0, 0.01])[slope]
     assert not at(pushes_verified=19)["every push verified"]
+    empty = at(bands__window={"tokens": 0, "share": 0.0, "steps": 0})   # no scored token in a band: no verdict
+    assert empty["... at positions < 128"] is None and empty[drift] is not None
 
 
 def test_sglangs_own_agreement_is_shown_only_where_the_run_read_it(monkeypatch):
     mod = script()
     rows = {bar: measured for bar, measured, _ in mod.bar_rows(mod.load(HOLD3))}
-    assert rows["C4 top-512 overlap with SGLang's own kept sets"] == "not read in this run"
+    assert rows["C4 top-k overlap with the server's own kept sets"] == "not read in this run"
     agree = {"layer_1": {"overlap_mean": 0.981, "positions": 843}, "layer_3": {"overlap_mean": 0.977, "positions": 843}}
 
     def edit(s):
@@ -94,9 +96,9 @@ def test_sglangs_own_agreement_is_shown_only_where_the_run_read_it(monkeypatch):
     real = runstats.summarize
     monkeypatch.setattr(runstats, "summarize", lambda recs: (lambda s: (edit(s), s)[1])(real(recs)))
     rows = {bar: measured for bar, measured, _ in mod.bar_rows(mod.load(HOLD3))}
-    key = "C4 top-512 overlap, nanoflash's exact kept sets vs SGLang's own (layers 1 / 3)"
+    key = "C4 top-k overlap, nanoflash's exact kept sets vs the server's own (layers 1 / 3)"
     assert rows[key] == "0.981 / 0.977 on 843 positions"
-    assert "C4 top-512 overlap with SGLang's own kept sets" not in rows
+    assert "C4 top-k overlap with the server's own kept sets" not in rows
 
 
 if __name__ == "__main__":
