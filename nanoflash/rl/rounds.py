@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoflash import grpo
-from nanoflash.model import c4_layers, check_replay_record
-from nanoflash.sglang.client import RequestRejected, decode_indexer_topk, decode_routed_experts
+from nanoflash.sglang.client import RequestRejected, decode_routed_experts
+from nanoflash.sglang.preflight import indexer_record
 
 SEED_MOD = 2 ** 62  # SGLang sampling seeds are int64; keep them positive
 # Ctrl-C: each server gets this long to take `/abort_request {"abort_all"}`; a healthy one answers at once, and a
@@ -119,13 +119,7 @@ def _episodes(gens, prompt_ids, position, task, problem, mcfg, indexed: bool = F
             rx = decode_routed_experts(g.meta_info, mcfg.n_layers, mcfg.n_activated_experts).to(
                 expert_id_dtype(mcfg.n_routed_experts))
         if indexed:                          # indexer replay: the C4 entries it kept, per input position and layer
-            if "indexer_topk" not in g.meta_info:
-                raise RuntimeError("rollout.indexer_replay: a rollout server (rollout.urls) sent no indexer_topk "
-                                   "record: SGLang needs --enable-return-indexer-topk; nanoflash's embedded server "
-                                   "does not report one")
-            kept = decode_indexer_topk(g.meta_info, len(c4_layers(mcfg)), mcfg.index_topk)
-            check_replay_record(kept, mcfg.index_topk)
-            kx = grpo.entry_record(kept)
+            kx = grpo.entry_record(indexer_record(g.meta_info, len(prompt_ids) + len(g.output_ids) - 1, mcfg))
         out.append(grpo.Episode(prompt_ids, g.output_ids, g.logprobs, float(r), position, g.finish_reason or "stop",
                                 rx, kx))
     return out

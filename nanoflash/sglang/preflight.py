@@ -197,21 +197,29 @@ def probe_indexer_record(client, url: str, mcfg) -> None:
     try:
         gen = client.generate(prompt, {"max_new_tokens": 1, "temperature": 0.0}, url=url,
                               return_indexer_topk=True)[0]
-        kept = decode_indexer_topk(gen.meta_info, n_c4, K) if "indexer_topk" in gen.meta_info else None
-        if kept is None:
-            raise ValueError("the answer holds no indexer_topk")
-        rows = P + len(gen.output_ids) - 1
-        if kept.shape[0] != rows:
-            raise ValueError(f"{kept.shape[0]} rows for {P} prompt + {len(gen.output_ids)} output tokens "
-                             f"(want {rows})")
-        check_replay_record(kept, K)
-        want = min(K, P // 4)                   # the last prompt query (position P - 1) sees P // 4 entries
-        if int((kept[P - 1] >= 0).sum(-1).min()) != want:
-            raise ValueError(f"the query at {P - 1} keeps {(kept[P - 1] >= 0).sum(-1).tolist()} entries per C4 "
-                             f"layer, want {want}")
+        kept = indexer_record(gen.meta_info, P + len(gen.output_ids) - 1, mcfg)
+        counts = (kept[P - 1] >= 0).sum(-1).tolist()   # the last prompt query (position P - 1) sees P // 4 entries
+        if min(counts) != min(K, P // 4):
+            raise ValueError(f"the query at {P - 1} keeps {counts} entries per C4 layer, want {min(K, P // 4)}")
     except (ValueError, RuntimeError) as e:
         raise ServerMismatch(f"{url}: its indexer record cannot be replayed ({e}); rollout.indexer_replay needs "
                              f"[tokens - 1, {n_c4} C4 layers, index_topk {K}] of the entries each query kept") from None
+
+
+def indexer_record(meta_info: dict, rows: int, mcfg):
+    """The indexer record of one answer whose sequence has `rows` input positions (prompt + output - 1), checked
+    as indexer replay needs it (the collector's check of every record, and the start-up probe's): present
+    (RuntimeError), `rows` rows of C4 layers x index_topk entries (`client.decode_indexer_topk`), no entry a
+    query cannot see and at most index_topk (`model.check_replay_record`; ValueError naming what differs).
+    -> int64 [rows, C4 layers, index_topk]"""
+    if "indexer_topk" not in meta_info:
+        raise RuntimeError("rollout.indexer_replay: a rollout server (rollout.urls) sent no indexer_topk record: "
+                           "SGLang needs --enable-return-indexer-topk (nanoflash's embedded server always sends one)")
+    kept = decode_indexer_topk(meta_info, len(c4_layers(mcfg)), mcfg.index_topk)
+    if kept.shape[0] != rows:
+        raise ValueError(f"indexer record of {kept.shape[0]} rows, want {rows} (prompt + output - 1)")
+    check_replay_record(kept, mcfg.index_topk)
+    return kept
 
 
 def check_servers(client, weights: str, distributed: bool, env=os.environ, indexer_replay: bool = False,
